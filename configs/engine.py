@@ -1,0 +1,77 @@
+"""Serving settings of one engine: dtype, decode slots, KV cache paging, buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from configs.model import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2·low, 4·low, ... up to and including high (high need not be a power of two)."""
+    buckets, size = [], low
+    while size < high:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, high)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How one engine serves.
+
+    max_seq_len: the longest sequence (prompt + generated tokens) a slot can hold.
+    kv_cache_tokens: total KV capacity in tokens (0: every slot at max_seq_len).
+      Smaller values oversubscribe: requests reserve only the blocks they can use.
+    prefill_buckets / decode_buckets: compiled lengths (0-tuple: powers of two from
+      min_bucket up to max_seq_len). A prompt is padded to the next prefill bucket; a
+      decode step attends over the next decode bucket above the longest running
+      sequence.
+    """
+
+    dtype: str = "float32"
+    max_slots: int = 8
+    max_seq_len: int = 2048
+    block_size: int = 16
+    kv_cache_tokens: int = 0
+    prefill_buckets: tuple[int, ...] = ()
+    decode_buckets: tuple[int, ...] = ()
+    min_bucket: int = 32
+    prefill_token_budget: int = 2048  # prompt tokens prefilled per iteration (at least one)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"EngineConfig.dtype={self.dtype!r} must be one of {DTYPES}")
+        for field in ("max_slots", "max_seq_len", "block_size", "min_bucket",
+                      "prefill_token_budget"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"EngineConfig.{field}={value!r} must be a positive integer")
+        if self.max_seq_len % self.block_size:
+            raise ConfigError(f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
+                              f"of block_size={self.block_size}")
+        if self.kv_cache_tokens < 0:
+            raise ConfigError(f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is negative")
+        default = _powers_of_two(min(self.min_bucket, self.max_seq_len), self.max_seq_len)
+        for field in ("prefill_buckets", "decode_buckets"):
+            buckets = tuple(sorted(getattr(self, field))) or default
+            if buckets[-1] != self.max_seq_len or buckets[0] <= 0:
+                raise ConfigError(f"EngineConfig.{field}={buckets} must be positive and end at "
+                                  f"max_seq_len={self.max_seq_len}")
+            object.__setattr__(self, field, buckets)
+        for size in self.decode_buckets:
+            if size % self.block_size:
+                raise ConfigError(f"EngineConfig.decode_buckets has {size}, not a multiple of "
+                                  f"block_size={self.block_size}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return self.max_seq_len // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        tokens = self.kv_cache_tokens or self.max_slots * self.max_seq_len
+        return max(math.ceil(tokens / self.block_size), self.blocks_per_seq)

@@ -1,0 +1,1 @@
+"""The `jlora` command line."""

@@ -1,0 +1,43 @@
+"""`jlora convert`: write a jlora checkpoint (orbax) from a GGUF file, an HF directory or a preset."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jlora.cli.common import UsageError, add_model_args, resolve_dtype
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("convert", help="write an orbax checkpoint",
+                                 description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--out", type=Path, required=True, help="the new checkpoint directory")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from jlora.model.checkpoint import save_checkpoint
+    from jlora.model.loading import load_model
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UsageError(f"--out {args.out}: directory exists and is not empty")
+    dtype = resolve_dtype(args.dtype)
+    with tqdm(total=3, desc="convert", unit="stage", file=sys.stderr) as progress:
+        progress.set_postfix_str(f"reading {args.model}")
+        loaded = load_model(args.model, dtype)
+        progress.update()
+        progress.set_postfix_str(f"writing {args.out}")
+        save_checkpoint(args.out, loaded.config, loaded.params, loaded.tokenizer, loaded.source)
+        progress.update()
+        progress.set_postfix_str("verifying")
+        reloaded = load_model(str(args.out), dtype)
+        if reloaded.config != loaded.config:
+            raise UsageError(f"{args.out}: the written config does not read back equal")
+        progress.update()
+    print(f"wrote {args.out} ({loaded.config.name}, {dtype}) from {loaded.source}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,60 @@
+"""`jlora` entry point: parse the command line, dispatch to a subcommand.
+
+Generated text goes to stdout; logs and errors go to stderr. A bad argument or
+input exits with status 2 and a message that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from jlora.cli import convert, generate
+from jlora.cli.common import UsageError
+
+
+def _configure_runtime(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Compiled executables persist across runs (XLA's own cache, keyed by program).
+    cache_dir = os.environ.get("JLORA_COMPILATION_CACHE",
+                               os.path.join(os.path.expanduser("~"), ".cache", "jlora", "xla"))
+    if cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jlora", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(commands)
+    convert.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_runtime(args.verbose)
+    from configs import ConfigError
+    from jlora.engine.api import InvalidRequest
+    from jlora.model.weights import WeightsError
+    from jlora.tokenizer import TokenizerError
+
+    try:
+        return args.run(args)
+    except (UsageError, ConfigError, InvalidRequest, WeightsError, TokenizerError,
+            OSError) as err:
+        print(f"jlora: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

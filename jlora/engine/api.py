@@ -1,0 +1,110 @@
+"""The engine interface the CLI, the server and the tests talk to.
+
+An engine owns a queue of requests and advances all of them by one iteration per
+`step()`: new requests are prefilled and join the running batch, the running batch
+decodes one token, finished requests leave. Each step returns the tokens it
+produced as `TokenEvent`s. A mock engine (for server tests) implements the same class.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import time
+
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request cannot be served as asked; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature 0 is greedy decoding; top_k 0 and top_p 1 disable those cuts;
+    seed None draws a fresh seed for the request. A request stops at the first of:
+    an end-of-sequence token (unless ignore_eos), a stop string (excluded from the
+    text), max_tokens generated, or the engine's max_seq_len.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens={self.max_tokens!r} must be a positive integer")
+        if not _finite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature={self.temperature!r} must be in [0, 100]")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k={self.top_k!r} must be a non-negative integer "
+                                 f"(0 disables it)")
+        if self.seed is not None and not (isinstance(self.seed, int) and
+                                          0 <= self.seed < 2**32):
+            raise InvalidRequest(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise InvalidRequest(f"stop={self.stop!r} must hold at most {MAX_STOP_STRINGS} "
+                                 f"non-empty strings")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request.
+
+    text is the new text this token completes (may be empty while a multi-byte
+    character or a possible stop string is pending); finish_reason is set on the
+    request's last event: "stop" (EOS or a stop string), "length" (max_tokens or
+    the context), or "abort".
+    """
+
+    request_id: str
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+
+
+class Engine(abc.ABC):
+    @abc.abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise InvalidRequest (and change nothing) if it cannot run."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a queued or running request, freeing its slot and blocks."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenEvent]:
+        """Run one iteration (admit + prefill, then decode) and return its tokens."""
+
+    @property
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def max_slots(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_seq_len(self) -> int: ...

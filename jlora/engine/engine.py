@@ -1,0 +1,262 @@
+"""The LLM engine: continuous batching at the iteration level (Orca) over paged KV.
+
+A request's life:
+
+1. `add_request` validates it (prompt length, vocabulary, sampling) and queues it.
+   Nothing on the device changes; an invalid request raises `InvalidRequest`.
+2. At the start of a `step()`, queued requests are admitted first-come first-served
+   while a decode slot is free and the KV blocks for their whole sequence (prompt +
+   max_tokens, capped at max_seq_len) can be reserved; prompt tokens prefilled per
+   step are bounded by `prefill_token_budget` so running requests keep decoding.
+3. Each admitted prompt is padded to its prefill bucket and prefilled in one
+   compiled call that also samples the first token; the request takes a slot.
+4. One compiled decode call advances every occupied slot by a token, attending
+   over the smallest decode bucket that holds the longest running sequence.
+5. Each new token is checked on the host against EOS, stop strings, max_tokens
+   and max_seq_len; a finished request leaves its slot and returns its blocks at
+   once, so a queued request can join in the next step.
+
+Everything runs on the caller's thread; `step()` blocks until the device is done.
+All host state lives in plain dataclasses and numpy arrays; what enters the
+compiled steps are fixed-shape arrays, so no step ever compiles after warm-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import EngineConfig, ModelConfig
+from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent
+from jlora.engine.blocks import BlockAllocator
+from jlora.engine.detokenizer import Detokenizer
+from jlora.engine.steps import CompiledSteps, host_sampling
+from jlora.model.kv_cache import KVCache
+from jlora.model.llama import Llama, Params
+from jlora.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """Host state of one admitted request."""
+
+    request: Request
+    seed: int
+    limit: int  # the sequence may grow to this many tokens (prompt + generated)
+    detokenizer: Detokenizer | None
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    generated: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
+
+class LLMEngine(Engine):
+    def __init__(self, *, model_config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
+                 engine_config: EngineConfig) -> None:
+        cfg = engine_config
+        if cfg.max_seq_len > model_config.max_context:
+            raise InvalidRequest(f"max_seq_len={cfg.max_seq_len} exceeds the model's context "
+                                 f"length {model_config.max_context}")
+        self.model_config = model_config
+        self.config = cfg
+        self.tokenizer = tokenizer
+        self.params = params
+        self.model = Llama(model_config, jnp.dtype(cfg.dtype))
+        self.cache = KVCache.zeros(
+            num_layers=model_config.num_layers, num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size, num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim, dtype=self.model.dtype)
+        self.steps = CompiledSteps(self.model)
+        self.allocator = BlockAllocator(cfg.num_blocks)
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._slots: list[_Sequence | None] = [None] * cfg.max_slots
+        self._ids: set[str] = set()
+        self._seeds = np.random.default_rng()
+        self._eos = set(tokenizer.eos_ids) if tokenizer else set()
+        # Decode inputs, one row per slot; an idle row has an all-sentinel block table.
+        self._sentinel = cfg.num_blocks
+        self._tokens = np.zeros(cfg.max_slots, np.int32)
+        self._positions = np.zeros(cfg.max_slots, np.int32)
+        self._tables = np.full((cfg.max_slots, cfg.blocks_per_seq), self._sentinel, np.int32)
+        self._sampling = host_sampling(cfg.max_slots)
+        log.info("engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
+                 cfg.max_slots, cfg.num_blocks, cfg.block_size, self.cache.nbytes() / 2**20,
+                 cfg.max_seq_len)
+
+    # -- Engine interface ----------------------------------------------------------
+
+    @property
+    def max_slots(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def add_request(self, request: Request) -> None:
+        prompt = request.prompt_ids
+        if request.request_id in self._ids:
+            raise InvalidRequest(f"request_id={request.request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequest("prompt is empty")
+        if len(prompt) >= self.max_seq_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt)} tokens; the context limit is {self.max_seq_len} "
+                f"tokens (max_seq_len), which leaves no room to generate")
+        vocab = self.model_config.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt_ids[{bad}]={prompt[bad]} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        sampling = request.sampling
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this model has none")
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32))
+        detok = Detokenizer(self.tokenizer, sampling.stop) if self.tokenizer else None
+        limit = min(len(prompt) + sampling.max_tokens, self.max_seq_len)
+        self._waiting.append(_Sequence(request, seed, limit, detok))
+        self._ids.add(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        for seq in self._waiting:
+            if seq.request.request_id == request_id:
+                self._waiting.remove(seq)
+                self._ids.discard(request_id)
+                return True
+        for seq in self._slots:
+            if seq is not None and seq.request.request_id == request_id:
+                self._release(seq)
+                return True
+        return False
+
+    def step(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        self._admit(events)
+        if self.num_running:
+            self._decode(events)
+        return events
+
+    # -- warm-up -----------------------------------------------------------------
+
+    def warmup(self, prompt_lengths: list[int] | None = None) -> None:
+        """Compile the prefill buckets (all, or those `prompt_lengths` need) and decode."""
+        cfg = self.config
+        buckets = (cfg.prefill_buckets if prompt_lengths is None
+                   else sorted({self._bucket(cfg.prefill_buckets, n) for n in prompt_lengths}))
+        for bucket in buckets:
+            self.steps.compile_prefill(self.params, self.cache, bucket, cfg.blocks_per_seq)
+        for bucket in cfg.decode_buckets:
+            self.steps.compile_decode(self.params, self.cache, cfg.max_slots,
+                                      bucket // cfg.block_size)
+
+    # -- the iteration ----------------------------------------------------------------
+
+    @staticmethod
+    def _bucket(buckets: tuple[int, ...] | list[int], length: int) -> int:
+        return buckets[bisect.bisect_left(buckets, length)]
+
+    def _admit(self, events: list[TokenEvent]) -> None:
+        budget = self.config.prefill_token_budget
+        prefilled = 0
+        while self._waiting and None in self._slots:
+            seq = self._waiting[0]
+            prompt_len = len(seq.request.prompt_ids)
+            blocks_needed = math.ceil(seq.limit / self.config.block_size)
+            if blocks_needed > self.allocator.num_free:
+                break
+            if prefilled and prefilled + prompt_len > budget:
+                break
+            self._waiting.popleft()
+            seq.blocks = self.allocator.allocate(blocks_needed)
+            seq.slot = self._slots.index(None)
+            self._slots[seq.slot] = seq
+            self._tables[seq.slot, :len(seq.blocks)] = seq.blocks
+            self._set_sampling_row(seq)
+            self._prefill(seq, events)
+            prefilled += prompt_len
+
+    def _set_sampling_row(self, seq: _Sequence) -> None:
+        params, row, arrays = seq.request.sampling, seq.slot, self._sampling
+        arrays.temperature[row] = params.temperature
+        arrays.top_k[row] = params.top_k
+        arrays.top_p[row] = params.top_p
+        arrays.seed[row] = seq.seed
+        arrays.step[row] = 0
+
+    def _prefill(self, seq: _Sequence, events: list[TokenEvent]) -> None:
+        prompt = seq.request.prompt_ids
+        bucket = self._bucket(self.config.prefill_buckets, len(prompt))
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:len(prompt)] = prompt
+        sampling = jax.tree.map(lambda a: a[seq.slot:seq.slot + 1], self._sampling)
+        self.steps.compile_prefill(self.params, self.cache, bucket, self.config.blocks_per_seq)
+        token, self.cache = self.steps.prefill(self.params, self.cache, tokens, len(prompt),
+                                               self._tables[seq.slot], sampling)
+        self._append(seq, int(token), events)
+
+    def _decode(self, events: list[TokenEvent]) -> None:
+        running = [s for s in self._slots if s is not None]
+        longest = max(s.length for s in running)
+        blocks = self._bucket(self.config.decode_buckets, longest) // self.config.block_size
+        self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks)
+        tokens, self.cache = self.steps.decode(self.params, self.cache, self._tokens,
+                                               self._positions, self._tables[:, :blocks],
+                                               self._sampling)
+        tokens = np.asarray(tokens)
+        for seq in running:
+            self._append(seq, int(tokens[seq.slot]), events)
+
+    def _append(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> None:
+        """Record a sampled token, decide whether the request is done, emit its event."""
+        seq.generated.append(token)
+        text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
+        finish = None
+        if hit_stop or (token in self._eos and not seq.request.sampling.ignore_eos):
+            finish = "stop"
+        elif seq.length >= seq.limit:
+            finish = "length"
+        if finish is not None and not hit_stop and seq.detokenizer is not None:
+            text += seq.detokenizer.flush()
+        events.append(TokenEvent(seq.request.request_id, token, text, finish))
+        if finish is not None:
+            self._release(seq)
+            return
+        self._tokens[seq.slot] = token
+        self._positions[seq.slot] = seq.length - 1
+        self._sampling.step[seq.slot] = len(seq.generated)
+
+    def _release(self, seq: _Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        self._tables[seq.slot] = self._sentinel
+        self._positions[seq.slot] = 0
+        self._sampling.temperature[seq.slot] = 0.0
+        self._slots[seq.slot] = None
+        self._ids.discard(seq.request.request_id)
+
+
+def build_engine(model_config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
+                 engine_config: EngineConfig | None = None) -> LLMEngine:
+    return LLMEngine(model_config=model_config, params=params, tokenizer=tokenizer,
+                     engine_config=engine_config or EngineConfig(
+                         max_seq_len=min(2048, model_config.max_context)))

@@ -1,0 +1,79 @@
+"""Attention over the paged KV cache, in plain jnp (softmax in fp32).
+
+Grouped-query attention throughout: `num_heads` query heads share
+`num_kv_heads` key/value heads in groups of `num_heads // num_kv_heads`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = jnp.finfo(jnp.float32).min
+
+
+def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[..., heads, head_dim] -> [..., kv_heads, group, head_dim]."""
+    *lead, heads, head_dim = q.shape
+    return q.reshape(*lead, num_kv_heads, heads // num_kv_heads, head_dim)
+
+
+def _softmax_values(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str,
+                    out_dtype: jnp.dtype) -> jax.Array:
+    scores = jnp.where(mask, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum(spec, probs, values, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array) -> jax.Array:
+    """Causal self-attention within one padded prompt.
+
+    Semantics: out[t] = softmax_{j <= t, j < length}(q[t]·k[j] / sqrt(d)) · v[j].
+
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; length: i32[] (real tokens;
+    rows t >= length are padding and their output is unspecified).
+    Returns [T, heads * head_dim] in q's dtype.
+    """
+    seq, heads, head_dim = q.shape
+    qg = _grouped(q, k.shape[1])  # [T, kvh, g, d]
+    scores = jnp.einsum("tkgd,jkd->kgtj", qg, k, preferred_element_type=jnp.float32)
+    scores *= head_dim**-0.5
+    pos = jnp.arange(seq)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] < length)  # [T, T]
+    out = _softmax_values(scores, mask, v, "kgtj,jkd->tkgd", q.dtype)
+    return out.reshape(seq, heads * head_dim)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, positions: jax.Array) -> jax.Array:
+    """One new token per sequence attending to its whole cached history.
+
+    Semantics: out[s] = softmax_{j <= positions[s]}(q[s]·K_s[j] / sqrt(d)) · V_s[j], where
+    K_s[j] = k_pages[block_tables[s, j // block_size], j % block_size].
+
+    q: [S, heads, head_dim]; k_pages, v_pages: [num_blocks, block_size, kv_heads, head_dim]
+    (one layer); block_tables: i32[S, max_blocks]; positions: i32[S] (the new token's
+    position, already written to the cache). Returns [S, heads * head_dim].
+    """
+    slots, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_pages.shape
+    keys = jnp.take(k_pages, block_tables, axis=0, mode="clip")  # [S, MB, bs, kvh, d]
+    values = jnp.take(v_pages, block_tables, axis=0, mode="clip")
+    keys = keys.reshape(slots, -1, kv_heads, head_dim)  # [S, MB*bs, kvh, d]
+    values = values.reshape(slots, -1, kv_heads, head_dim)
+    qg = _grouped(q, kv_heads)  # [S, kvh, g, d]
+    scores = jnp.einsum("skgd,sjkd->skgj", qg, keys, preferred_element_type=jnp.float32)
+    scores *= head_dim**-0.5
+    mask = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [S, MB*bs]
+    out = _softmax_values(scores, mask[:, None, None, :], values, "skgj,sjkd->skgd", q.dtype)
+    return out.reshape(slots, heads * head_dim)
+
+
+def write_kv(pages: jax.Array, layer: jax.Array, blocks: jax.Array, offsets: jax.Array,
+             new: jax.Array) -> jax.Array:
+    """pages[layer, blocks[i], offsets[i]] = new[i]; a block index out of range is dropped.
+
+    pages: [layers, num_blocks, block_size, kv_heads, head_dim]; blocks, offsets: i32[N];
+    new: [N, kv_heads, head_dim].
+    """
+    return pages.at[layer, blocks, offsets].set(new.astype(pages.dtype), mode="drop")

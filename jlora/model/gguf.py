@@ -1,0 +1,121 @@
+"""GGUF files: metadata -> ModelConfig and tokenizer fields, tensors -> Params.
+
+Tensors are dequantized with the `gguf` package (Q4_1, Q8_0, F16, ... -> fp32)
+and then cast to the serving dtype. llama.cpp stores the q and k projections with
+the rows of each head interleaved for its RoPE kernel; we undo that permutation so
+that the weights (and PEFT adapters trained against them) are in Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from configs import ModelConfig
+from jlora.model.llama import Params
+from jlora.model.weights import LAYER_TENSORS, WeightsError, assemble_params
+
+# Hugging Face layer tensor -> GGUF tensor name inside `blk.{i}.`
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+assert set(_GGUF_LAYER) == set(LAYER_TENSORS.values())
+
+
+class GGUFFile:
+    """An opened GGUF file: decoded metadata fields and lazily dequantized tensors."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        if not path.is_file():
+            raise WeightsError(f"{path}: no such file")
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+            self.fields: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
+        except Exception as err:  # the reader raises ValueError, struct/IndexError, ...
+            raise WeightsError(f"{path}: not a valid GGUF file ({type(err).__name__}: {err})") \
+                from err
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def field(self, key: str) -> Any:
+        if key not in self.fields:
+            raise WeightsError(f"{self.path}: GGUF metadata field {key} is missing")
+        return self.fields[key]
+
+    def config(self, name: str = "") -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch != "llama":
+            raise WeightsError(f"{self.path}: general.architecture={arch!r} is not 'llama'")
+        heads = int(self.field("llama.attention.head_count"))
+        vocab = self.fields.get("llama.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        return ModelConfig(
+            name=name or self.fields.get("general.name") or self.path.stem,
+            vocab_size=int(vocab),
+            hidden_size=int(self.field("llama.embedding_length")),
+            intermediate_size=int(self.field("llama.feed_forward_length")),
+            num_layers=int(self.field("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.fields.get("llama.attention.head_count_kv", heads)),
+            head_dim=int(self.fields.get("llama.attention.key_length", 0)),
+            rope_theta=float(self.fields.get("llama.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self.field("llama.attention.layer_norm_rms_epsilon")),
+            max_context=int(self.fields.get("llama.context_length", 4096)),
+            tie_embeddings="output.weight" not in self._tensors,
+        )
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantized fp32 tensor in PyTorch layout (rows = output features)."""
+        import gguf
+
+        if name not in self._tensors:
+            raise WeightsError(f"{self.path}: tensor {name} is missing")
+        t = self._tensors[name]
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as err:
+            raise WeightsError(f"{self.path}: tensor {name} of type {t.tensor_type.name} "
+                               f"cannot be dequantized ({err})") from err
+        return np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+
+    def params(self, config: ModelConfig, dtype: jnp.dtype) -> Params:
+        def tensor(hf_name: str) -> np.ndarray:
+            if hf_name == "model.embed_tokens.weight":
+                return self.tensor("token_embd.weight")
+            if hf_name == "model.norm.weight":
+                return self.tensor("output_norm.weight")
+            if hf_name == "lm_head.weight":
+                return self.tensor("output.weight")
+            _, _, index, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}.weight
+            array = self.tensor(f"blk.{index}.{_GGUF_LAYER[rest.removesuffix('.weight')]}.weight")
+            if rest.startswith("self_attn.q_proj"):
+                return unpermute_rope_rows(array, config.num_heads)
+            if rest.startswith("self_attn.k_proj"):
+                return unpermute_rope_rows(array, config.num_kv_heads)
+            return array
+
+        return assemble_params(config, tensor, dtype)
+
+
+def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, rows (0, d/2, 1, d/2+1, ...) -> (0..d).
+
+    llama.cpp's converter reshapes each head's rows as [2, d/2] and swaps to [d/2, 2];
+    the inverse reshapes as [d/2, 2] and swaps back.
+    """
+    out_features = weight.shape[0]
+    half = out_features // heads // 2
+    return (weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))

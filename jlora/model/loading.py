@@ -1,0 +1,83 @@
+"""Resolve `--model PATH_OR_PRESET` into a config, parameters and a tokenizer.
+
+Accepted: a preset name (`configs/models/*.yaml`), a `.gguf` file, a Hugging Face
+model directory (`config.json` + `*.safetensors`), or a directory written by
+`jlora convert` (orbax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from configs import ModelConfig, list_presets, load_preset
+from jlora.model import checkpoint
+from jlora.model.gguf import GGUFFile
+from jlora.model.llama import Llama, Params
+from jlora.model.weights import WeightsError, load_safetensors_dir
+from jlora.tokenizer import Tokenizer
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer | None
+    source: str  # what was loaded, for logs
+
+
+def load_model(spec: str, dtype: jnp.dtype = jnp.float32) -> LoadedModel:
+    if spec in list_presets():
+        return _load_preset(spec, dtype)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype)
+    if path.is_dir() and checkpoint.is_checkpoint(path):
+        config, params, tokenizer = checkpoint.load_checkpoint(path, dtype)
+        return LoadedModel(config, params, tokenizer, f"orbax checkpoint {path}")
+    if path.is_dir() and (path / "config.json").is_file():
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)
+        params = load_safetensors_dir(path, config, dtype)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+        return LoadedModel(config, params, tokenizer, f"Hugging Face directory {path}")
+    if path.exists():
+        raise WeightsError(
+            f"model path {spec!r} is neither a .gguf file, a Hugging Face directory "
+            f"(config.json + *.safetensors) nor a jlora checkpoint ({checkpoint.MARKER})")
+    raise WeightsError(f"unknown model path or preset {spec!r}; presets: "
+                       f"{', '.join(list_presets())}")
+
+
+def _load_gguf(path: Path, dtype: jnp.dtype, expected: ModelConfig | None = None) -> LoadedModel:
+    gguf_file = GGUFFile(path)
+    config = gguf_file.config(expected.name if expected else "")
+    diff = _config_diff(config, expected) if expected is not None else {}
+    if diff:
+        raise WeightsError(f"{path}: GGUF metadata disagrees with preset {expected.name} "
+                           f"(field: (gguf, preset)) {diff}")
+    params = gguf_file.params(config, dtype)
+    return LoadedModel(config, params, Tokenizer.from_gguf_fields(gguf_file.fields),
+                       f"GGUF {path}")
+
+
+def _config_diff(actual: ModelConfig, expected: ModelConfig) -> dict[str, tuple]:
+    """Fields that differ (floats compared at fp32 precision, as GGUF stores them)."""
+    diff = {}
+    for field in dataclasses.fields(actual):
+        a, b = getattr(actual, field.name), getattr(expected, field.name)
+        same = math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) else a == b
+        if not same:
+            diff[field.name] = (a, b)
+    return diff
+
+
+def _load_preset(name: str, dtype: jnp.dtype) -> LoadedModel:
+    preset = load_preset(name)
+    if preset.weights.format == "gguf":
+        return _load_gguf(preset.weights.resolve_path(), dtype, expected=preset.config)
+    params = Llama(preset.config, dtype).init_params(preset.weights.seed)
+    return LoadedModel(preset.config, params, None,
+                       f"preset {name} (random weights, seed {preset.weights.seed})")

@@ -1,0 +1,134 @@
+"""Tokenizer and chat template, built offline from GGUF metadata or a model directory.
+
+A GGUF file carries its vocabulary (`tokenizer.ggml.tokens`), BPE merges, token
+types, special ids and a Jinja chat template; we build a `tokenizers` BPE from
+them. A model directory (Hugging Face, or one written by `jlora convert`) carries
+`tokenizer.json` and `tokenizer_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _BPE
+
+# GGUF token types (llama.cpp `llama_token_type`).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class TokenizerError(ValueError):
+    """The tokenizer metadata is missing or unsupported; the message names the field."""
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`.
+
+    SmolLM ('smollm') splits every digit on its own before the GPT-2 byte-level
+    regex, as the model was trained; other GPT-2 style vocabularies use the regex alone.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        byte_level])
+    return byte_level
+
+
+class Tokenizer:
+    def __init__(self, backend: _BPE, *, bos_id: int | None, eos_ids: list[int],
+                 add_bos: bool, chat_template: str | None) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        """fields: GGUF metadata key -> decoded value (see `jlora.model.gguf`)."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(
+                f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+        backend = _BPE(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                  fuse_unk=False))
+        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
+        backend.decoder = decoders.ByteLevel()
+        types = fields.get("tokenizer.ggml.token_type", [])
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t == _CONTROL])
+        backend.add_tokens([AddedToken(tokens[i], normalized=False)
+                            for i, t in enumerate(types) if t == _USER_DEFINED])
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        eot = fields.get("tokenizer.ggml.eot_token_id")
+        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+                   eos_ids=sorted({i for i in (eos, eot) if i is not None}),
+                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=fields.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """From `tokenizer.json` + `tokenizer_config.json` (HF or `jlora convert` layout)."""
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{tok_file} not found")
+        backend = _BPE.from_file(str(tok_file))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+        def token_id(key: str) -> int | None:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        eos_ids = config.get("eos_token_ids") or [i for i in [token_id("eos_token")] if i is not None]
+        bos = config.get("bos_token_id", token_id("bos_token"))
+        return cls(backend, bos_id=bos, eos_ids=list(eos_ids),
+                   add_bos=bool(config.get("add_bos_token", False)),
+                   chat_template=config.get("chat_template"))
+
+    def save(self, path: Path) -> None:
+        """Write the `from_dir` layout."""
+        self.backend.save(str(path / "tokenizer.json"))
+        config = {"bos_token_id": self.bos_id, "eos_token_ids": self.eos_ids,
+                  "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+    # -- use ------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render a conversation, ending with the assistant's generation prompt."""
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template (tokenizer.chat_template)")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=special(self.bos_id),
+            eos_token=special(self.eos_ids[0] if self.eos_ids else None))
