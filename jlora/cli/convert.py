@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from jlora.model.checkpoint import save_checkpoint
     from jlora.model.loading import load_model
 
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
     if args.out.exists() and any(args.out.iterdir()):
         raise UsageError(f"--out {args.out}: directory exists and is not empty")
     dtype = resolve_dtype(args.dtype)

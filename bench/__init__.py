@@ -1,0 +1,1 @@
+"""Benchmarks: jlora against the PyTorch baselines (run as `python -m bench.<name>`)."""

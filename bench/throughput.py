@@ -1,0 +1,270 @@
+"""Prefill and decode throughput of jlora next to Hugging Face transformers, on CPU.
+
+Run: `python -m bench.throughput [--quick] [--json PATH]`.
+
+Both systems run SmolLM2-135M-Instruct from the same GGUF file (Q4_1 tensors
+dequantized to fp32) in one process, on identical token ids: a fixed English
+passage tokenized by jlora's tokenizer and tiled to the lengths needed (each row of
+a batch starts at a different offset, so rows differ). Two phases are timed:
+
+1. Prefill of one prompt of T tokens (T = 32, 128, 512; shape `1xT`).
+   jlora: one `engine.step()` for a request with max_tokens=1, i.e. admission, one
+   compiled prefill call at bucket T (T is a power of two, so nothing is padded)
+   and greedy sampling of the first token; the request then finishes without a
+   decode step. transformers: one forward pass over [1, T] with use_cache=True and
+   logits_to_keep=1 (last-position logits only, as `generate` does).
+   Reported: prompt tokens per second.
+2. Decode of B prompts of L tokens, N new greedy tokens each, EOS ignored
+   (B = 1, 8; L = 128; N = 64; shape `Bx(L+N)`). jlora: an engine with
+   max_slots=B; the first step (every prefill, then the first decode) is not timed,
+   then N steps of one compiled decode call over the B slots are. transformers: an
+   untimed prefill of the [B, L] batch (equal lengths, so no padding or mask), then
+   N timed forward passes of the last tokens with past_key_values.
+   Reported: generated tokens per second (B * N / decode time).
+
+Fairness: jlora's compilation (`engine.warmup`) and one untimed repetition of each
+measurement on both sides are excluded. torch uses one thread per core; XLA's CPU
+client uses every core by default. Within each repetition the two systems run
+back to back, so background load on a shared machine hits both; the table shows
+the median over repetitions, the min-max range, and jlora / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import torch
+import transformers
+
+from configs import EngineConfig, load_preset
+from jlora.engine.api import Request, SamplingParams
+from jlora.engine.engine import LLMEngine
+from jlora.model.loading import LoadedModel, load_model
+
+MODEL = "smollm2-135m"
+PASSAGE = (
+    "The lighthouse keeper rose before dawn, as he had every morning for thirty years. "
+    "He climbed the spiral stairs, trimmed the wick, polished the great lens until it "
+    "shone, and wrote the weather in a leather logbook: wind from the north-west, a "
+    "long swell, fog lifting by seven. Ships no longer needed him; their captains "
+    "trusted satellites and radar. Yet fishermen still waved when they passed the "
+    "point, and children from the village walked out on Sundays to ask him about the "
+    "storms of his youth, the wreck of the schooner in 1962, and the night the light "
+    "failed and he kept a lantern burning by hand until morning. "
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    prefill_lengths: tuple[int, ...]
+    batch_sizes: tuple[int, ...]  # must include 1: that engine also serves the prefills
+    decode_prompt_len: int
+    new_tokens: int
+    repeats: int  # timed repetitions, after one untimed
+
+    @property
+    def max_seq_len(self) -> int:
+        """The smallest power of two that holds every prompt and decoded sequence."""
+        longest = max(max(self.prefill_lengths) + 1, self.decode_prompt_len + self.new_tokens + 2)
+        return 1 << (longest - 1).bit_length()
+
+
+FULL = Plan(prefill_lengths=(32, 128, 512), batch_sizes=(1, 8), decode_prompt_len=128,
+            new_tokens=64, repeats=3)
+QUICK = Plan(prefill_lengths=(32, 128), batch_sizes=(1, 8), decode_prompt_len=64,
+             new_tokens=16, repeats=2)
+
+
+@dataclasses.dataclass
+class Measurement:
+    system: str  # "jlora" or "transformers"
+    phase: str  # "prefill" or "decode"
+    shape: str  # "1xT" (prefill) or "Bx(L+N)" (decode)
+    tokens: int  # tokens processed per repetition
+    seconds: list[float] = dataclasses.field(default_factory=list)  # one per timed repetition
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / statistics.median(self.seconds)
+
+
+# -- inputs ---------------------------------------------------------------------
+
+
+def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
+    """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in."""
+    passage = loaded.tokenizer.encode(PASSAGE)
+    stream = passage * ((length + 7 * batch) // len(passage) + 1)
+    return [stream[7 * row:7 * row + length] for row in range(batch)]
+
+
+# -- jlora ----------------------------------------------------------------------
+
+
+def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
+    engine = LLMEngine(model_config=loaded.config, params=loaded.params,
+                       tokenizer=loaded.tokenizer,
+                       engine_config=EngineConfig(max_slots=slots, max_seq_len=plan.max_seq_len))
+    prompt_lengths = [plan.decode_prompt_len]
+    if slots == 1:
+        prompt_lengths += plan.prefill_lengths
+    engine.warmup(prompt_lengths=prompt_lengths)
+    return engine
+
+
+def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+    engine.add_request(Request(uuid.uuid4().hex, prompt,
+                               SamplingParams(max_tokens=1, ignore_eos=True)))
+    start = time.perf_counter()
+    engine.step()
+    elapsed = time.perf_counter() - start
+    assert not engine.has_unfinished, "a max_tokens=1 request should finish at its prefill"
+    return elapsed
+
+
+def jlora_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    # Each request yields one token at prefill, one at the untimed first decode, then N.
+    for prompt in prompts:
+        engine.add_request(Request(uuid.uuid4().hex, prompt,
+                                   SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)))
+    engine.step()
+    if engine.num_running != len(prompts):
+        raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests were admitted "
+                           f"in one step; raise prefill_token_budget or shorten the prompts")
+    generated = 0
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        generated += len(engine.step())
+    elapsed = time.perf_counter() - start
+    assert generated == len(prompts) * new_tokens, generated
+    return elapsed
+
+
+# -- transformers ---------------------------------------------------------------
+
+
+def load_transformers() -> torch.nn.Module:
+    path = load_preset(MODEL).weights.resolve_path()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def transformers_prefill(model: torch.nn.Module, prompt: list[int]) -> float:
+    input_ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def transformers_decode(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    output = model(input_ids=torch.tensor(prompts), use_cache=True, logits_to_keep=1)
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        next_ids = output.logits[:, -1].argmax(dim=-1, keepdim=True)
+        output = model(input_ids=next_ids, past_key_values=output.past_key_values, use_cache=True)
+    return time.perf_counter() - start
+
+
+# -- measurement and report -----------------------------------------------------
+
+
+def compare(phase: str, shape: str, tokens: int, runs: dict[str, Callable[[], float]],
+            repeats: int) -> list[Measurement]:
+    """Run every system once untimed, then `repeats` times timed, alternating systems."""
+    print(f"  {phase} {shape}", file=sys.stderr, flush=True)
+    results = {system: Measurement(system, phase, shape, tokens) for system in runs}
+    for repeat in range(repeats + 1):
+        for system, run in runs.items():
+            seconds = run()
+            if repeat:
+                results[system].seconds.append(seconds)
+    return list(results.values())
+
+
+def machine_facts(torch_threads: int) -> dict[str, str | int]:
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in
+              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    return {"cpu_count": os.cpu_count() or 0, "cpu_model": models[0] if models else "unknown",
+            "jax": jax.__version__, "jax_backend": jax.default_backend(),
+            "torch": torch.__version__, "torch_threads": torch_threads,
+            "transformers": transformers.__version__,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def render(facts: dict[str, str | int], measurements: list[Measurement]) -> str:
+    baseline = {(m.phase, m.shape): m.tokens_per_s
+                for m in measurements if m.system == "transformers"}
+    lines = [f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
+             f"jax {facts['jax']} ({facts['jax_backend']}) | torch {facts['torch']} "
+             f"({facts['torch_threads']} threads) | transformers {facts['transformers']} | "
+             f"{facts['date']}",
+             "",
+             "| system | phase | shape | tokens/s | range | ratio |",
+             "|---|---|---|---:|---:|---:|"]
+    for m in measurements:
+        ratio = (f"{m.tokens_per_s / baseline[(m.phase, m.shape)]:.2f}"
+                 if m.system == "jlora" else "")
+        spread = f"{m.tokens / max(m.seconds):.1f}-{m.tokens / min(m.seconds):.1f}"
+        lines.append(f"| {m.system} | {m.phase} | {m.shape} | {m.tokens_per_s:.1f} | "
+                     f"{spread} | {ratio} |")
+    lines += ["", "shape: 1xT = one prompt of T tokens; Bx(L+N) = B prompts of L tokens, "
+              "N generated each. ratio = jlora / transformers (medians)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer tokens")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    print("loading both models and compiling jlora's steps...", file=sys.stderr, flush=True)
+    loaded = load_model(MODEL)
+    hf_model = load_transformers()
+    engines = {batch: make_engine(loaded, batch, plan) for batch in plan.batch_sizes}
+
+    measurements: list[Measurement] = []
+    with torch.inference_mode():
+        for length in plan.prefill_lengths:
+            [prompt] = make_prompts(loaded, 1, length)
+            measurements += compare("prefill", f"1x{length}", length, {
+                "jlora": lambda prompt=prompt: jlora_prefill(engines[1], prompt),
+                "transformers": lambda prompt=prompt: transformers_prefill(hf_model, prompt),
+            }, plan.repeats)
+        for batch in plan.batch_sizes:
+            prompts = make_prompts(loaded, batch, plan.decode_prompt_len)
+            new = plan.new_tokens
+            measurements += compare(
+                "decode", f"{batch}x({plan.decode_prompt_len}+{new})", batch * new, {
+                    "jlora": lambda batch=batch, prompts=prompts:
+                        jlora_decode(engines[batch], prompts, new),
+                    "transformers": lambda prompts=prompts:
+                        transformers_decode(hf_model, prompts, new),
+                }, plan.repeats)
+
+    facts = machine_facts(torch.get_num_threads())
+    print(render(facts, measurements))
+    if args.json:
+        rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
+        args.json.write_text(json.dumps({"machine": facts, "plan": dataclasses.asdict(plan),
+                                         "results": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

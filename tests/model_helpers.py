@@ -1,0 +1,47 @@
+"""Run one prompt through jlora's model and through a transformers oracle.
+
+Both return the fp32 logits at the prompt's last position, so a test compares the
+models alone (same token ids, no sampling, no engine).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlora.model.kv_cache import KVCache
+from jlora.model.llama import Llama
+
+
+def jlora_last_logits(loaded, ids: list[int], *, bucket: int = 64,
+                      block_size: int = 16) -> np.ndarray:
+    """`Llama.prefill` of `ids` (padded to `bucket`) on a fresh fp32 paged cache -> f32[V]."""
+    if not 0 < len(ids) <= bucket:
+        raise ValueError(f"{len(ids)} tokens do not fit the bucket of {bucket}")
+    num_blocks = bucket // block_size
+    cache = KVCache.zeros(num_layers=loaded.config.num_layers, num_blocks=num_blocks,
+                          block_size=block_size, num_kv_heads=loaded.config.num_kv_heads,
+                          head_dim=loaded.config.head_dim, dtype=jnp.float32)
+    tokens = np.zeros(bucket, np.int32)
+    tokens[:len(ids)] = ids
+    prefill = _jitted_prefill(loaded.config)
+    logits, _ = prefill(loaded.params, cache, tokens, np.int32(len(ids)),
+                        np.arange(num_blocks, dtype=np.int32))
+    return np.asarray(logits)
+
+
+@functools.cache
+def _jitted_prefill(config):
+    """One compiled prefill per model shape (ModelConfig is frozen, hence hashable)."""
+    return jax.jit(Llama(config, jnp.float32).prefill)
+
+
+def hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:
+    """A transformers causal LM's logits at the last position -> f32[V]."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0, -1].numpy()

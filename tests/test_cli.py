@@ -1,0 +1,157 @@
+"""The `jlora` command as a user runs it: a subprocess, stdout for text, stderr for the rest.
+
+Bad input exits with status 2, prints nothing on stdout and names the problem on
+stderr. The fast cases fail before any real model is loaded; the slow ones load
+SmolLM2 in a fresh process (~10 s each), so there are few of them. All the runs share
+one XLA compilation cache in a temporary directory, so later runs skip compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(sys.executable).with_name("jlora")
+JLORA = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "jlora.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory) -> dict[str, str]:
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                JLORA_COMPILATION_CACHE=str(tmp_path_factory.mktemp("xla-cache")))
+
+
+def _jlora(env: dict[str, str], *args: str, cwd: Path, timeout: float = 300,
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*JLORA, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _assert_usage_error(result: subprocess.CompletedProcess[str], fragments: list[str]) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(("jlora: error: ", "jlora generate: error: ")), result.stderr
+    for fragment in fragments:
+        assert fragment in last_line, result.stderr
+
+
+# -- bad input -------------------------------------------------------------------------
+
+# (id, arguments after `generate`, fragments of the error line). "{tmp}" is a per-test
+# directory holding blank.txt (only blank lines) and broken.gguf (plain text).
+FAST_BAD_INPUT = [
+    ("temperature-negative", ["--prompt", "hi", "--temperature", "-1"], ["temperature=-1.0"]),
+    ("temperature-nan", ["--prompt", "hi", "--temperature", "nan"], ["temperature=nan"]),
+    ("top-p-zero", ["--prompt", "hi", "--top-p", "0"], ["top_p=0.0", "(0, 1]"]),
+    ("top-p-above-one", ["--prompt", "hi", "--top-p", "1.5"], ["top_p=1.5", "(0, 1]"]),
+    ("max-tokens-zero", ["--prompt", "hi", "--max-tokens", "0"], ["max_tokens=0"]),
+    ("top-k-negative", ["--prompt", "hi", "--top-k", "-3"], ["top_k=-3"]),
+    ("seed-negative", ["--prompt", "hi", "--seed", "-1"], ["seed=-1"]),
+    ("max-tokens-not-a-number", ["--prompt", "hi", "--max-tokens", "many"],
+     ["--max-tokens", "'many'"]),
+    ("prompt-and-prompts-file", ["--prompt", "hi", "--prompts-file", "{tmp}/blank.txt"],
+     ["--prompts-file", "--prompt"]),
+    ("unknown-model", ["--prompt", "hi", "--model", "no-such-preset"],
+     ["'no-such-preset'", "presets:", "smollm2-135m"]),
+    ("model-without-tokenizer", ["--prompt", "hi", "--model", "cpu-tiny"],
+     ["--model cpu-tiny", "no tokenizer"]),
+    ("malformed-gguf", ["--prompt", "hi", "--model", "{tmp}/broken.gguf"],
+     ["broken.gguf", "not a valid GGUF file"]),
+    ("missing-prompts-file", ["--prompts-file", "{tmp}/missing.txt"],
+     ["--prompts-file", "missing.txt", "no such file"]),
+    ("blank-prompts-file", ["--prompts-file", "{tmp}/blank.txt"],
+     ["--prompts-file", "blank.txt", "no prompts"]),
+]
+SLOW_BAD_INPUT = [
+    ("prompt-over-context", ["--prompt", "word " * 100, "--max-seq-len", "32"],
+     ["prompt has", "context limit is 32 tokens"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [pytest.param(args, fragments, id=name) for name, args, fragments in FAST_BAD_INPUT]
+    + [pytest.param(args, fragments, id=name, marks=pytest.mark.slow)
+       for name, args, fragments in SLOW_BAD_INPUT])
+def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragments):
+    (tmp_path / "blank.txt").write_text("\n   \n\n")
+    (tmp_path / "broken.gguf").write_bytes(b"this is not a GGUF file\n" * 200)
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    _assert_usage_error(_jlora(cli_env, "generate", *args, cwd=tmp_path), fragments)
+
+
+# -- generation ------------------------------------------------------------------------
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Hi",
+    "The three primary colors are",
+]
+
+
+def _run_jsonl(env: dict[str, str], directory: Path, prompts: list[str]) -> list[dict]:
+    prompts_file = directory / "prompts.txt"
+    prompts_file.write_text("\n".join(prompts) + "\n")
+    result = _jlora(env, "generate", "--prompts-file", str(prompts_file), "--output", "jsonl",
+                    "--max-tokens", "8", "--max-seq-len", "256", "--max-slots", "4",
+                    cwd=directory)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_prompts_file_jsonl_is_in_input_order_and_independent_of_it(tmp_path, cli_env, smollm2):
+    forward = _run_jsonl(cli_env, tmp_path, PROMPTS)
+
+    assert [row["prompt"] for row in forward] == PROMPTS
+    for row in forward:
+        assert set(row) == {"prompt", "text", "token_ids", "finish_reason"}
+        assert 1 <= len(row["token_ids"]) <= 8
+        assert all(isinstance(token, int) for token in row["token_ids"])
+        assert row["finish_reason"] in ("stop", "length")
+        assert (row["finish_reason"] == "length") == (len(row["token_ids"]) == 8), row
+        # The streamed pieces join into the decoding of the whole completion.
+        assert row["text"] == smollm2.tokenizer.decode(row["token_ids"]), row
+    assert any(row["text"].strip() for row in forward)
+
+    # Greedy decoding: each completion depends on its prompt alone, not on which
+    # slot or batch position the prompt got.
+    backward = _run_jsonl(cli_env, tmp_path, PROMPTS[::-1])
+    assert backward[::-1] == forward
+
+
+@pytest.mark.slow
+def test_chat_answer_alone_on_stdout(tmp_path, cli_env):
+    result = _jlora(cli_env, "-v", "generate", "--chat", "--max-tokens", "32",
+                    "--prompt", "What is the capital of France?", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert " INFO " in result.stderr  # -v logs go to stderr ...
+    assert " INFO " not in result.stdout and "jlora" not in result.stdout  # ... not stdout
+    assert result.stdout.endswith("\n") and result.stdout.count("\n") <= 2, result.stdout
+    assert "<|im_start|>" not in result.stdout and "<|im_end|>" not in result.stdout
+
+
+# -- help ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--help"], ["usage: jlora", "generate", "convert", "--verbose"]),
+    (["generate", "--help"], ["usage: jlora generate", "--prompts-file", "--temperature",
+                              "--top-p", "--max-tokens", "--chat", "--model"]),
+    (["convert", "--help"], ["usage: jlora convert", "--out", "--model", "--dtype"]),
+], ids=["jlora", "generate", "convert"])
+def test_help_exits_0(tmp_path, cli_env, args, expected):
+    result = _jlora(cli_env, *args, cwd=tmp_path, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for fragment in expected:
+        assert fragment in result.stdout

@@ -1,0 +1,67 @@
+"""After warm-up, a run with requests arriving and leaving compiles nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import monitoring
+
+from jlora.engine.api import Request, SamplingParams
+from tests.engine_helpers import make_engine
+
+_EVENTS: list[str] = []
+_COUNTING = [False]
+
+
+def _listener(name: str, duration: float, **_) -> None:
+    if _COUNTING[0] and name in ("/jax/core/compile/jaxpr_trace_duration",
+                                 "/jax/core/compile/backend_compile_duration"):
+        _EVENTS.append(name)
+
+
+monitoring.register_event_duration_secs_listener(_listener)
+
+
+def test_listener_counts_compilations(tiny):
+    """Guard for the test below: a fresh engine without warm-up must be seen compiling."""
+    engine = make_engine(tiny, max_slots=2, max_seq_len=64, min_bucket=16)
+    _EVENTS.clear()
+    _COUNTING[0] = True
+    try:
+        engine.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        _COUNTING[0] = False
+    assert _EVENTS
+
+
+def test_no_compilation_after_warmup(tiny):
+    engine = make_engine(tiny, max_slots=3, max_seq_len=128, min_bucket=16)
+    engine.warmup()
+    rng = np.random.default_rng(0)
+    # (arrival step, prompt length, max_tokens, sampling) — lengths cover every prefill
+    # bucket, sequences grow across decode buckets, slots fill, empty and refill.
+    plan = [(0, 5, 20, 0.0), (0, 16, 3, 0.7), (1, 33, 40, 0.0), (2, 100, 20, 1.0),
+            (4, 70, 9, 0.0), (9, 1, 60, 0.9), (30, 17, 5, 0.0), (31, 127, 1, 0.0)]
+    _EVENTS.clear()
+    _COUNTING[0] = True
+    finished, step = 0, 0
+    try:
+        while finished < len(plan):
+            for i, (arrival, length, max_tokens, temperature) in enumerate(plan):
+                if arrival == step:
+                    engine.add_request(Request(
+                        f"r{i}", rng.integers(0, 512, length).tolist(),
+                        SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                       top_k=20 if temperature else 0, seed=i,
+                                       ignore_eos=True)))
+            if step == 12:
+                engine.abort("r2")
+                finished += 1
+            finished += sum(e.finish_reason is not None for e in engine.step())
+            step += 1
+    finally:
+        _COUNTING[0] = False
+    assert _EVENTS == []
+    assert engine.steps.num_compiles == len(engine.config.prefill_buckets) + len(
+        engine.config.decode_buckets)

@@ -1,0 +1,65 @@
+"""The import rules of DESIGN.md, enforced on the source tree and in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["jlora", "pallas_kernels", "cpu_offload", "router", "configs", "bench"]
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(package: str) -> list[tuple[Path, int, str]]:
+    """(file, line, top-level module) for every absolute import in a package."""
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(path, node.lineno, a.name.split(".")[0]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append((path, node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def _violations(package: str, allowed) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line} imports {module}"
+            for p, line, module in _imports(package) if not allowed(module)]
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("cpu_offload", {"jax", "jaxlib", "flax", "pallas_kernels", "jlora"}),
+    ("router", {"jax", "jaxlib", "flax", "pallas_kernels", "cpu_offload"}),
+    ("configs", {"jax", "jaxlib", "flax", "jlora", "router"}),
+])
+def test_forbidden_imports(package, forbidden):
+    assert _violations(package, lambda m: m not in forbidden) == []
+
+
+def test_pallas_kernels_import_only_jax_and_numpy():
+    allowed = STDLIB | {"jax", "jaxlib", "numpy", "pallas_kernels"}
+    assert _violations("pallas_kernels", lambda m: m in allowed) == []
+
+
+def test_nothing_imports_bench_or_tests():
+    for package in ["jlora", "pallas_kernels", "cpu_offload", "router", "configs"]:
+        assert _violations(package, lambda m: m not in {"bench", "tests"}) == []
+
+
+def test_the_scanner_sees_imports(tmp_path):
+    """The rule checks above would pass vacuously if the scanner found nothing."""
+    modules = {module for _, _, module in _imports("jlora")}
+    assert {"jax", "flax", "numpy", "configs"} <= modules
+
+
+def test_light_packages_do_not_load_jax():
+    code = ("import sys, jlora, jlora.cli.main, jlora.engine.api, configs, router, cpu_offload; "
+            "heavy = sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules); "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

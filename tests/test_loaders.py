@@ -1,0 +1,275 @@
+"""The three weight loaders (Hugging Face safetensors, orbax checkpoint, GGUF) and their errors.
+
+The Hugging Face case is checked against transformers itself: a tiny random
+`LlamaForCausalLM` is saved with `save_pretrained`, loaded by jlora, and both models
+give the same last-position logits. Its weights are drawn with std 0.2 rather than
+transformers' default 0.02: at 0.02 the attention barely moves the logits, and a
+wrong RoPE frequency changes them by less than the fp32 tolerance (measured: 2e-4 at
+0.02, ~3 at 0.2), so the comparison would not catch it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.cli.main import main
+from jlora.model.checkpoint import MARKER
+from jlora.model.gguf import unpermute_rope_rows
+from jlora.model.loading import load_model
+from jlora.model.weights import WeightsError
+from tests.model_helpers import hf_last_logits, jlora_last_logits
+from tests.tolerances import assert_close
+
+TINY_HF = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
+               initializer_range=0.2)
+# 1 token, within one KV block, across a block boundary (16), across two.
+SEQUENCE_LENGTHS = (1, 7, 17, 40)
+
+
+def _save_tiny_hf(path, *, tie: bool, rope_theta: float = 10000.0):
+    """A random tiny Llama saved as a Hugging Face directory; returns the torch model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_HF, rope_theta=rope_theta, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)  # safetensors by default
+    assert list(path.glob("*.safetensors")), "save_pretrained wrote no safetensors file"
+    return model
+
+
+# -- Hugging Face safetensors directory ------------------------------------------------
+
+
+@pytest.mark.parametrize(("tie", "rope_theta"), [
+    (True, 10000.0),
+    (False, 10000.0),
+    pytest.param(False, 500000.0, marks=pytest.mark.xfail(strict=True, reason=(
+        "configs.model.ModelConfig.from_hf reads only a top-level rope_theta; transformers 5 "
+        "writes it inside config.json's rope_parameters, so jlora falls back to 10000"))),
+])
+def test_hf_directory_logits_match_transformers(tmp_path, tie, rope_theta):
+    hf_model = _save_tiny_hf(tmp_path, tie=tie, rope_theta=rope_theta)
+    loaded = load_model(str(tmp_path))
+
+    assert loaded.config.num_kv_heads == 2 and loaded.config.num_layers == 2
+    assert loaded.config.tie_embeddings is tie
+    assert ("lm_head" in loaded.params) is not tie
+    assert loaded.config.rope_theta == rope_theta
+    rng = np.random.default_rng(0)
+    for length in SEQUENCE_LENGTHS:
+        ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
+        assert_close(jlora_last_logits(loaded, ids), hf_last_logits(hf_model, ids),
+                     jnp.float32, np.float32)
+
+
+@pytest.fixture
+def hf_tiny_dir(tmp_path):
+    directory = tmp_path / "hf"
+    _save_tiny_hf(directory, tie=False)
+    return directory
+
+
+def _edit_safetensors(directory, edit) -> None:
+    """Rewrite the directory's one safetensors file as edit(tensors) returns it."""
+    from safetensors.numpy import load_file, save_file
+
+    (file,) = directory.glob("*.safetensors")
+    save_file(edit(load_file(file)), file, metadata={"format": "pt"})
+
+
+def _shrink_k_proj(tensors):
+    tensors["model.layers.1.self_attn.k_proj.weight"] = \
+        tensors["model.layers.1.self_attn.k_proj.weight"][:16]  # [32, 64] -> [16, 64]
+    return tensors
+
+
+def _drop_down_proj(tensors):
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    return tensors
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (_shrink_k_proj, ["tensor model.layers.1.self_attn.k_proj.weight", "(16, 64)", "(32, 64)"]),
+    (_drop_down_proj, ["tensor model.layers.0.mlp.down_proj.weight is missing"]),
+], ids=["wrong-shape", "missing"])
+def test_hf_directory_with_a_bad_tensor_names_it(hf_tiny_dir, edit, expected):
+    _edit_safetensors(hf_tiny_dir, edit)
+    with pytest.raises(WeightsError) as raised:
+        load_model(str(hf_tiny_dir))
+    for fragment in expected:
+        assert fragment in str(raised.value)
+
+
+def test_hf_directory_with_a_corrupt_safetensors_file(hf_tiny_dir):
+    (file,) = hf_tiny_dir.glob("*.safetensors")
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(WeightsError, match="cannot read safetensors"):
+        load_model(str(hf_tiny_dir))
+
+
+# -- orbax checkpoint (`jlora convert`) ------------------------------------------------
+
+
+@pytest.fixture
+def no_compilation_cache(monkeypatch):
+    """main() would point this process's XLA cache at ~/.cache; an empty value turns it off."""
+    monkeypatch.setenv("JLORA_COMPILATION_CACHE", "")
+
+
+@pytest.mark.usefixtures("no_compilation_cache")
+@pytest.mark.parametrize("preset", ["cpu-tiny", "cpu-tiny-tied"])
+def test_convert_round_trips_params_and_config_exactly(tmp_path, preset):
+    out = tmp_path / "checkpoint"
+    assert main(["convert", "--model", preset, "--out", str(out)]) == 0
+    assert (out / MARKER).is_file()
+
+    original, restored = load_model(preset), load_model(str(out))
+    assert restored.config == original.config
+    assert restored.tokenizer is None and original.tokenizer is None
+    assert jax.tree.structure(restored.params) == jax.tree.structure(original.params)
+    for (path, ours), theirs in zip(jax.tree.leaves_with_path(restored.params),
+                                    jax.tree.leaves(original.params), strict=True):
+        assert ours.dtype == theirs.dtype == jnp.float32, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.usefixtures("no_compilation_cache")
+@pytest.mark.parametrize("occupant", ["file-inside", "is-a-file"])
+def test_convert_refuses_an_occupied_out_path(tmp_path, capsys, occupant):
+    out = tmp_path / "out"
+    if occupant == "file-inside":
+        out.mkdir()
+        (out / "keep.txt").write_text("precious")
+    else:
+        out.write_text("precious")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+
+    assert main(["convert", "--model", "cpu-tiny", "--out", str(out)]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith("jlora: error: --out ") and str(out) in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert (out / "keep.txt" if out.is_dir() else out).read_text() == "precious"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_convert_smollm2_keeps_its_tokenizer(tmp_path, smollm2):
+    out = tmp_path / "smollm2"
+    assert main(["convert", "--model", "smollm2-135m", "--out", str(out),
+                 "--dtype", "bfloat16"]) == 0
+    restored = load_model(str(out), jnp.bfloat16)
+
+    assert restored.config == smollm2.config
+    assert jax.tree.leaves(restored.params)[0].dtype == jnp.bfloat16
+    before, after = smollm2.tokenizer, restored.tokenizer
+    assert after is not None
+    assert (after.bos_id, after.eos_ids, after.add_bos, after.chat_template) == \
+        (before.bos_id, before.eos_ids, before.add_bos, before.chat_template)
+    assert after.vocab_size == before.vocab_size
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Ünïcode, digits 12345 and\ttabs — what is 2+2?"}]
+    prompt = before.apply_chat_template(messages)
+    assert after.apply_chat_template(messages) == prompt
+    ids = before.encode(prompt)
+    assert after.encode(prompt) == ids
+    assert after.decode(ids) == before.decode(ids)
+
+
+# -- GGUF and model resolution ---------------------------------------------------------
+
+
+def _random_bytes(_real: bytes) -> bytes:
+    return np.random.default_rng(0).bytes(4096)
+
+
+@pytest.mark.parametrize("make", [
+    _random_bytes,
+    lambda real: b"",
+    lambda real: real[:8],  # magic + version, then nothing
+    lambda real: real[:1024],  # inside the metadata
+    lambda real: real[:3_000_000],  # metadata whole, tensor data cut short
+], ids=["random", "empty", "8-bytes", "1KiB", "3MB"])
+def test_malformed_gguf_is_not_a_valid_gguf(tmp_path, smollm2_gguf_path, make):
+    with smollm2_gguf_path.open("rb") as real:
+        head = real.read(3_000_000)
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(make(head))
+    with pytest.raises(WeightsError, match="not a valid GGUF file") as raised:
+        load_model(str(path))
+    assert str(path) in str(raised.value)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(WeightsError) as raised:
+        load_model("no-such-preset")
+    message = str(raised.value)
+    assert "'no-such-preset'" in message
+    for preset in ("cpu-tiny", "smollm2-135m"):
+        assert preset in message
+
+
+@pytest.mark.parametrize("contents", [{}, {"README.md": "hello"}, {"model.bin": "weights"}],
+                         ids=["empty", "readme", "bin"])
+def test_directory_that_is_no_model_is_refused(tmp_path, contents):
+    for name, text in contents.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(WeightsError) as raised:
+        load_model(str(tmp_path))
+    message = str(raised.value)
+    assert str(tmp_path) in message
+    for expected in (".gguf", "config.json", MARKER):
+        assert expected in message
+
+
+def test_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\0" * 64)
+    with pytest.raises(WeightsError, match="neither a .gguf file"):
+        load_model(str(path))
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`, written naively.
+
+    Per head of d rows, Hugging Face order read as [2, d/2] (half j, index i) is
+    written as [d/2, 2]: row j*d/2 + i of the head moves to row 2*i + j.
+    """
+    head_dim = weight.shape[0] // heads
+    half = head_dim // 2
+    permuted = np.empty_like(weight)
+    for head in range(heads):
+        base = head * head_dim
+        for j in range(2):
+            for i in range(half):
+                permuted[base + 2 * i + j] = weight[base + j * half + i]
+    return permuted
+
+
+def test_llama_cpp_permutation_by_hand():
+    # One head, d=4: rows [[0, 1], [2, 3]] as [2, d/2], swapped to [[0, 2], [1, 3]].
+    assert _llama_cpp_permute(np.arange(4), 1).tolist() == [0, 2, 1, 3]
+    # Two heads, d=4: each head on its own.
+    assert _llama_cpp_permute(np.arange(8), 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    # One head, d=6: (0, 1, 2 | 3, 4, 5) interleaved.
+    assert _llama_cpp_permute(np.arange(6), 1).tolist() == [0, 3, 1, 4, 2, 5]
+    assert unpermute_rope_rows(np.array([0, 2, 1, 3, 4, 6, 5, 7]), 2).tolist() == list(range(8))
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "in_features"), [
+    (1, 4, None), (2, 8, 3), (4, 16, 5), (3, 64, 2)])
+def test_unpermute_rope_rows_inverts_llama_cpp(heads, head_dim, in_features):
+    shape = (heads * head_dim,) if in_features is None else (heads * head_dim, in_features)
+    weight = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    permuted = _llama_cpp_permute(weight, heads)
+    assert not np.array_equal(permuted, weight)
+    restored = unpermute_rope_rows(permuted, heads)
+    assert restored.dtype == weight.dtype
+    np.testing.assert_array_equal(restored, weight)
