@@ -32,8 +32,11 @@ the median over repetitions, the min-max range, and jlora / transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
+import io
 import json
 import os
 import statistics
@@ -80,10 +83,16 @@ class Plan:
         return 1 << (longest - 1).bit_length()
 
 
-FULL = Plan(prefill_lengths=(32, 128, 512), batch_sizes=(1, 8), decode_prompt_len=128,
-            new_tokens=64, repeats=3)
-QUICK = Plan(prefill_lengths=(32, 128), batch_sizes=(1, 8), decode_prompt_len=64,
-             new_tokens=16, repeats=2)
+FULL = Plan(
+    prefill_lengths=(32, 128, 512),
+    batch_sizes=(1, 8),
+    decode_prompt_len=128,
+    new_tokens=64,
+    repeats=3,
+)
+QUICK = Plan(
+    prefill_lengths=(32, 128), batch_sizes=(1, 8), decode_prompt_len=64, new_tokens=16, repeats=2
+)
 
 
 @dataclasses.dataclass
@@ -106,16 +115,19 @@ def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]
     """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in."""
     passage = loaded.tokenizer.encode(PASSAGE)
     stream = passage * ((length + 7 * batch) // len(passage) + 1)
-    return [stream[7 * row:7 * row + length] for row in range(batch)]
+    return [stream[7 * row : 7 * row + length] for row in range(batch)]
 
 
 # -- jlora ----------------------------------------------------------------------
 
 
 def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
-    engine = LLMEngine(model_config=loaded.config, params=loaded.params,
-                       tokenizer=loaded.tokenizer,
-                       engine_config=EngineConfig(max_slots=slots, max_seq_len=plan.max_seq_len))
+    engine = LLMEngine(
+        model_config=loaded.config,
+        params=loaded.params,
+        tokenizer=loaded.tokenizer,
+        engine_config=EngineConfig(max_slots=slots, max_seq_len=plan.max_seq_len),
+    )
     prompt_lengths = [plan.decode_prompt_len]
     if slots == 1:
         prompt_lengths += plan.prefill_lengths
@@ -124,8 +136,9 @@ def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
 
 
 def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
-    engine.add_request(Request(uuid.uuid4().hex, prompt,
-                               SamplingParams(max_tokens=1, ignore_eos=True)))
+    engine.add_request(
+        Request(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    )
     start = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - start
@@ -136,12 +149,17 @@ def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
 def jlora_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
     # Each request yields one token at prefill, one at the untimed first decode, then N.
     for prompt in prompts:
-        engine.add_request(Request(uuid.uuid4().hex, prompt,
-                                   SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)))
+        engine.add_request(
+            Request(
+                uuid.uuid4().hex, prompt, SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
+            )
+        )
     engine.step()
     if engine.num_running != len(prompts):
-        raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests were admitted "
-                           f"in one step; raise prefill_token_budget or shorten the prompts")
+        raise RuntimeError(
+            f"only {engine.num_running} of {len(prompts)} requests were admitted "
+            f"in one step; raise prefill_token_budget or shorten the prompts"
+        )
     generated = 0
     start = time.perf_counter()
     while engine.has_unfinished:
@@ -157,8 +175,11 @@ def jlora_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -
 def load_transformers() -> torch.nn.Module:
     path = load_preset(MODEL).weights.resolve_path()
     transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization's own tqdm bar
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
 
 
 def transformers_prefill(model: torch.nn.Module, prompt: list[int]) -> float:
@@ -180,8 +201,9 @@ def transformers_decode(model: torch.nn.Module, prompts: list[list[int]], new_to
 # -- measurement and report -----------------------------------------------------
 
 
-def compare(phase: str, shape: str, tokens: int, runs: dict[str, Callable[[], float]],
-            repeats: int) -> list[Measurement]:
+def compare(
+    phase: str, shape: str, tokens: int, runs: dict[str, Callable[[], float]], repeats: int
+) -> list[Measurement]:
     """Run every system once untimed, then `repeats` times timed, alternating systems."""
     print(f"  {phase} {shape}", file=sys.stderr, flush=True)
     results = {system: Measurement(system, phase, shape, tokens) for system in runs}
@@ -195,34 +217,49 @@ def compare(phase: str, shape: str, tokens: int, runs: dict[str, Callable[[], fl
 
 def machine_facts(torch_threads: int) -> dict[str, str | int]:
     cpuinfo = Path("/proc/cpuinfo")
-    models = [line.split(":", 1)[1].strip() for line in
-              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-              if line.startswith("model name")]
-    return {"cpu_count": os.cpu_count() or 0, "cpu_model": models[0] if models else "unknown",
-            "jax": jax.__version__, "jax_backend": jax.default_backend(),
-            "torch": torch.__version__, "torch_threads": torch_threads,
-            "transformers": transformers.__version__,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+        if line.startswith("model name")
+    ]
+    return {
+        "cpu_count": os.cpu_count() or 0,
+        "cpu_model": models[0] if models else "unknown",
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "torch": torch.__version__,
+        "torch_threads": torch_threads,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def render(facts: dict[str, str | int], measurements: list[Measurement]) -> str:
-    baseline = {(m.phase, m.shape): m.tokens_per_s
-                for m in measurements if m.system == "transformers"}
-    lines = [f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-             f"jax {facts['jax']} ({facts['jax_backend']}) | torch {facts['torch']} "
-             f"({facts['torch_threads']} threads) | transformers {facts['transformers']} | "
-             f"{facts['date']}",
-             "",
-             "| system | phase | shape | tokens/s | range | ratio |",
-             "|---|---|---|---:|---:|---:|"]
+    baseline = {
+        (m.phase, m.shape): m.tokens_per_s for m in measurements if m.system == "transformers"
+    }
+    lines = [
+        f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
+        f"jax {facts['jax']} ({facts['jax_backend']}) | torch {facts['torch']} "
+        f"({facts['torch_threads']} threads) | transformers {facts['transformers']} | "
+        f"{facts['date']}",
+        "",
+        "| system | phase | shape | tokens/s | range | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for m in measurements:
-        ratio = (f"{m.tokens_per_s / baseline[(m.phase, m.shape)]:.2f}"
-                 if m.system == "jlora" else "")
+        ratio = (
+            f"{m.tokens_per_s / baseline[(m.phase, m.shape)]:.2f}" if m.system == "jlora" else ""
+        )
         spread = f"{m.tokens / max(m.seconds):.1f}-{m.tokens / min(m.seconds):.1f}"
-        lines.append(f"| {m.system} | {m.phase} | {m.shape} | {m.tokens_per_s:.1f} | "
-                     f"{spread} | {ratio} |")
-    lines += ["", "shape: 1xT = one prompt of T tokens; Bx(L+N) = B prompts of L tokens, "
-              "N generated each. ratio = jlora / transformers (medians)."]
+        lines.append(
+            f"| {m.system} | {m.phase} | {m.shape} | {m.tokens_per_s:.1f} | {spread} | {ratio} |"
+        )
+    lines += [
+        "",
+        "shape: 1xT = one prompt of T tokens; Bx(L+N) = B prompts of L tokens, "
+        "N generated each. ratio = jlora / transformers (medians).",
+    ]
     return "\n".join(lines)
 
 
@@ -243,27 +280,40 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         for length in plan.prefill_lengths:
             [prompt] = make_prompts(loaded, 1, length)
-            measurements += compare("prefill", f"1x{length}", length, {
-                "jlora": lambda prompt=prompt: jlora_prefill(engines[1], prompt),
-                "transformers": lambda prompt=prompt: transformers_prefill(hf_model, prompt),
-            }, plan.repeats)
+            measurements += compare(
+                "prefill",
+                f"1x{length}",
+                length,
+                {
+                    "jlora": functools.partial(jlora_prefill, engines[1], prompt),
+                    "transformers": functools.partial(transformers_prefill, hf_model, prompt),
+                },
+                plan.repeats,
+            )
+        new = plan.new_tokens
         for batch in plan.batch_sizes:
             prompts = make_prompts(loaded, batch, plan.decode_prompt_len)
-            new = plan.new_tokens
             measurements += compare(
-                "decode", f"{batch}x({plan.decode_prompt_len}+{new})", batch * new, {
-                    "jlora": lambda batch=batch, prompts=prompts:
-                        jlora_decode(engines[batch], prompts, new),
-                    "transformers": lambda prompts=prompts:
-                        transformers_decode(hf_model, prompts, new),
-                }, plan.repeats)
+                "decode",
+                f"{batch}x({plan.decode_prompt_len}+{new})",
+                batch * new,
+                {
+                    "jlora": functools.partial(jlora_decode, engines[batch], prompts, new),
+                    "transformers": functools.partial(transformers_decode, hf_model, prompts, new),
+                },
+                plan.repeats,
+            )
 
     facts = machine_facts(torch.get_num_threads())
     print(render(facts, measurements))
     if args.json:
         rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-        args.json.write_text(json.dumps({"machine": facts, "plan": dataclasses.asdict(plan),
-                                         "results": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}, indent=2
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -89,6 +89,15 @@ class ModelConfig:
             raise ConfigError(
                 f"config.json model_type={hf.get('model_type')!r} is not a Llama model")
         heads = hf["num_attention_heads"]
+        # transformers >= 5 nests RoPE settings in rope_parameters; older files have
+        # rope_theta at the top level and rope_scaling beside it.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"config.json rope_type={rope_type!r} is not supported "
+                              "(only unscaled RoPE)")
         return cls(
             name=name or hf.get("_name_or_path", "") or "hf-model",
             vocab_size=hf["vocab_size"],
@@ -98,7 +107,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or 0,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(rope["rope_theta"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             max_context=hf.get("max_position_embeddings", 4096),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),

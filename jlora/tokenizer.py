@@ -94,7 +94,8 @@ class Tokenizer:
                 value = value.get("content")
             return backend.token_to_id(value) if isinstance(value, str) else None
 
-        eos_ids = config.get("eos_token_ids") or [i for i in [token_id("eos_token")] if i is not None]
+        eos = token_id("eos_token")
+        eos_ids = config.get("eos_token_ids") or ([] if eos is None else [eos])
         bos = config.get("bos_token_id", token_id("bos_token"))
         return cls(backend, bos_id=bos, eos_ids=list(eos_ids),
                    add_bos=bool(config.get("add_bos_token", False)),
@@ -128,7 +129,9 @@ class Tokenizer:
             raise TokenizerError(f"chat template: {message}")
 
         env.globals["raise_exception"] = raise_exception
-        special = lambda i: self.backend.id_to_token(i) if i is not None else ""  # noqa: E731
+
+        def special(token_id: int | None) -> str:
+            return "" if token_id is None else self.backend.id_to_token(token_id)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True, bos_token=special(self.bos_id),
             eos_token=special(self.eos_ids[0] if self.eos_ids else None))

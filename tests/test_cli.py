@@ -68,6 +68,9 @@ FAST_BAD_INPUT = [
      ["--prompts-file", "missing.txt", "no such file"]),
     ("blank-prompts-file", ["--prompts-file", "{tmp}/blank.txt"],
      ["--prompts-file", "blank.txt", "no prompts"]),
+    ("max-seq-len-too-small", ["--prompt", "hi", "--max-seq-len", "10"],
+     ["--max-seq-len 10", "at least 16"]),
+    ("max-slots-zero", ["--prompt", "hi", "--max-slots", "0"], ["--max-slots 0", "at least 1"]),
 ]
 SLOW_BAD_INPUT = [
     ("prompt-over-context", ["--prompt", "word " * 100, "--max-seq-len", "32"],

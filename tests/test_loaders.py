@@ -49,9 +49,7 @@ def _save_tiny_hf(path, *, tie: bool, rope_theta: float = 10000.0):
 @pytest.mark.parametrize(("tie", "rope_theta"), [
     (True, 10000.0),
     (False, 10000.0),
-    pytest.param(False, 500000.0, marks=pytest.mark.xfail(strict=True, reason=(
-        "configs.model.ModelConfig.from_hf reads only a top-level rope_theta; transformers 5 "
-        "writes it inside config.json's rope_parameters, so jlora falls back to 10000"))),
+    (False, 500000.0),  # transformers 5 writes it inside config.json's rope_parameters
 ])
 def test_hf_directory_logits_match_transformers(tmp_path, tie, rope_theta):
     hf_model = _save_tiny_hf(tmp_path, tie=tie, rope_theta=rope_theta)

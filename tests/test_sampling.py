@@ -60,8 +60,8 @@ def test_seed_and_step_determine_the_sample_not_the_batch():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(6, 1000)).astype(np.float32)
     arrays = _arrays(6, seed=7, step=3)
-    alone = [int(sample_jit(logits[i:i + 1], jax.tree.map(lambda a: a[i:i + 1], arrays))[0])
-             for i in range(6)]
+    rows = [jax.tree.map(lambda a, i=i: a[i:i + 1], arrays) for i in range(6)]
+    alone = [int(sample_jit(logits[i:i + 1], row)[0]) for i, row in enumerate(rows)]
     np.testing.assert_array_equal(sample_jit(logits, arrays), alone)
     other_seeds = [int(sample_jit(logits[:1], _arrays(1, seed=s, step=3))[0]) for s in range(20)]
     assert len(set(other_seeds)) > 1

@@ -49,17 +49,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value, low in (("--max-seq-len", args.max_seq_len, 16),
+                             ("--max-slots", args.max_slots, 1)):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be at least {low}")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
-    engine, encode = _load(args)
-    if prompts is not None:
-        return _run_batch(engine, encode, prompts, sampling, args.output)
-    if args.prompt is not None:
-        return _run_batch(engine, encode, [args.prompt], sampling, args.output,
-                          stream=args.output == "text")
-    return _interactive(engine, encode, sampling, chat=args.chat, system=args.system)
+    if args.prompts_file:
+        prompts = _read_prompts(args.prompts_file)
+    elif args.prompt is not None:
+        prompts = [args.prompt]
+    else:
+        prompts = []  # interactive: one conversation at a time
+    make_engine, encode = _load(args)
+    if not prompts:
+        return _interactive(make_engine(1), encode, sampling, chat=args.chat, system=args.system)
+    engine = make_engine(min(args.max_slots, len(prompts)))
+    return _run_batch(engine, encode, prompts, sampling, args.output,
+                      stream=args.prompt is not None and args.output == "text")
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -74,7 +82,8 @@ def _read_prompts(path: Path) -> list[str]:
 Encoder = Callable[[list[dict[str, str]] | str], list[int]]
 
 
-def _load(args: argparse.Namespace) -> tuple[Engine, Encoder]:
+def _load(args: argparse.Namespace) -> tuple[Callable[[int], Engine], Encoder]:
+    """The model's tokenizer as an encoder, and an engine factory taking the slot count."""
     from configs import EngineConfig
     from jlora.engine.engine import LLMEngine
     from jlora.model.loading import load_model
@@ -85,10 +94,12 @@ def _load(args: argparse.Namespace) -> tuple[Engine, Encoder]:
         raise UsageError(f"--model {args.model}: this model has no tokenizer "
                          "(random-weight presets are for benchmarks that feed token ids)")
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
-    config = EngineConfig(dtype=resolve_dtype(args.dtype), max_slots=args.max_slots,
-                          max_seq_len=max_seq_len - max_seq_len % 16)
-    engine = LLMEngine(model_config=loaded.config, params=loaded.params, tokenizer=tokenizer,
-                       engine_config=config)
+
+    def make_engine(slots: int) -> Engine:
+        config = EngineConfig(dtype=resolve_dtype(args.dtype), max_slots=slots,
+                              max_seq_len=max_seq_len - max_seq_len % 16)
+        return LLMEngine(model_config=loaded.config, params=loaded.params, tokenizer=tokenizer,
+                         engine_config=config)
 
     def encode(prompt: list[dict[str, str]] | str) -> list[int]:
         if isinstance(prompt, list):  # a conversation
@@ -98,7 +109,7 @@ def _load(args: argparse.Namespace) -> tuple[Engine, Encoder]:
             return encode([*messages, {"role": "user", "content": prompt}])
         return tokenizer.encode(prompt)
 
-    return engine, encode
+    return make_engine, encode
 
 
 def _run_batch(engine: Engine, encode: Encoder, prompts: list[str], sampling: SamplingParams,
@@ -112,6 +123,8 @@ def _run_batch(engine: Engine, encode: Encoder, prompts: list[str], sampling: Sa
                 engine.abort(queued.request_id)
             where = f"prompt {i + 1}: " if len(prompts) > 1 else ""
             raise InvalidRequest(f"{where}{err}") from err
+    engine.warmup(prompt_lengths=[len(r.prompt_ids) for r in requests],
+                  max_length=max(len(r.prompt_ids) + sampling.max_tokens for r in requests))
     results: dict[str, dict] = {r.request_id: {"text": [], "token_ids": []} for r in requests}
     printed = 0
     while engine.has_unfinished:
@@ -140,6 +153,8 @@ def _run_batch(engine: Engine, encode: Encoder, prompts: list[str], sampling: Sa
 def _interactive(engine: Engine, encode: Encoder, sampling: SamplingParams, *, chat: bool,
                  system: str | None) -> int:
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    print("jlora: compiling the engine's steps (cached after the first run)...", file=sys.stderr)
+    engine.warmup()
     print("jlora: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
     turn = 0
     while True:

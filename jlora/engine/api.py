@@ -94,6 +94,11 @@ class Engine(abc.ABC):
         """Drop a queued or running request, freeing its slot and blocks."""
 
     @abc.abstractmethod
+    def warmup(self, prompt_lengths: list[int] | None = None,
+               max_length: int | None = None) -> None:
+        """Compile every step shape (or those these prompts, growing to max_length, need)."""
+
+    @abc.abstractmethod
     def step(self) -> list[TokenEvent]:
         """Run one iteration (admit + prefill, then decode) and return its tokens."""
 

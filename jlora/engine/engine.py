@@ -158,14 +158,16 @@ class LLMEngine(Engine):
 
     # -- warm-up -----------------------------------------------------------------
 
-    def warmup(self, prompt_lengths: list[int] | None = None) -> None:
-        """Compile the prefill buckets (all, or those `prompt_lengths` need) and decode."""
+    def warmup(self, prompt_lengths: list[int] | None = None,
+               max_length: int | None = None) -> None:
         cfg = self.config
-        buckets = (cfg.prefill_buckets if prompt_lengths is None
+        prefill = (cfg.prefill_buckets if prompt_lengths is None
                    else sorted({self._bucket(cfg.prefill_buckets, n) for n in prompt_lengths}))
-        for bucket in buckets:
+        longest = self._bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len,
+                                                       cfg.max_seq_len))
+        for bucket in prefill:
             self.steps.compile_prefill(self.params, self.cache, bucket, cfg.blocks_per_seq)
-        for bucket in cfg.decode_buckets:
+        for bucket in cfg.decode_buckets[:cfg.decode_buckets.index(longest) + 1]:
             self.steps.compile_decode(self.params, self.cache, cfg.max_slots,
                                       bucket // cfg.block_size)
 

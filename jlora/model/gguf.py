@@ -16,7 +16,7 @@ import numpy as np
 
 from configs import ModelConfig
 from jlora.model.llama import Params
-from jlora.model.weights import LAYER_TENSORS, WeightsError, assemble_params
+from jlora.model.weights import LAYER_TENSORS, Progress, WeightsError, assemble_params
 
 # Hugging Face layer tensor -> GGUF tensor name inside `blk.{i}.`
 _GGUF_LAYER = {
@@ -90,7 +90,8 @@ class GGUFFile:
                                f"cannot be dequantized ({err})") from err
         return np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
 
-    def params(self, config: ModelConfig, dtype: jnp.dtype) -> Params:
+    def params(self, config: ModelConfig, dtype: jnp.dtype,
+               progress: Progress | None = None) -> Params:
         def tensor(hf_name: str) -> np.ndarray:
             if hf_name == "model.embed_tokens.weight":
                 return self.tensor("token_embd.weight")
@@ -106,7 +107,7 @@ class GGUFFile:
                 return unpermute_rope_rows(array, config.num_kv_heads)
             return array
 
-        return assemble_params(config, tensor, dtype)
+        return assemble_params(config, tensor, dtype, progress)
 
 
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -82,7 +82,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = dense(cfg.hidden_size)
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [..., T, D]; positions: i32[..., T] -> q [..., T, H, hd], k and v [..., T, KVH, hd]."""
+        """x: [..., T, D], positions: i32[..., T] -> q [..., T, H, hd], k, v [..., T, KVH, hd]."""
         cfg = self.config
         h = self.attn_norm(x)
         lead = h.shape[:-1]

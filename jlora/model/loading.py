@@ -18,8 +18,9 @@ from configs import ModelConfig, list_presets, load_preset
 from jlora.model import checkpoint
 from jlora.model.gguf import GGUFFile
 from jlora.model.llama import Llama, Params
-from jlora.model.weights import WeightsError, load_safetensors_dir
+from jlora.model.weights import Progress, WeightsError, load_safetensors_dir
 from jlora.tokenizer import Tokenizer
+
 
 @dataclasses.dataclass
 class LoadedModel:
@@ -29,18 +30,20 @@ class LoadedModel:
     source: str  # what was loaded, for logs
 
 
-def load_model(spec: str, dtype: jnp.dtype = jnp.float32) -> LoadedModel:
+def load_model(spec: str, dtype: jnp.dtype = jnp.float32,
+               progress: Progress | None = None) -> LoadedModel:
+    """`progress(done, total)` is called after each tensor read from a GGUF or HF file."""
     if spec in list_presets():
-        return _load_preset(spec, dtype)
+        return _load_preset(spec, dtype, progress)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, progress)
     if path.is_dir() and checkpoint.is_checkpoint(path):
         config, params, tokenizer = checkpoint.load_checkpoint(path, dtype)
         return LoadedModel(config, params, tokenizer, f"orbax checkpoint {path}")
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)
-        params = load_safetensors_dir(path, config, dtype)
+        params = load_safetensors_dir(path, config, dtype, progress)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return LoadedModel(config, params, tokenizer, f"Hugging Face directory {path}")
     if path.exists():
@@ -51,14 +54,15 @@ def load_model(spec: str, dtype: jnp.dtype = jnp.float32) -> LoadedModel:
                        f"{', '.join(list_presets())}")
 
 
-def _load_gguf(path: Path, dtype: jnp.dtype, expected: ModelConfig | None = None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: jnp.dtype, progress: Progress | None,
+               expected: ModelConfig | None = None) -> LoadedModel:
     gguf_file = GGUFFile(path)
     config = gguf_file.config(expected.name if expected else "")
     diff = _config_diff(config, expected) if expected is not None else {}
     if diff:
         raise WeightsError(f"{path}: GGUF metadata disagrees with preset {expected.name} "
                            f"(field: (gguf, preset)) {diff}")
-    params = gguf_file.params(config, dtype)
+    params = gguf_file.params(config, dtype, progress)
     return LoadedModel(config, params, Tokenizer.from_gguf_fields(gguf_file.fields),
                        f"GGUF {path}")
 
@@ -74,10 +78,10 @@ def _config_diff(actual: ModelConfig, expected: ModelConfig) -> dict[str, tuple]
     return diff
 
 
-def _load_preset(name: str, dtype: jnp.dtype) -> LoadedModel:
+def _load_preset(name: str, dtype: jnp.dtype, progress: Progress | None) -> LoadedModel:
     preset = load_preset(name)
     if preset.weights.format == "gguf":
-        return _load_gguf(preset.weights.resolve_path(), dtype, expected=preset.config)
+        return _load_gguf(preset.weights.resolve_path(), dtype, progress, expected=preset.config)
     params = Llama(preset.config, dtype).init_params(preset.weights.seed)
     return LoadedModel(preset.config, params, None,
                        f"preset {name} (random weights, seed {preset.weights.seed})")

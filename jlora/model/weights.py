@@ -37,14 +37,22 @@ LAYER_TENSORS = {
 }
 
 TensorFn = Callable[[str], np.ndarray]  # HF tensor name (with ".weight") -> array
+Progress = Callable[[int, int], None]  # (tensors done, tensors in all), after each tensor
 
 
-def assemble_params(config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype) -> Params:
+def assemble_params(config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype,
+                    progress: Progress | None = None) -> Params:
     """Build `Params` from `tensor(hf_name)`; raise WeightsError naming a bad tensor."""
     shapes = Llama(config, dtype).param_shapes()
+    total = 2 + ("lm_head" in shapes) + len(LAYER_TENSORS) * config.num_layers
+    done = 0
 
     def fetch(name: str, expected: tuple[int, ...], transpose: bool) -> np.ndarray:
+        nonlocal done
         array = np.asarray(tensor(name), dtype=np.float32)
+        done += 1
+        if progress is not None:
+            progress(done, total)
         if transpose:
             array = array.T
         if array.shape != tuple(expected):
@@ -76,7 +84,8 @@ def assemble_params(config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype) -> 
     return params
 
 
-def load_safetensors_dir(path, config: ModelConfig, dtype: jnp.dtype) -> Params:
+def load_safetensors_dir(path, config: ModelConfig, dtype: jnp.dtype,
+                         progress: Progress | None = None) -> Params:
     """A Hugging Face model directory: one or more `*.safetensors` files."""
     from safetensors import SafetensorError, safe_open
 
@@ -89,7 +98,7 @@ def load_safetensors_dir(path, config: ModelConfig, dtype: jnp.dtype) -> Params:
     except (SafetensorError, OSError) as err:
         raise WeightsError(f"{path}: cannot read safetensors ({err})") from err
     for handle in handles:
-        for key in handle.keys():
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
             where[key] = handle
 
     def tensor(name: str) -> np.ndarray:
@@ -99,4 +108,4 @@ def load_safetensors_dir(path, config: ModelConfig, dtype: jnp.dtype) -> Params:
             raise WeightsError(f"{path}: tensor {name} is missing")
         return where[name].get_tensor(name)  # type: ignore[attr-defined]
 
-    return assemble_params(config, tensor, dtype)
+    return assemble_params(config, tensor, dtype, progress)
