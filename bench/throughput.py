@@ -1,6 +1,7 @@
 """Prefill and decode throughput of jlora next to Hugging Face transformers, on CPU.
 
-Run: `python -m bench.throughput [--quick] [--json PATH]`.
+Run: `python -m bench.throughput [--quick] [--json PATH]` (about 3 minutes on two
+idle cores; --quick: T = 32, 128, L = 64, N = 16, 2 repetitions instead of 3).
 
 Both systems run SmolLM2-135M-Instruct from the same GGUF file (Q4_1 tensors
 dequantized to fp32) in one process, on identical token ids: a fixed English
@@ -21,12 +22,16 @@ a batch starts at a different offset, so rows differ). Two phases are timed:
    untimed prefill of the [B, L] batch (equal lengths, so no padding or mask), then
    N timed forward passes of the last tokens with past_key_values.
    Reported: generated tokens per second (B * N / decode time).
+jlora is timed through `LLMEngine.step()`, so its host work per step (scheduling,
+block tables, detokenization) counts, as it does when serving.
 
 Fairness: jlora's compilation (`engine.warmup`) and one untimed repetition of each
 measurement on both sides are excluded. torch uses one thread per core; XLA's CPU
 client uses every core by default. Within each repetition the two systems run
-back to back, so background load on a shared machine hits both; the table shows
-the median over repetitions, the min-max range, and jlora / transformers.
+back to back, so background load hits both; the table shows the median over
+repetitions, the min-max range, and jlora / transformers. The header gives the
+machine's load average before and after: on a busy shared machine, torch's
+OpenMP threads suffer more than XLA's pool, so wide ranges mean "run it again".
 """
 
 from __future__ import annotations
@@ -77,22 +82,19 @@ class Plan:
     repeats: int  # timed repetitions, after one untimed
 
     @property
+    def decoded_len(self) -> int:
+        """Longest decoded sequence: prompt, the untimed first two tokens, then N."""
+        return self.decode_prompt_len + self.new_tokens + 2
+
+    @property
     def max_seq_len(self) -> int:
         """The smallest power of two that holds every prompt and decoded sequence."""
-        longest = max(max(self.prefill_lengths) + 1, self.decode_prompt_len + self.new_tokens + 2)
+        longest = max(max(self.prefill_lengths) + 1, self.decoded_len)
         return 1 << (longest - 1).bit_length()
 
 
-FULL = Plan(
-    prefill_lengths=(32, 128, 512),
-    batch_sizes=(1, 8),
-    decode_prompt_len=128,
-    new_tokens=64,
-    repeats=3,
-)
-QUICK = Plan(
-    prefill_lengths=(32, 128), batch_sizes=(1, 8), decode_prompt_len=64, new_tokens=16, repeats=2
-)
+FULL = Plan((32, 128, 512), batch_sizes=(1, 8), decode_prompt_len=128, new_tokens=64, repeats=3)
+QUICK = Plan((32, 128), batch_sizes=(1, 8), decode_prompt_len=64, new_tokens=16, repeats=2)
 
 
 @dataclasses.dataclass
@@ -131,14 +133,13 @@ def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
     prompt_lengths = [plan.decode_prompt_len]
     if slots == 1:
         prompt_lengths += plan.prefill_lengths
-    engine.warmup(prompt_lengths=prompt_lengths)
+    engine.warmup(prompt_lengths=prompt_lengths, max_length=plan.decoded_len)
     return engine
 
 
 def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
-    engine.add_request(
-        Request(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    )
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(Request(uuid.uuid4().hex, prompt, sampling))
     start = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - start
@@ -148,12 +149,9 @@ def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
 
 def jlora_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
     # Each request yields one token at prefill, one at the untimed first decode, then N.
+    sampling = SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
     for prompt in prompts:
-        engine.add_request(
-            Request(
-                uuid.uuid4().hex, prompt, SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
-            )
-        )
+        engine.add_request(Request(uuid.uuid4().hex, prompt, sampling))
     engine.step()
     if engine.num_running != len(prompts):
         raise RuntimeError(
@@ -202,7 +200,7 @@ def transformers_decode(model: torch.nn.Module, prompts: list[list[int]], new_to
 
 
 def compare(
-    phase: str, shape: str, tokens: int, runs: dict[str, Callable[[], float]], repeats: int
+    phase: str, shape: str, tokens: int, repeats: int, **runs: Callable[[], float]
 ) -> list[Measurement]:
     """Run every system once untimed, then `repeats` times timed, alternating systems."""
     print(f"  {phase} {shape}", file=sys.stderr, flush=True)
@@ -215,26 +213,24 @@ def compare(
     return list(results.values())
 
 
-def machine_facts(torch_threads: int) -> dict[str, str | int]:
-    cpuinfo = Path("/proc/cpuinfo")
-    models = [
-        line.split(":", 1)[1].strip()
-        for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-        if line.startswith("model name")
-    ]
+def machine_facts() -> dict[str, str | int | float]:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                      if line.startswith("model name")), "unknown")  # fmt: skip
     return {
         "cpu_count": os.cpu_count() or 0,
-        "cpu_model": models[0] if models else "unknown",
+        "cpu_model": cpu_model,
+        "load_avg_1min_start": os.getloadavg()[0],  # other processes skew a shared machine
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),
         "torch": torch.__version__,
-        "torch_threads": torch_threads,
+        "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
 
 
-def render(facts: dict[str, str | int], measurements: list[Measurement]) -> str:
+def render(facts: dict[str, str | int | float], measurements: list[Measurement]) -> str:
     baseline = {
         (m.phase, m.shape): m.tokens_per_s for m in measurements if m.system == "transformers"
     }
@@ -242,7 +238,8 @@ def render(facts: dict[str, str | int], measurements: list[Measurement]) -> str:
         f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
         f"jax {facts['jax']} ({facts['jax_backend']}) | torch {facts['torch']} "
         f"({facts['torch_threads']} threads) | transformers {facts['transformers']} | "
-        f"{facts['date']}",
+        f"{facts['date']} | 1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
+        f"{facts['load_avg_1min_end']:.1f} at end",
         "",
         "| system | phase | shape | tokens/s | range | ratio |",
         "|---|---|---|---:|---:|---:|",
@@ -271,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = QUICK if args.quick else FULL
 
     torch.set_num_threads(os.cpu_count() or 1)
+    facts = machine_facts()
     print("loading both models and compiling jlora's steps...", file=sys.stderr, flush=True)
     loaded = load_model(MODEL)
     hf_model = load_transformers()
@@ -281,39 +279,25 @@ def main(argv: list[str] | None = None) -> None:
         for length in plan.prefill_lengths:
             [prompt] = make_prompts(loaded, 1, length)
             measurements += compare(
-                "prefill",
-                f"1x{length}",
-                length,
-                {
-                    "jlora": functools.partial(jlora_prefill, engines[1], prompt),
-                    "transformers": functools.partial(transformers_prefill, hf_model, prompt),
-                },
-                plan.repeats,
-            )
+                "prefill", f"1x{length}", length, plan.repeats,
+                jlora=functools.partial(jlora_prefill, engines[1], prompt),
+                transformers=functools.partial(transformers_prefill, hf_model, prompt),
+            )  # fmt: skip
         new = plan.new_tokens
         for batch in plan.batch_sizes:
             prompts = make_prompts(loaded, batch, plan.decode_prompt_len)
             measurements += compare(
-                "decode",
-                f"{batch}x({plan.decode_prompt_len}+{new})",
-                batch * new,
-                {
-                    "jlora": functools.partial(jlora_decode, engines[batch], prompts, new),
-                    "transformers": functools.partial(transformers_decode, hf_model, prompts, new),
-                },
-                plan.repeats,
-            )
+                "decode", f"{batch}x({plan.decode_prompt_len}+{new})", batch * new, plan.repeats,
+                jlora=functools.partial(jlora_decode, engines[batch], prompts, new),
+                transformers=functools.partial(transformers_decode, hf_model, prompts, new),
+            )  # fmt: skip
+    facts["load_avg_1min_end"] = os.getloadavg()[0]
 
-    facts = machine_facts(torch.get_num_threads())
     print(render(facts, measurements))
     if args.json:
         rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-        args.json.write_text(
-            json.dumps(
-                {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}, indent=2
-            )
-            + "\n"
-        )
+        report = {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
 
         def special(token_id: int | None) -> str:
-            return "" if token_id is None else self.backend.id_to_token(token_id)
+            return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=True, bos_token=special(self.bos_id),
             eos_token=special(self.eos_ids[0] if self.eos_ids else None))

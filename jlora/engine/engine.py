@@ -138,14 +138,14 @@ class LLMEngine(Engine):
         self._ids.add(request.request_id)
 
     def abort(self, request_id: str) -> bool:
-        for seq in self._waiting:
-            if seq.request.request_id == request_id:
-                self._waiting.remove(seq)
+        for queued in self._waiting:
+            if queued.request.request_id == request_id:
+                self._waiting.remove(queued)
                 self._ids.discard(request_id)
                 return True
-        for seq in self._slots:
-            if seq is not None and seq.request.request_id == request_id:
-                self._release(seq)
+        for running in self._slots:
+            if running is not None and running.request.request_id == request_id:
+                self._release(running)
                 return True
         return False
 
@@ -221,10 +221,10 @@ class LLMEngine(Engine):
         longest = max(s.length for s in running)
         blocks = self._bucket(self.config.decode_buckets, longest) // self.config.block_size
         self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks)
-        tokens, self.cache = self.steps.decode(self.params, self.cache, self._tokens,
-                                               self._positions, self._tables[:, :blocks],
-                                               self._sampling)
-        tokens = np.asarray(tokens)
+        sampled, self.cache = self.steps.decode(self.params, self.cache, self._tokens,
+                                                self._positions, self._tables[:, :blocks],
+                                                self._sampling)
+        tokens = np.asarray(sampled)
         for seq in running:
             self._append(seq, int(tokens[seq.slot]), events)
 

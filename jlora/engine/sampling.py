@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+Rows = jax.Array | np.ndarray  # numpy while the host fills it in, jax.Array inside the step
 
 
 @struct.dataclass
 class SamplingArrays:
-    temperature: jax.Array  # f32[S]; 0 means greedy
-    top_k: jax.Array  # i32[S]; 0 means no top-k cut
-    top_p: jax.Array  # f32[S]; 1 means no nucleus cut
-    seed: jax.Array  # u32[S]
-    step: jax.Array  # i32[S]; tokens generated so far by the row's request
+    temperature: Rows  # f32[S]; 0 means greedy
+    top_k: Rows  # i32[S]; 0 means no top-k cut
+    top_p: Rows  # f32[S]; 1 means no nucleus cut
+    seed: Rows  # u32[S]
+    step: Rows  # i32[S]; tokens generated so far by the row's request
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from configs import ModelConfig, list_presets, load_preset
 from jlora.model import checkpoint
@@ -30,9 +31,10 @@ class LoadedModel:
     source: str  # what was loaded, for logs
 
 
-def load_model(spec: str, dtype: jnp.dtype = jnp.float32,
+def load_model(spec: str, serving_dtype: DTypeLike = jnp.float32,
                progress: Progress | None = None) -> LoadedModel:
     """`progress(done, total)` is called after each tensor read from a GGUF or HF file."""
+    dtype = jnp.dtype(serving_dtype)
     if spec in list_presets():
         return _load_preset(spec, dtype, progress)
     path = Path(spec).expanduser()
@@ -59,7 +61,7 @@ def _load_gguf(path: Path, dtype: jnp.dtype, progress: Progress | None,
     gguf_file = GGUFFile(path)
     config = gguf_file.config(expected.name if expected else "")
     diff = _config_diff(config, expected) if expected is not None else {}
-    if diff:
+    if expected is not None and diff:
         raise WeightsError(f"{path}: GGUF metadata disagrees with preset {expected.name} "
                            f"(field: (gguf, preset)) {diff}")
     params = gguf_file.params(config, dtype, progress)
