@@ -52,3 +52,19 @@ def test_incomplete_character_is_not_released():
     detok = Detokenizer(CharTokenizer(), ())  # type: ignore[arg-type]
     assert detok.add(ord("a")) == ("a", False)
     assert detok.add(0xFFFD) == ("", False)
+
+
+class ByteTokenizer:
+    """Token id = one UTF-8 byte, as in byte-level BPE's worst case."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole():
+    text = "café 日本 🎉 ok"
+    detok = Detokenizer(ByteTokenizer(), ())  # type: ignore[arg-type]
+    deltas = [detok.add(b)[0] for b in text.encode()]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[text.encode().index("🎉".encode()) + 3] == "🎉"  # released on its 4th byte

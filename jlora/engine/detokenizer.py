@@ -1,9 +1,11 @@
 """Incremental detokenization with stop strings, on the host.
 
-Each new token re-decodes the request's generated ids and releases only text that
-is final: not ending in an incomplete UTF-8 sequence (decoded as U+FFFD), and not
-possibly the beginning of a stop string. When a stop string appears, the text is
-cut before it and the request finishes.
+Each new token decodes only a short window: the tokens since the last released
+text plus the few before it (their context matters to some tokenizers), so the
+cost per token stays constant however long the output grows. Text is released only
+once it is final: not ending in an incomplete UTF-8 sequence (decoded as U+FFFD),
+and not possibly the beginning of a stop string. When a stop string appears, the
+text is cut before it and the request finishes.
 """
 
 from __future__ import annotations
@@ -17,29 +19,40 @@ class Detokenizer:
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
-        self._emitted = 0  # characters of the decoded text already released
-        self.text = ""
+        self._prefix = 0  # first id of the decoding window (context only)
+        self._read = 0  # ids[:read] are decoded into self._decoded
+        self._decoded = ""
+        self._emitted = 0  # characters of self._decoded already released
+        self.text = ""  # the released text
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Returns (newly final text, whether a stop string was hit)."""
         self._ids.append(token_id)
-        full = self._tokenizer.decode(self._ids)
+        tail = self._tail()
+        if not tail.endswith("\ufffd"):
+            self._decoded += tail
+            self._prefix, self._read = self._read, len(self._ids)
+        full = self._decoded
         search_from = max(0, self._emitted - self._holdback)
         cuts = [i for i in (full.find(s, search_from) for s in self._stop) if i >= 0]
         if cuts:
-            return self._release(full, min(cuts)), True
-        end = len(full) - self._holdback
-        if full.endswith("\ufffd"):
-            end = min(end, len(full.rstrip("\ufffd")))
-        return self._release(full, end), False
+            return self._release(min(cuts)), True
+        return self._release(len(full) - self._holdback), False
 
     def flush(self) -> str:
         """At the end of the request: everything not yet released (no stop string was hit)."""
-        return self._release(self._tokenizer.decode(self._ids), None)
+        self._decoded += self._tail()
+        self._read = len(self._ids)
+        return self._release(len(self._decoded))
 
-    def _release(self, full: str, end: int | None) -> str:
-        end = len(full) if end is None else max(end, self._emitted)
-        delta = full[self._emitted:end]
+    def _tail(self) -> str:
+        """The text of ids[read:], decoded with ids[prefix:read] as context."""
+        context = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        return self._tokenizer.decode(self._ids[self._prefix:])[len(context):]
+
+    def _release(self, end: int) -> str:
+        end = max(end, self._emitted)
+        delta = self._decoded[self._emitted:end]
         self._emitted = end
-        self.text = full[:end]
+        self.text = self._decoded[:end]
         return delta
