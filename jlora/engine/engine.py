@@ -170,6 +170,7 @@ class LLMEngine(Engine):
         for bucket in cfg.decode_buckets[:cfg.decode_buckets.index(longest) + 1]:
             self.steps.compile_decode(self.params, self.cache, cfg.max_slots,
                                       bucket // cfg.block_size)
+        self.steps.warmed_up = True
 
     # -- the iteration ----------------------------------------------------------------
 

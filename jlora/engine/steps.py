@@ -3,9 +3,10 @@
 `prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
 one token, attending over a bucketed prefix of the block tables. Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
-so XLA updates it in place. Executables are compiled once per bucket (at warm-up)
-and then called directly: a call with a shape that was not compiled is an error,
-never a silent recompile.
+so XLA updates it in place. Executables are compiled ahead of time, once per
+bucket, and then called directly, so nothing is ever traced or compiled twice. The
+engine compiles at warm-up every shape it will use; a shape first met after warm-up
+is compiled then and logged as a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class CompiledSteps:
         self._prefill_exe: dict[int, Any] = {}
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self.num_compiles = 0
+        self.warmed_up = False  # set by the engine once warm-up is done
 
     def _prefill(self, params: Params, cache: KVCache, tokens: jax.Array, length: jax.Array,
                  block_table: jax.Array, sampling: SamplingArrays) -> tuple[jax.Array, KVCache]:
@@ -49,7 +51,9 @@ class CompiledSteps:
         start = time.perf_counter()
         executable = jitted.lower(*args).compile()
         self.num_compiles += 1
-        log.info("compiled %s in %.1f s", what, time.perf_counter() - start)
+        log.log(logging.WARNING if self.warmed_up else logging.INFO,
+                "compiled %s in %.1f s%s", what, time.perf_counter() - start,
+                " after warm-up" if self.warmed_up else "")
         return executable
 
     def compile_prefill(self, params: Params, cache: KVCache, bucket: int,
