@@ -7,13 +7,20 @@ This package imports neither jax nor flax.
 
 from configs.engine import EngineConfig
 from configs.model import (
-                           ConfigError,
-                           ModelConfig,
-                           ModelPreset,
-                           WeightsSource,
-                           list_presets,
-                           load_preset,
+    ConfigError,
+    ModelConfig,
+    ModelPreset,
+    WeightsSource,
+    list_presets,
+    load_preset,
 )
 
-__all__ = ["ConfigError", "EngineConfig", "ModelConfig", "ModelPreset", "WeightsSource",
-           "list_presets", "load_preset"]
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "ModelPreset",
+    "WeightsSource",
+    "list_presets",
+    "load_preset",
+]

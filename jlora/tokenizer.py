@@ -33,14 +33,20 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        byte_level])
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
 
 class Tokenizer:
-    def __init__(self, backend: _BPE, *, bos_id: int | None, eos_ids: list[int],
-                 add_bos: bool, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        backend: _BPE,
+        *,
+        bos_id: int | None,
+        eos_ids: list[int],
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
         self.backend = backend
         self.bos_id = bos_id
         self.eos_ids = eos_ids
@@ -59,24 +65,39 @@ class Tokenizer:
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise TokenizerError(
-                f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)")
+                f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        backend = _BPE(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                  fuse_unk=False))
+        backend = _BPE(
+            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        )
         backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
         backend.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type", [])
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, t in enumerate(types) if t == _CONTROL])
-        backend.add_tokens([AddedToken(tokens[i], normalized=False)
-                            for i, t in enumerate(types) if t == _USER_DEFINED])
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types)
+                if t == _CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(tokens[i], normalized=False)
+                for i, t in enumerate(types)
+                if t == _USER_DEFINED
+            ]
+        )
         eos = fields.get("tokenizer.ggml.eos_token_id")
         eot = fields.get("tokenizer.ggml.eot_token_id")
-        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-                   eos_ids=sorted({i for i in (eos, eot) if i is not None}),
-                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=fields.get("tokenizer.chat_template"))
+        return cls(
+            backend,
+            bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_ids=sorted({i for i in (eos, eot) if i is not None}),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
+        )
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -97,15 +118,23 @@ class Tokenizer:
         eos = token_id("eos_token")
         eos_ids = config.get("eos_token_ids") or ([] if eos is None else [eos])
         bos = config.get("bos_token_id", token_id("bos_token"))
-        return cls(backend, bos_id=bos, eos_ids=list(eos_ids),
-                   add_bos=bool(config.get("add_bos_token", False)),
-                   chat_template=config.get("chat_template"))
+        return cls(
+            backend,
+            bos_id=bos,
+            eos_ids=list(eos_ids),
+            add_bos=bool(config.get("add_bos_token", False)),
+            chat_template=config.get("chat_template"),
+        )
 
     def save(self, path: Path) -> None:
         """Write the `from_dir` layout."""
         self.backend.save(str(path / "tokenizer.json"))
-        config = {"bos_token_id": self.bos_id, "eos_token_ids": self.eos_ids,
-                  "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        config = {
+            "bos_token_id": self.bos_id,
+            "eos_token_ids": self.eos_ids,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
     # -- use ------------------------------------------------------------------
@@ -134,5 +163,8 @@ class Tokenizer:
             return "" if token_id is None else self.backend.id_to_token(token_id) or ""
 
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=special(self.bos_id),
-            eos_token=special(self.eos_ids[0] if self.eos_ids else None))
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=special(self.bos_id),
+            eos_token=special(self.eos_ids[0] if self.eos_ids else None),
+        )

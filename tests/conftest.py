@@ -11,9 +11,12 @@ import pytest
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
 # every compilation after the first into a load from disk (tracing still happens, so the
 # compilation-count test sees a missing warm-up). Local to the checkout.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("JLORA_TEST_XLA_CACHE",
-                                 str(Path(__file__).resolve().parent.parent / ".cache" / "xla")))
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get(
+        "JLORA_TEST_XLA_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "xla")
+    ),
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
@@ -40,7 +43,8 @@ def hf_smollm2(smollm2_gguf_path):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32)
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    )
     return model.eval()
 
 

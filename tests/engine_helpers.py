@@ -8,18 +8,24 @@ from jlora.engine.engine import LLMEngine
 
 
 def make_engine(loaded, **config) -> LLMEngine:
-    return LLMEngine(model_config=loaded.config, params=loaded.params, tokenizer=loaded.tokenizer,
-                     engine_config=EngineConfig(**config))
+    return LLMEngine(
+        model_config=loaded.config,
+        params=loaded.params,
+        tokenizer=loaded.tokenizer,
+        engine_config=EngineConfig(**config),
+    )
 
 
-def run_to_completion(engine: Engine, prompts: list[list[int]],
-                      sampling: SamplingParams | list[SamplingParams]) -> list[dict]:
+def run_to_completion(
+    engine: Engine, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+) -> list[dict]:
     """Queue every prompt at once, step until done; per prompt: token_ids, text, finish_reason."""
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     for i, (ids, params) in enumerate(zip(prompts, samplings, strict=True)):
         engine.add_request(Request(f"r{i}", ids, params))
-    results = {f"r{i}": {"token_ids": [], "text": "", "finish_reason": None}
-               for i in range(len(prompts))}
+    results = {
+        f"r{i}": {"token_ids": [], "text": "", "finish_reason": None} for i in range(len(prompts))
+    }
     while engine.has_unfinished:
         for event in engine.step():
             result = results[event.request_id]

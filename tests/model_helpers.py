@@ -16,20 +16,27 @@ from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 
 
-def jlora_last_logits(loaded, ids: list[int], *, bucket: int = 64,
-                      block_size: int = 16) -> np.ndarray:
+def jlora_last_logits(
+    loaded, ids: list[int], *, bucket: int = 64, block_size: int = 16
+) -> np.ndarray:
     """`Llama.prefill` of `ids` (padded to `bucket`) on a fresh fp32 paged cache -> f32[V]."""
     if not 0 < len(ids) <= bucket:
         raise ValueError(f"{len(ids)} tokens do not fit the bucket of {bucket}")
     num_blocks = bucket // block_size
-    cache = KVCache.zeros(num_layers=loaded.config.num_layers, num_blocks=num_blocks,
-                          block_size=block_size, num_kv_heads=loaded.config.num_kv_heads,
-                          head_dim=loaded.config.head_dim, dtype=jnp.float32)
+    cache = KVCache.zeros(
+        num_layers=loaded.config.num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=loaded.config.num_kv_heads,
+        head_dim=loaded.config.head_dim,
+        dtype=jnp.float32,
+    )
     tokens = np.zeros(bucket, np.int32)
-    tokens[:len(ids)] = ids
+    tokens[: len(ids)] = ids
     prefill = _jitted_prefill(loaded.config)
-    logits, _ = prefill(loaded.params, cache, tokens, np.int32(len(ids)),
-                        np.arange(num_blocks, dtype=np.int32))
+    logits, _ = prefill(
+        loaded.params, cache, tokens, np.int32(len(ids)), np.arange(num_blocks, dtype=np.int32)
+    )
     return np.asarray(logits)
 
 

@@ -22,14 +22,28 @@ JLORA = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "jlora.c
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory) -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="cpu",
-                JLORA_COMPILATION_CACHE=str(tmp_path_factory.mktemp("xla-cache")))
+    return dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JLORA_COMPILATION_CACHE=str(tmp_path_factory.mktemp("xla-cache")),
+    )
 
 
-def _jlora(env: dict[str, str], *args: str, cwd: Path, timeout: float = 300,
-           ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*JLORA, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def _jlora(
+    env: dict[str, str],
+    *args: str,
+    cwd: Path,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*JLORA, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _assert_usage_error(result: subprocess.CompletedProcess[str], fragments: list[str]) -> None:
@@ -54,35 +68,65 @@ FAST_BAD_INPUT = [
     ("max-tokens-zero", ["--prompt", "hi", "--max-tokens", "0"], ["max_tokens=0"]),
     ("top-k-negative", ["--prompt", "hi", "--top-k", "-3"], ["top_k=-3"]),
     ("seed-negative", ["--prompt", "hi", "--seed", "-1"], ["seed=-1"]),
-    ("max-tokens-not-a-number", ["--prompt", "hi", "--max-tokens", "many"],
-     ["--max-tokens", "'many'"]),
-    ("prompt-and-prompts-file", ["--prompt", "hi", "--prompts-file", "{tmp}/blank.txt"],
-     ["--prompts-file", "--prompt"]),
-    ("unknown-model", ["--prompt", "hi", "--model", "no-such-preset"],
-     ["'no-such-preset'", "presets:", "smollm2-135m"]),
-    ("model-without-tokenizer", ["--prompt", "hi", "--model", "cpu-tiny"],
-     ["--model cpu-tiny", "no tokenizer"]),
-    ("malformed-gguf", ["--prompt", "hi", "--model", "{tmp}/broken.gguf"],
-     ["broken.gguf", "not a valid GGUF file"]),
-    ("missing-prompts-file", ["--prompts-file", "{tmp}/missing.txt"],
-     ["--prompts-file", "missing.txt", "no such file"]),
-    ("blank-prompts-file", ["--prompts-file", "{tmp}/blank.txt"],
-     ["--prompts-file", "blank.txt", "no prompts"]),
-    ("max-seq-len-too-small", ["--prompt", "hi", "--max-seq-len", "10"],
-     ["--max-seq-len 10", "at least 16"]),
+    (
+        "max-tokens-not-a-number",
+        ["--prompt", "hi", "--max-tokens", "many"],
+        ["--max-tokens", "'many'"],
+    ),
+    (
+        "prompt-and-prompts-file",
+        ["--prompt", "hi", "--prompts-file", "{tmp}/blank.txt"],
+        ["--prompts-file", "--prompt"],
+    ),
+    (
+        "unknown-model",
+        ["--prompt", "hi", "--model", "no-such-preset"],
+        ["'no-such-preset'", "presets:", "smollm2-135m"],
+    ),
+    (
+        "model-without-tokenizer",
+        ["--prompt", "hi", "--model", "cpu-tiny"],
+        ["--model cpu-tiny", "no tokenizer"],
+    ),
+    (
+        "malformed-gguf",
+        ["--prompt", "hi", "--model", "{tmp}/broken.gguf"],
+        ["broken.gguf", "not a valid GGUF file"],
+    ),
+    (
+        "missing-prompts-file",
+        ["--prompts-file", "{tmp}/missing.txt"],
+        ["--prompts-file", "missing.txt", "no such file"],
+    ),
+    (
+        "blank-prompts-file",
+        ["--prompts-file", "{tmp}/blank.txt"],
+        ["--prompts-file", "blank.txt", "no prompts"],
+    ),
+    (
+        "max-seq-len-too-small",
+        ["--prompt", "hi", "--max-seq-len", "10"],
+        ["--max-seq-len 10", "at least 16"],
+    ),
     ("max-slots-zero", ["--prompt", "hi", "--max-slots", "0"], ["--max-slots 0", "at least 1"]),
 ]
 SLOW_BAD_INPUT = [
-    ("prompt-over-context", ["--prompt", "word " * 100, "--max-seq-len", "32"],
-     ["prompt has", "context limit is 32 tokens"]),
+    (
+        "prompt-over-context",
+        ["--prompt", "word " * 100, "--max-seq-len", "32"],
+        ["prompt has", "context limit is 32 tokens"],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [pytest.param(args, fragments, id=name) for name, args, fragments in FAST_BAD_INPUT]
-    + [pytest.param(args, fragments, id=name, marks=pytest.mark.slow)
-       for name, args, fragments in SLOW_BAD_INPUT])
+    + [
+        pytest.param(args, fragments, id=name, marks=pytest.mark.slow)
+        for name, args, fragments in SLOW_BAD_INPUT
+    ],
+)
 def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragments):
     (tmp_path / "blank.txt").write_text("\n   \n\n")
     (tmp_path / "broken.gguf").write_bytes(b"this is not a GGUF file\n" * 200)
@@ -102,9 +146,21 @@ PROMPTS = [
 def _run_jsonl(env: dict[str, str], directory: Path, prompts: list[str]) -> list[dict]:
     prompts_file = directory / "prompts.txt"
     prompts_file.write_text("\n".join(prompts) + "\n")
-    result = _jlora(env, "generate", "--prompts-file", str(prompts_file), "--output", "jsonl",
-                    "--max-tokens", "8", "--max-seq-len", "256", "--max-slots", "4",
-                    cwd=directory)
+    result = _jlora(
+        env,
+        "generate",
+        "--prompts-file",
+        str(prompts_file),
+        "--output",
+        "jsonl",
+        "--max-tokens",
+        "8",
+        "--max-seq-len",
+        "256",
+        "--max-slots",
+        "4",
+        cwd=directory,
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in result.stdout.splitlines()]
 
@@ -132,8 +188,17 @@ def test_prompts_file_jsonl_is_in_input_order_and_independent_of_it(tmp_path, cl
 
 @pytest.mark.slow
 def test_chat_answer_alone_on_stdout(tmp_path, cli_env):
-    result = _jlora(cli_env, "-v", "generate", "--chat", "--max-tokens", "32",
-                    "--prompt", "What is the capital of France?", cwd=tmp_path)
+    result = _jlora(
+        cli_env,
+        "-v",
+        "generate",
+        "--chat",
+        "--max-tokens",
+        "32",
+        "--prompt",
+        "What is the capital of France?",
+        cwd=tmp_path,
+    )
 
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
@@ -146,12 +211,26 @@ def test_chat_answer_alone_on_stdout(tmp_path, cli_env):
 # -- help ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--help"], ["usage: jlora", "generate", "convert", "--verbose"]),
-    (["generate", "--help"], ["usage: jlora generate", "--prompts-file", "--temperature",
-                              "--top-p", "--max-tokens", "--chat", "--model"]),
-    (["convert", "--help"], ["usage: jlora convert", "--out", "--model", "--dtype"]),
-], ids=["jlora", "generate", "convert"])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--help"], ["usage: jlora", "generate", "convert", "--verbose"]),
+        (
+            ["generate", "--help"],
+            [
+                "usage: jlora generate",
+                "--prompts-file",
+                "--temperature",
+                "--top-p",
+                "--max-tokens",
+                "--chat",
+                "--model",
+            ],
+        ),
+        (["convert", "--help"], ["usage: jlora convert", "--out", "--model", "--dtype"]),
+    ],
+    ids=["jlora", "generate", "convert"],
+)
 def test_help_exits_0(tmp_path, cli_env, args, expected):
     result = _jlora(cli_env, *args, cwd=tmp_path, timeout=30)
     assert result.returncode == 0, result.stderr

@@ -13,8 +13,10 @@ _COUNTING = [False]
 
 
 def _listener(name: str, duration: float, **_) -> None:
-    if _COUNTING[0] and name in ("/jax/core/compile/jaxpr_trace_duration",
-                                 "/jax/core/compile/backend_compile_duration"):
+    if _COUNTING[0] and name in (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/backend_compile_duration",
+    ):
         _EVENTS.append(name)
 
 
@@ -41,8 +43,16 @@ def test_no_compilation_after_warmup(tiny):
     rng = np.random.default_rng(0)
     # (arrival step, prompt length, max_tokens, sampling) — lengths cover every prefill
     # bucket, sequences grow across decode buckets, slots fill, empty and refill.
-    plan = [(0, 5, 20, 0.0), (0, 16, 3, 0.7), (1, 33, 40, 0.0), (2, 100, 20, 1.0),
-            (4, 70, 9, 0.0), (9, 1, 60, 0.9), (30, 17, 5, 0.0), (31, 127, 1, 0.0)]
+    plan = [
+        (0, 5, 20, 0.0),
+        (0, 16, 3, 0.7),
+        (1, 33, 40, 0.0),
+        (2, 100, 20, 1.0),
+        (4, 70, 9, 0.0),
+        (9, 1, 60, 0.9),
+        (30, 17, 5, 0.0),
+        (31, 127, 1, 0.0),
+    ]
     _EVENTS.clear()
     _COUNTING[0] = True
     finished, step = 0, 0
@@ -50,11 +60,19 @@ def test_no_compilation_after_warmup(tiny):
         while finished < len(plan):
             for i, (arrival, length, max_tokens, temperature) in enumerate(plan):
                 if arrival == step:
-                    engine.add_request(Request(
-                        f"r{i}", rng.integers(0, 512, length).tolist(),
-                        SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                       top_k=20 if temperature else 0, seed=i,
-                                       ignore_eos=True)))
+                    engine.add_request(
+                        Request(
+                            f"r{i}",
+                            rng.integers(0, 512, length).tolist(),
+                            SamplingParams(
+                                max_tokens=max_tokens,
+                                temperature=temperature,
+                                top_k=20 if temperature else 0,
+                                seed=i,
+                                ignore_eos=True,
+                            ),
+                        )
+                    )
             if step == 12:
                 engine.abort("r2")
                 finished += 1
@@ -64,4 +82,5 @@ def test_no_compilation_after_warmup(tiny):
         _COUNTING[0] = False
     assert _EVENTS == []
     assert engine.steps.num_compiles == len(engine.config.prefill_buckets) + len(
-        engine.config.decode_buckets)
+        engine.config.decode_buckets
+    )

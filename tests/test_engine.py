@@ -40,15 +40,18 @@ def test_oversubscribed_kv_cache_queues_and_gives_the_same_tokens(tiny):
 
 def test_context_limit_finishes_with_length(tiny):
     engine = _engine(tiny, max_seq_len=64)
-    [result] = run_to_completion(engine, _prompts([60]), SamplingParams(max_tokens=50,
-                                                                       ignore_eos=True))
+    [result] = run_to_completion(
+        engine, _prompts([60]), SamplingParams(max_tokens=50, ignore_eos=True)
+    )
     assert len(result["token_ids"]) == 4 and result["finish_reason"] == "length"
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     prompts = _prompts([5, 25, 12])
-    params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=s)
-              for s in (1, 2, 3)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=s)
+        for s in (1, 2, 3)
+    ]
     together = run_to_completion(_engine(tiny), prompts, params)
     alone = run_to_completion(_engine(tiny), prompts[1:2], params[1:2])[0]
     assert together[1] == alone
@@ -56,12 +59,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     assert together[1]["token_ids"] != greedy["token_ids"][:10]
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ([], "prompt is empty"),
-    (list(range(128)), "prompt has 128 tokens; the context limit is 128"),
-    ([1, 2, 512], "prompt_ids[2]=512 is outside the vocabulary"),
-    ([1, -1], "prompt_ids[1]=-1 is outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "prompt is empty"),
+        (list(range(128)), "prompt has 128 tokens; the context limit is 128"),
+        ([1, 2, 512], "prompt_ids[2]=512 is outside the vocabulary"),
+        ([1, -1], "prompt_ids[1]=-1 is outside the vocabulary"),
+    ],
+)
 def test_bad_prompt_is_refused_and_changes_nothing(tiny, prompt, message):
     engine = _engine(tiny)
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -82,17 +88,20 @@ def test_duplicate_request_id_is_refused(tiny):
         engine.add_request(Request("same", [3], GREEDY))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", 0, "max_tokens=0"),
-    ("max_tokens", -5, "max_tokens=-5"),
-    ("temperature", -0.1, "temperature=-0.1"),
-    ("temperature", float("nan"), "temperature=nan"),
-    ("top_p", 0.0, "top_p=0.0"),
-    ("top_p", 1.5, "top_p=1.5"),
-    ("top_k", -1, "top_k=-1"),
-    ("seed", -1, "seed=-1"),
-    ("stop", ("",), "stop="),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", 0, "max_tokens=0"),
+        ("max_tokens", -5, "max_tokens=-5"),
+        ("temperature", -0.1, "temperature=-0.1"),
+        ("temperature", float("nan"), "temperature=nan"),
+        ("top_p", 0.0, "top_p=0.0"),
+        ("top_p", 1.5, "top_p=1.5"),
+        ("top_k", -1, "top_k=-1"),
+        ("seed", -1, "seed=-1"),
+        ("stop", ("",), "stop="),
+    ],
+)
 def test_invalid_sampling_names_the_field(field, value, message):
     with pytest.raises(InvalidRequest, match=message):
         SamplingParams(**{field: value})

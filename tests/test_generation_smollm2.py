@@ -36,8 +36,11 @@ def test_batch_of_different_lengths_equals_each_alone(smollm2, engine_factory):
 
 def test_chat_answer_stops_at_eos(smollm2, engine_factory):
     tokenizer = smollm2.tokenizer
-    ids = tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]))
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}]
+        )
+    )
     [result] = run_to_completion(engine_factory(), [ids], SamplingParams(max_tokens=64))
     assert result["finish_reason"] == "stop"
     assert result["token_ids"][-1] in tokenizer.eos_ids
@@ -48,8 +51,13 @@ def test_chat_answer_stops_at_eos(smollm2, engine_factory):
 def test_stop_string_ends_the_text_before_it(smollm2, engine_factory):
     ids = smollm2.tokenizer.encode("Count: one, two, three, four, five,")
     free, stopped = run_to_completion(
-        engine_factory(), [ids, ids], [SamplingParams(max_tokens=20, ignore_eos=True),
-                                       SamplingParams(max_tokens=20, stop=("eight",))])
+        engine_factory(),
+        [ids, ids],
+        [
+            SamplingParams(max_tokens=20, ignore_eos=True),
+            SamplingParams(max_tokens=20, stop=("eight",)),
+        ],
+    )
     assert "eight" in free["text"]
     assert stopped["finish_reason"] == "stop"
-    assert stopped["text"] == free["text"][:free["text"].index("eight")]
+    assert stopped["text"] == free["text"][: free["text"].index("eight")]

@@ -27,15 +27,21 @@ def _imports(package: str) -> list[tuple[Path, int, str]]:
 
 
 def _violations(package: str, allowed) -> list[str]:
-    return [f"{p.relative_to(ROOT)}:{line} imports {module}"
-            for p, line, module in _imports(package) if not allowed(module)]
+    return [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p, line, module in _imports(package)
+        if not allowed(module)
+    ]
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("cpu_offload", {"jax", "jaxlib", "flax", "pallas_kernels", "jlora"}),
-    ("router", {"jax", "jaxlib", "flax", "pallas_kernels", "cpu_offload"}),
-    ("configs", {"jax", "jaxlib", "flax", "jlora", "router"}),
-])
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        ("cpu_offload", {"jax", "jaxlib", "flax", "pallas_kernels", "jlora"}),
+        ("router", {"jax", "jaxlib", "flax", "pallas_kernels", "cpu_offload"}),
+        ("configs", {"jax", "jaxlib", "flax", "jlora", "router"}),
+    ],
+)
 def test_forbidden_imports(package, forbidden):
     assert _violations(package, lambda m: m not in forbidden) == []
 
@@ -57,9 +63,12 @@ def test_the_scanner_sees_imports(tmp_path):
 
 
 def test_light_packages_do_not_load_jax():
-    code = ("import sys, jlora, jlora.cli.main, jlora.engine.api, configs, router, cpu_offload; "
-            "heavy = sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules); "
-            "print(heavy); sys.exit(1 if heavy else 0)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    code = (
+        "import sys, jlora, jlora.cli.main, jlora.engine.api, configs, router, cpu_offload; "
+        "heavy = sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules); "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr

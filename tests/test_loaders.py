@@ -23,9 +23,16 @@ from jlora.model.weights import WeightsError
 from tests.model_helpers import hf_last_logits, jlora_last_logits
 from tests.tolerances import assert_close
 
-TINY_HF = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
-               initializer_range=0.2)
+TINY_HF = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
 # 1 token, within one KV block, across a block boundary (16), across two.
 SEQUENCE_LENGTHS = (1, 7, 17, 40)
 
@@ -46,11 +53,14 @@ def _save_tiny_hf(path, *, tie: bool, rope_theta: float = 10000.0):
 # -- Hugging Face safetensors directory ------------------------------------------------
 
 
-@pytest.mark.parametrize(("tie", "rope_theta"), [
-    (True, 10000.0),
-    (False, 10000.0),
-    (False, 500000.0),  # transformers 5 writes it inside config.json's rope_parameters
-])
+@pytest.mark.parametrize(
+    ("tie", "rope_theta"),
+    [
+        (True, 10000.0),
+        (False, 10000.0),
+        (False, 500000.0),  # transformers 5 writes it inside config.json's rope_parameters
+    ],
+)
 def test_hf_directory_logits_match_transformers(tmp_path, tie, rope_theta):
     hf_model = _save_tiny_hf(tmp_path, tie=tie, rope_theta=rope_theta)
     loaded = load_model(str(tmp_path))
@@ -62,8 +72,9 @@ def test_hf_directory_logits_match_transformers(tmp_path, tie, rope_theta):
     rng = np.random.default_rng(0)
     for length in SEQUENCE_LENGTHS:
         ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
-        assert_close(jlora_last_logits(loaded, ids), hf_last_logits(hf_model, ids),
-                     jnp.float32, np.float32)
+        assert_close(
+            jlora_last_logits(loaded, ids), hf_last_logits(hf_model, ids), jnp.float32, np.float32
+        )
 
 
 @pytest.fixture
@@ -82,8 +93,9 @@ def _edit_safetensors(directory, edit) -> None:
 
 
 def _shrink_k_proj(tensors):
-    tensors["model.layers.1.self_attn.k_proj.weight"] = \
-        tensors["model.layers.1.self_attn.k_proj.weight"][:16]  # [32, 64] -> [16, 64]
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors[
+        "model.layers.1.self_attn.k_proj.weight"
+    ][:16]  # [32, 64] -> [16, 64]
     return tensors
 
 
@@ -92,10 +104,14 @@ def _drop_down_proj(tensors):
     return tensors
 
 
-@pytest.mark.parametrize(("edit", "expected"), [
-    (_shrink_k_proj, ["tensor model.layers.1.self_attn.k_proj.weight", "(16, 64)", "(32, 64)"]),
-    (_drop_down_proj, ["tensor model.layers.0.mlp.down_proj.weight is missing"]),
-], ids=["wrong-shape", "missing"])
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_shrink_k_proj, ["tensor model.layers.1.self_attn.k_proj.weight", "(16, 64)", "(32, 64)"]),
+        (_drop_down_proj, ["tensor model.layers.0.mlp.down_proj.weight is missing"]),
+    ],
+    ids=["wrong-shape", "missing"],
+)
 def test_hf_directory_with_a_bad_tensor_names_it(hf_tiny_dir, edit, expected):
     _edit_safetensors(hf_tiny_dir, edit)
     with pytest.raises(WeightsError) as raised:
@@ -131,11 +147,13 @@ def test_convert_round_trips_params_and_config_exactly(tmp_path, preset):
     assert restored.config == original.config
     assert restored.tokenizer is None and original.tokenizer is None
     assert jax.tree.structure(restored.params) == jax.tree.structure(original.params)
-    for (path, ours), theirs in zip(jax.tree.leaves_with_path(restored.params),
-                                    jax.tree.leaves(original.params), strict=True):
+    for (path, ours), theirs in zip(
+        jax.tree.leaves_with_path(restored.params), jax.tree.leaves(original.params), strict=True
+    ):
         assert ours.dtype == theirs.dtype == jnp.float32, jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs),
-                                      err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(
+            np.asarray(ours), np.asarray(theirs), err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.usefixtures("no_compilation_cache")
@@ -161,19 +179,26 @@ def test_convert_refuses_an_occupied_out_path(tmp_path, capsys, occupant):
 @pytest.mark.usefixtures("no_compilation_cache")
 def test_convert_smollm2_keeps_its_tokenizer(tmp_path, smollm2):
     out = tmp_path / "smollm2"
-    assert main(["convert", "--model", "smollm2-135m", "--out", str(out),
-                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main(["convert", "--model", "smollm2-135m", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    )
     restored = load_model(str(out), jnp.bfloat16)
 
     assert restored.config == smollm2.config
     assert jax.tree.leaves(restored.params)[0].dtype == jnp.bfloat16
     before, after = smollm2.tokenizer, restored.tokenizer
     assert after is not None
-    assert (after.bos_id, after.eos_ids, after.add_bos, after.chat_template) == \
-        (before.bos_id, before.eos_ids, before.add_bos, before.chat_template)
+    assert (after.bos_id, after.eos_ids, after.add_bos, after.chat_template) == (
+        before.bos_id,
+        before.eos_ids,
+        before.add_bos,
+        before.chat_template,
+    )
     assert after.vocab_size == before.vocab_size
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Ünïcode, digits 12345 and\ttabs — what is 2+2?"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Ünïcode, digits 12345 and\ttabs — what is 2+2?"},
+    ]
     prompt = before.apply_chat_template(messages)
     assert after.apply_chat_template(messages) == prompt
     ids = before.encode(prompt)
@@ -188,13 +213,17 @@ def _random_bytes(_real: bytes) -> bytes:
     return np.random.default_rng(0).bytes(4096)
 
 
-@pytest.mark.parametrize("make", [
-    _random_bytes,
-    lambda real: b"",
-    lambda real: real[:8],  # magic + version, then nothing
-    lambda real: real[:1024],  # inside the metadata
-    lambda real: real[:3_000_000],  # metadata whole, tensor data cut short
-], ids=["random", "empty", "8-bytes", "1KiB", "3MB"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        _random_bytes,
+        lambda real: b"",
+        lambda real: real[:8],  # magic + version, then nothing
+        lambda real: real[:1024],  # inside the metadata
+        lambda real: real[:3_000_000],  # metadata whole, tensor data cut short
+    ],
+    ids=["random", "empty", "8-bytes", "1KiB", "3MB"],
+)
 def test_malformed_gguf_is_not_a_valid_gguf(tmp_path, smollm2_gguf_path, make):
     with smollm2_gguf_path.open("rb") as real:
         head = real.read(3_000_000)
@@ -214,8 +243,11 @@ def test_unknown_preset_lists_the_presets():
         assert preset in message
 
 
-@pytest.mark.parametrize("contents", [{}, {"README.md": "hello"}, {"model.bin": "weights"}],
-                         ids=["empty", "readme", "bin"])
+@pytest.mark.parametrize(
+    "contents",
+    [{}, {"README.md": "hello"}, {"model.bin": "weights"}],
+    ids=["empty", "readme", "bin"],
+)
 def test_directory_that_is_no_model_is_refused(tmp_path, contents):
     for name, text in contents.items():
         (tmp_path / name).write_text(text)
@@ -261,8 +293,9 @@ def test_llama_cpp_permutation_by_hand():
     assert unpermute_rope_rows(np.array([0, 2, 1, 3, 4, 6, 5, 7]), 2).tolist() == list(range(8))
 
 
-@pytest.mark.parametrize(("heads", "head_dim", "in_features"), [
-    (1, 4, None), (2, 8, 3), (4, 16, 5), (3, 64, 2)])
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "in_features"), [(1, 4, None), (2, 8, 3), (4, 16, 5), (3, 64, 2)]
+)
 def test_unpermute_rope_rows_inverts_llama_cpp(heads, head_dim, in_features):
     shape = (heads * head_dim,) if in_features is None else (heads * head_dim, in_features)
     weight = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)

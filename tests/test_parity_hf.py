@@ -38,8 +38,12 @@ def test_last_position_logits_match_transformers(smollm2, hf_smollm2, prompt):
 
 
 def _greedy_engine(loaded) -> LLMEngine:
-    return LLMEngine(model_config=loaded.config, params=loaded.params, tokenizer=loaded.tokenizer,
-                     engine_config=EngineConfig(max_slots=4, max_seq_len=256))
+    return LLMEngine(
+        model_config=loaded.config,
+        params=loaded.params,
+        tokenizer=loaded.tokenizer,
+        engine_config=EngineConfig(max_slots=4, max_seq_len=256),
+    )
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -69,8 +73,10 @@ def _hf_greedy(hf_model, ids: list[int], max_tokens: int) -> list[int]:
 def test_greedy_continuations_match_transformers(smollm2, hf_smollm2):
     tokenizer = smollm2.tokenizer
     prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
-    prompts += [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]))
-                for c in CHATS]
+    prompts += [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]))
+        for c in CHATS
+    ]
     ours = _generate(_greedy_engine(smollm2), prompts, max_tokens=32)
     for ids, generated in zip(prompts, ours, strict=True):
         assert len(generated) == 32

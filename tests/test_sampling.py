@@ -16,10 +16,13 @@ LOGITS = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
 
 def _arrays(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None):
     full = lambda value, dtype: np.full(rows, value, dtype)  # noqa: E731
-    return SamplingArrays(temperature=full(temperature, np.float32), top_k=full(top_k, np.int32),
-                          top_p=full(top_p, np.float32), seed=full(seed, np.uint32),
-                          step=np.arange(rows, dtype=np.int32) if step is None
-                          else full(step, np.int32))
+    return SamplingArrays(
+        temperature=full(temperature, np.float32),
+        top_k=full(top_k, np.int32),
+        top_p=full(top_p, np.float32),
+        seed=full(seed, np.uint32),
+        step=np.arange(rows, dtype=np.int32) if step is None else full(step, np.int32),
+    )
 
 
 def _draws(rows=4000, **kwargs) -> np.ndarray:
@@ -39,14 +42,17 @@ def test_temperature_one_follows_the_softmax():
     np.testing.assert_allclose(freq, [0.5, 0.25, 0.125, 0.125], atol=0.032)
 
 
-@pytest.mark.parametrize("kwargs, support", [
-    ({"top_k": 1}, {0}),
-    ({"top_k": 2}, {0, 1}),
-    ({"top_p": 0.4}, {0}),  # the first token alone already holds 0.5 >= 0.4
-    ({"top_p": 0.7}, {0, 1}),  # 0.5 < 0.7, then 0.75 >= 0.7
-    ({"top_k": 3, "top_p": 0.99}, {0, 1, 2}),
-    ({"temperature": 1e-4}, {0}),
-])
+@pytest.mark.parametrize(
+    "kwargs, support",
+    [
+        ({"top_k": 1}, {0}),
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.4}, {0}),  # the first token alone already holds 0.5 >= 0.4
+        ({"top_p": 0.7}, {0, 1}),  # 0.5 < 0.7, then 0.75 >= 0.7
+        ({"top_k": 3, "top_p": 0.99}, {0, 1, 2}),
+        ({"temperature": 1e-4}, {0}),
+    ],
+)
 def test_cuts_restrict_the_support(kwargs, support):
     assert set(_draws(rows=2000, **kwargs).tolist()) == support
 
@@ -60,8 +66,8 @@ def test_seed_and_step_determine_the_sample_not_the_batch():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(6, 1000)).astype(np.float32)
     arrays = _arrays(6, seed=7, step=3)
-    rows = [jax.tree.map(lambda a, i=i: a[i:i + 1], arrays) for i in range(6)]
-    alone = [int(sample_jit(logits[i:i + 1], row)[0]) for i, row in enumerate(rows)]
+    rows = [jax.tree.map(lambda a, i=i: a[i : i + 1], arrays) for i in range(6)]
+    alone = [int(sample_jit(logits[i : i + 1], row)[0]) for i, row in enumerate(rows)]
     np.testing.assert_array_equal(sample_jit(logits, arrays), alone)
     other_seeds = [int(sample_jit(logits[:1], _arrays(1, seed=s, step=3))[0]) for s in range(20)]
     assert len(set(other_seeds)) > 1

@@ -20,8 +20,9 @@ TEXTS = [
 def hf_tokenizer(smollm2_gguf_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent),
-                                         gguf_file=smollm2_gguf_path.name)
+    return AutoTokenizer.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -57,7 +58,6 @@ def test_special_tokens_are_single_ids(smollm2):
 def test_chat_template_matches_transformers(smollm2, hf_tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ours = smollm2.tokenizer.apply_chat_template(messages)
-    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                              add_generation_prompt=True)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == theirs
     assert ours.endswith("<|im_start|>assistant\n")

@@ -34,5 +34,6 @@ def assert_close(actual, expected, in_dtype, out_dtype=None) -> None:
     out_dtype = np.dtype(out_dtype or actual.dtype)
     assert actual.dtype == out_dtype, f"dtype {actual.dtype}, expected {out_dtype}"
     atol, rtol = tolerances(in_dtype, out_dtype)
-    np.testing.assert_allclose(actual.astype(np.float32), np.asarray(expected, np.float32),
-                               atol=atol, rtol=rtol)
+    np.testing.assert_allclose(
+        actual.astype(np.float32), np.asarray(expected, np.float32), atol=atol, rtol=rtol
+    )

@@ -12,11 +12,19 @@ class UsageError(Exception):
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_PRESET",
-                        help="a preset name, a .gguf file, a Hugging Face directory or a "
-                             f"`jlora convert` checkpoint (default: {DEFAULT_MODEL})")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="serving dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="PATH_OR_PRESET",
+        help="a preset name, a .gguf file, a Hugging Face directory or a "
+        f"`jlora convert` checkpoint (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="serving dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    )
 
 
 def resolve_dtype(name: str) -> str:

@@ -10,8 +10,9 @@ from jlora.cli.common import UsageError, add_model_args, resolve_dtype
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("convert", help="write an orbax checkpoint",
-                                 description=__doc__.splitlines()[0])
+    parser = commands.add_parser(
+        "convert", help="write an orbax checkpoint", description=__doc__.splitlines()[0]
+    )
     add_model_args(parser)
     parser.add_argument("--out", type=Path, required=True, help="the new checkpoint directory")
     parser.set_defaults(run=run)
@@ -37,6 +38,5 @@ def run(args: argparse.Namespace) -> int:
         loaded = load_model(args.model, dtype, progress)
     print(f"writing {args.out}", file=sys.stderr)
     save_checkpoint(args.out, loaded.config, loaded.params, loaded.tokenizer, loaded.source)
-    print(f"wrote {args.out} ({loaded.config.name}, {dtype}) from {loaded.source}",
-          file=sys.stderr)
+    print(f"wrote {args.out} ({loaded.config.name}, {dtype}) from {loaded.source}", file=sys.stderr)
     return 0

@@ -16,11 +16,15 @@ from jlora.cli.common import UsageError
 
 
 def _configure_runtime(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     # Compiled executables persist across runs (XLA's own cache, keyed by program).
-    cache_dir = os.environ.get("JLORA_COMPILATION_CACHE",
-                               os.path.join(os.path.expanduser("~"), ".cache", "jlora", "xla"))
+    cache_dir = os.environ.get(
+        "JLORA_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jlora", "xla")
+    )
     if cache_dir:
         import jax
 
@@ -48,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (UsageError, ConfigError, InvalidRequest, WeightsError, TokenizerError,
-            OSError) as err:
+    except (UsageError, ConfigError, InvalidRequest, WeightsError, TokenizerError, OSError) as err:
         print(f"jlora: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

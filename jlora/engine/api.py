@@ -46,14 +46,15 @@ class SamplingParams:
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(f"top_k={self.top_k!r} must be a non-negative integer "
-                                 f"(0 disables it)")
-        if self.seed is not None and not (isinstance(self.seed, int) and
-                                          0 <= self.seed < 2**32):
+            raise InvalidRequest(
+                f"top_k={self.top_k!r} must be a non-negative integer (0 disables it)"
+            )
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
             raise InvalidRequest(f"seed={self.seed!r} must be an integer in [0, 2**32)")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidRequest(f"stop={self.stop!r} must hold at most {MAX_STOP_STRINGS} "
-                                 f"non-empty strings")
+            raise InvalidRequest(
+                f"stop={self.stop!r} must hold at most {MAX_STOP_STRINGS} non-empty strings"
+            )
 
 
 def _finite(value: object) -> bool:
@@ -94,8 +95,9 @@ class Engine(abc.ABC):
         """Drop a queued or running request, freeing its slot and blocks."""
 
     @abc.abstractmethod
-    def warmup(self, prompt_lengths: list[int] | None = None,
-               max_length: int | None = None) -> None:
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
         """Compile every step shape (or those these prompts, growing to max_length, need)."""
 
     @abc.abstractmethod

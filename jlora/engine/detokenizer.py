@@ -47,12 +47,12 @@ class Detokenizer:
 
     def _tail(self) -> str:
         """The text of ids[read:], decoded with ids[prefix:read] as context."""
-        context = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        return self._tokenizer.decode(self._ids[self._prefix:])[len(context):]
+        context = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        return self._tokenizer.decode(self._ids[self._prefix :])[len(context) :]
 
     def _release(self, end: int) -> str:
         end = max(end, self._emitted)
-        delta = self._decoded[self._emitted:end]
+        delta = self._decoded[self._emitted : end]
         self._emitted = end
         self.text = self._decoded[:end]
         return delta

@@ -63,21 +63,33 @@ class _Sequence:
 
 
 class LLMEngine(Engine):
-    def __init__(self, *, model_config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
-                 engine_config: EngineConfig) -> None:
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer | None,
+        engine_config: EngineConfig,
+    ) -> None:
         cfg = engine_config
         if cfg.max_seq_len > model_config.max_context:
-            raise InvalidRequest(f"max_seq_len={cfg.max_seq_len} exceeds the model's context "
-                                 f"length {model_config.max_context}")
+            raise InvalidRequest(
+                f"max_seq_len={cfg.max_seq_len} exceeds the model's context "
+                f"length {model_config.max_context}"
+            )
         self.model_config = model_config
         self.config = cfg
         self.tokenizer = tokenizer
         self.params = params
         self.model = Llama(model_config, jnp.dtype(cfg.dtype))
         self.cache = KVCache.zeros(
-            num_layers=model_config.num_layers, num_blocks=cfg.num_blocks,
-            block_size=cfg.block_size, num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim, dtype=self.model.dtype)
+            num_layers=model_config.num_layers,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            dtype=self.model.dtype,
+        )
         self.steps = CompiledSteps(self.model)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -91,9 +103,14 @@ class LLMEngine(Engine):
         self._positions = np.zeros(cfg.max_slots, np.int32)
         self._tables = np.full((cfg.max_slots, cfg.blocks_per_seq), self._sentinel, np.int32)
         self._sampling = host_sampling(cfg.max_slots)
-        log.info("engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
-                 cfg.max_slots, cfg.num_blocks, cfg.block_size, self.cache.nbytes() / 2**20,
-                 cfg.max_seq_len)
+        log.info(
+            "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
+            cfg.max_slots,
+            cfg.num_blocks,
+            cfg.block_size,
+            self.cache.nbytes() / 2**20,
+            cfg.max_seq_len,
+        )
 
     # -- Engine interface ----------------------------------------------------------
 
@@ -122,12 +139,14 @@ class LLMEngine(Engine):
         if len(prompt) >= self.max_seq_len:
             raise InvalidRequest(
                 f"prompt has {len(prompt)} tokens; the context limit is {self.max_seq_len} "
-                f"tokens (max_seq_len), which leaves no room to generate")
+                f"tokens (max_seq_len), which leaves no room to generate"
+            )
         vocab = self.model_config.vocab_size
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequest(f"prompt_ids[{bad}]={prompt[bad]} is outside the vocabulary "
-                                 f"[0, {vocab})")
+            raise InvalidRequest(
+                f"prompt_ids[{bad}]={prompt[bad]} is outside the vocabulary [0, {vocab})"
+            )
         sampling = request.sampling
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer; this model has none")
@@ -158,18 +177,24 @@ class LLMEngine(Engine):
 
     # -- warm-up -----------------------------------------------------------------
 
-    def warmup(self, prompt_lengths: list[int] | None = None,
-               max_length: int | None = None) -> None:
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
         cfg = self.config
-        prefill = (cfg.prefill_buckets if prompt_lengths is None
-                   else sorted({self._bucket(cfg.prefill_buckets, n) for n in prompt_lengths}))
-        longest = self._bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len,
-                                                       cfg.max_seq_len))
+        prefill = (
+            cfg.prefill_buckets
+            if prompt_lengths is None
+            else sorted({self._bucket(cfg.prefill_buckets, n) for n in prompt_lengths})
+        )
+        longest = self._bucket(
+            cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len)
+        )
         for bucket in prefill:
             self.steps.compile_prefill(self.params, self.cache, bucket, cfg.blocks_per_seq)
-        for bucket in cfg.decode_buckets[:cfg.decode_buckets.index(longest) + 1]:
-            self.steps.compile_decode(self.params, self.cache, cfg.max_slots,
-                                      bucket // cfg.block_size)
+        for bucket in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
+            self.steps.compile_decode(
+                self.params, self.cache, cfg.max_slots, bucket // cfg.block_size
+            )
         self.steps.warmed_up = True
 
     # -- the iteration ----------------------------------------------------------------
@@ -193,7 +218,7 @@ class LLMEngine(Engine):
             seq.blocks = self.allocator.allocate(blocks_needed)
             seq.slot = self._slots.index(None)
             self._slots[seq.slot] = seq
-            self._tables[seq.slot, :len(seq.blocks)] = seq.blocks
+            self._tables[seq.slot, : len(seq.blocks)] = seq.blocks
             self._set_sampling_row(seq)
             self._prefill(seq, events)
             prefilled += prompt_len
@@ -210,11 +235,12 @@ class LLMEngine(Engine):
         prompt = seq.request.prompt_ids
         bucket = self._bucket(self.config.prefill_buckets, len(prompt))
         tokens = np.zeros(bucket, np.int32)
-        tokens[:len(prompt)] = prompt
-        sampling = jax.tree.map(lambda a: a[seq.slot:seq.slot + 1], self._sampling)
+        tokens[: len(prompt)] = prompt
+        sampling = jax.tree.map(lambda a: a[seq.slot : seq.slot + 1], self._sampling)
         self.steps.compile_prefill(self.params, self.cache, bucket, self.config.blocks_per_seq)
-        token, self.cache = self.steps.prefill(self.params, self.cache, tokens, len(prompt),
-                                               self._tables[seq.slot], sampling)
+        token, self.cache = self.steps.prefill(
+            self.params, self.cache, tokens, len(prompt), self._tables[seq.slot], sampling
+        )
         self._append(seq, int(token), events)
 
     def _decode(self, events: list[TokenEvent]) -> None:
@@ -222,9 +248,14 @@ class LLMEngine(Engine):
         longest = max(s.length for s in running)
         blocks = self._bucket(self.config.decode_buckets, longest) // self.config.block_size
         self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks)
-        sampled, self.cache = self.steps.decode(self.params, self.cache, self._tokens,
-                                                self._positions, self._tables[:, :blocks],
-                                                self._sampling)
+        sampled, self.cache = self.steps.decode(
+            self.params,
+            self.cache,
+            self._tokens,
+            self._positions,
+            self._tables[:, :blocks],
+            self._sampling,
+        )
         tokens = np.asarray(sampled)
         for seq in running:
             self._append(seq, int(tokens[seq.slot]), events)
@@ -258,8 +289,16 @@ class LLMEngine(Engine):
         self._ids.discard(seq.request.request_id)
 
 
-def build_engine(model_config: ModelConfig, params: Params, tokenizer: Tokenizer | None,
-                 engine_config: EngineConfig | None = None) -> LLMEngine:
-    return LLMEngine(model_config=model_config, params=params, tokenizer=tokenizer,
-                     engine_config=engine_config or EngineConfig(
-                         max_seq_len=min(2048, model_config.max_context)))
+def build_engine(
+    model_config: ModelConfig,
+    params: Params,
+    tokenizer: Tokenizer | None,
+    engine_config: EngineConfig | None = None,
+) -> LLMEngine:
+    return LLMEngine(
+        model_config=model_config,
+        params=params,
+        tokenizer=tokenizer,
+        engine_config=engine_config
+        or EngineConfig(max_seq_len=min(2048, model_config.max_context)),
+    )

@@ -28,9 +28,11 @@ class SamplingArrays:
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """logits: f32[S, V] -> i32[S]. All-greedy batches skip the sort entirely."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.all(params.temperature == 0.0), lambda: greedy,
-                        lambda: jnp.where(params.temperature == 0.0, greedy,
-                                          _sample_rows(logits, params)))
+    return jax.lax.cond(
+        jnp.all(params.temperature == 0.0),
+        lambda: greedy,
+        lambda: jnp.where(params.temperature == 0.0, greedy, _sample_rows(logits, params)),
+    )
 
 
 def _sample_rows(logits: jax.Array, params: SamplingArrays) -> jax.Array:

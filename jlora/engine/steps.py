@@ -35,13 +35,27 @@ class CompiledSteps:
         self.num_compiles = 0
         self.warmed_up = False  # set by the engine once warm-up is done
 
-    def _prefill(self, params: Params, cache: KVCache, tokens: jax.Array, length: jax.Array,
-                 block_table: jax.Array, sampling: SamplingArrays) -> tuple[jax.Array, KVCache]:
+    def _prefill(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+        sampling: SamplingArrays,
+    ) -> tuple[jax.Array, KVCache]:
         logits, cache = self.model.prefill(params, cache, tokens, length, block_table)
         return sample(logits[None], sampling)[0], cache
 
-    def _decode(self, params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-                block_tables: jax.Array, sampling: SamplingArrays) -> tuple[jax.Array, KVCache]:
+    def _decode(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        positions: jax.Array,
+        block_tables: jax.Array,
+        sampling: SamplingArrays,
+    ) -> tuple[jax.Array, KVCache]:
         logits, cache = self.model.decode(params, cache, tokens, positions, block_tables)
         return sample(logits, sampling), cache
 
@@ -51,41 +65,76 @@ class CompiledSteps:
         start = time.perf_counter()
         executable = jitted.lower(*args).compile()
         self.num_compiles += 1
-        log.log(logging.WARNING if self.warmed_up else logging.INFO,
-                "compiled %s in %.1f s%s", what, time.perf_counter() - start,
-                " after warm-up" if self.warmed_up else "")
+        log.log(
+            logging.WARNING if self.warmed_up else logging.INFO,
+            "compiled %s in %.1f s%s",
+            what,
+            time.perf_counter() - start,
+            " after warm-up" if self.warmed_up else "",
+        )
         return executable
 
-    def compile_prefill(self, params: Params, cache: KVCache, bucket: int,
-                        blocks_per_seq: int) -> None:
+    def compile_prefill(
+        self, params: Params, cache: KVCache, bucket: int, blocks_per_seq: int
+    ) -> None:
         if bucket not in self._prefill_exe:
             self._prefill_exe[bucket] = self._compile(
-                self._prefill_jit, f"prefill[{bucket}]", params, cache,
-                np.zeros(bucket, np.int32), np.int32(1), np.zeros(blocks_per_seq, np.int32),
-                host_sampling(1))
+                self._prefill_jit,
+                f"prefill[{bucket}]",
+                params,
+                cache,
+                np.zeros(bucket, np.int32),
+                np.int32(1),
+                np.zeros(blocks_per_seq, np.int32),
+                host_sampling(1),
+            )
 
     def compile_decode(self, params: Params, cache: KVCache, slots: int, blocks: int) -> None:
         if (slots, blocks) not in self._decode_exe:
             self._decode_exe[(slots, blocks)] = self._compile(
-                self._decode_jit, f"decode[{slots} slots x {blocks} blocks]", params, cache,
-                np.zeros(slots, np.int32), np.zeros(slots, np.int32),
-                np.zeros((slots, blocks), np.int32), host_sampling(slots))
+                self._decode_jit,
+                f"decode[{slots} slots x {blocks} blocks]",
+                params,
+                cache,
+                np.zeros(slots, np.int32),
+                np.zeros(slots, np.int32),
+                np.zeros((slots, blocks), np.int32),
+                host_sampling(slots),
+            )
 
     # -- calls -------------------------------------------------------------------
 
-    def prefill(self, params: Params, cache: KVCache, tokens: np.ndarray, length: int,
-                block_table: np.ndarray, sampling: SamplingArrays) -> tuple[jax.Array, KVCache]:
+    def prefill(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: np.ndarray,
+        length: int,
+        block_table: np.ndarray,
+        sampling: SamplingArrays,
+    ) -> tuple[jax.Array, KVCache]:
         executable = self._prefill_exe[tokens.shape[0]]
         return executable(params, cache, tokens, np.int32(length), block_table, sampling)
 
-    def decode(self, params: Params, cache: KVCache, tokens: np.ndarray, positions: np.ndarray,
-               block_tables: np.ndarray, sampling: SamplingArrays) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        block_tables: np.ndarray,
+        sampling: SamplingArrays,
+    ) -> tuple[jax.Array, KVCache]:
         executable = self._decode_exe[block_tables.shape]
         return executable(params, cache, tokens, positions, block_tables, sampling)
 
 
 def host_sampling(rows: int) -> SamplingArrays:
     """Greedy sampling arrays on the host (numpy), to be filled in per row."""
-    return SamplingArrays(temperature=np.zeros(rows, np.float32), top_k=np.zeros(rows, np.int32),
-                          top_p=np.ones(rows, np.float32), seed=np.zeros(rows, np.uint32),
-                          step=np.zeros(rows, np.int32))
+    return SamplingArrays(
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        seed=np.zeros(rows, np.uint32),
+        step=np.zeros(rows, np.int32),
+    )

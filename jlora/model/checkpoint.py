@@ -27,8 +27,9 @@ MARKER = "jlora_model.json"
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(path: Path, config: ModelConfig, params: Params,
-                    tokenizer: Tokenizer | None, source: str) -> None:
+def save_checkpoint(
+    path: Path, config: ModelConfig, params: Params, tokenizer: Tokenizer | None, source: str
+) -> None:
     import orbax.checkpoint as ocp
 
     path = path.absolute()
@@ -40,8 +41,12 @@ def save_checkpoint(path: Path, config: ModelConfig, params: Params,
         checkpointer.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save(path)
-    meta = {"format": FORMAT_VERSION, "config": config.to_dict(), "source": source,
-            "dtype": str(jax.tree.leaves(params)[0].dtype)}
+    meta = {
+        "format": FORMAT_VERSION,
+        "config": config.to_dict(),
+        "source": source,
+        "dtype": str(jax.tree.leaves(params)[0].dtype),
+    }
     (path / MARKER).write_text(json.dumps(meta, indent=2))
 
 
@@ -49,22 +54,24 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def load_checkpoint(path: Path, dtype: jnp.dtype,
-                    sharding: jax.sharding.Sharding | None = None
-                    ) -> tuple[ModelConfig, Params, Tokenizer | None]:
+def load_checkpoint(
+    path: Path, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
+) -> tuple[ModelConfig, Params, Tokenizer | None]:
     """Restore into the serving dtype; `sharding` places every leaf (default: device 0)."""
     import orbax.checkpoint as ocp
 
     path = path.absolute()
     meta = json.loads((path / MARKER).read_text())
     if meta.get("format") != FORMAT_VERSION:
-        raise WeightsError(f"{path / MARKER}: format={meta.get('format')!r} is not "
-                           f"{FORMAT_VERSION}")
+        raise WeightsError(
+            f"{path / MARKER}: format={meta.get('format')!r} is not {FORMAT_VERSION}"
+        )
     config = ModelConfig.from_dict(meta["config"])
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
-        Llama(config, dtype).param_shapes())
+        Llama(config, dtype).param_shapes(),
+    )
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(path / "params", abstract)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

@@ -46,8 +46,9 @@ class GGUFFile:
             self._reader = gguf.GGUFReader(str(path))
             self.fields: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
         except Exception as err:  # the reader raises ValueError, struct/IndexError, ...
-            raise WeightsError(f"{path}: not a valid GGUF file ({type(err).__name__}: {err})") \
-                from err
+            raise WeightsError(
+                f"{path}: not a valid GGUF file ({type(err).__name__}: {err})"
+            ) from err
         self._tensors = {t.name: t for t in self._reader.tensors}
 
     def field(self, key: str) -> Any:
@@ -86,12 +87,15 @@ class GGUFFile:
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as err:
-            raise WeightsError(f"{self.path}: tensor {name} of type {t.tensor_type.name} "
-                               f"cannot be dequantized ({err})") from err
+            raise WeightsError(
+                f"{self.path}: tensor {name} of type {t.tensor_type.name} "
+                f"cannot be dequantized ({err})"
+            ) from err
         return np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
 
-    def params(self, config: ModelConfig, dtype: jnp.dtype,
-               progress: Progress | None = None) -> Params:
+    def params(
+        self, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
+    ) -> Params:
         def tensor(hf_name: str) -> np.ndarray:
             if hf_name == "model.embed_tokens.weight":
                 return self.tensor("token_embd.weight")
@@ -118,5 +122,4 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """
     out_features = weight.shape[0]
     half = out_features // heads // 2
-    return (weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
-            .reshape(weight.shape))
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

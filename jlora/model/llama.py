@@ -68,8 +68,13 @@ class DecoderLayer(nn.Module):
         cfg = self.config
 
         def dense(features: int) -> nn.Dense:
-            return nn.Dense(features, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                            kernel_init=nn.initializers.normal(0.02))
+            return nn.Dense(
+                features,
+                use_bias=False,
+                dtype=self.dtype,
+                param_dtype=self.dtype,
+                kernel_init=nn.initializers.normal(0.02),
+            )
 
         self.attn_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         self.q_proj = dense(cfg.q_size)
@@ -128,14 +133,20 @@ class Llama:
             return self.layer.init(key, dummy, pos)["params"]
 
         params: Params = {
-            "embed": {"embedding": (0.02 * jax.random.normal(
-                k_embed, (cfg.vocab_size, cfg.hidden_size))).astype(self.dtype)},
+            "embed": {
+                "embedding": (
+                    0.02 * jax.random.normal(k_embed, (cfg.vocab_size, cfg.hidden_size))
+                ).astype(self.dtype)
+            },
             "layers": jax.jit(jax.vmap(init_layer))(jax.random.split(k_layers, cfg.num_layers)),
             "final_norm": {"scale": jnp.ones((cfg.hidden_size,), self.dtype)},
         }
         if not cfg.tie_embeddings:
-            params["lm_head"] = {"kernel": (0.02 * jax.random.normal(
-                k_head, (cfg.hidden_size, cfg.vocab_size))).astype(self.dtype)}
+            params["lm_head"] = {
+                "kernel": (
+                    0.02 * jax.random.normal(k_head, (cfg.hidden_size, cfg.vocab_size))
+                ).astype(self.dtype)
+            }
         return params
 
     def param_shapes(self) -> Params:
@@ -148,10 +159,12 @@ class Llama:
         """x: [..., D] -> fp32 logits [..., V]."""
         h = self.final_norm.apply({"params": params["final_norm"]}, x)
         if self.config.tie_embeddings:
-            return jnp.einsum("...d,vd->...v", h, params["embed"]["embedding"],
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", h, params["lm_head"]["kernel"],
-                          preferred_element_type=jnp.float32)
+            return jnp.einsum(
+                "...d,vd->...v", h, params["embed"]["embedding"], preferred_element_type=jnp.float32
+            )
+        return jnp.einsum(
+            "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
+        )
 
     def _scan_layers(self, params: Params, x: jax.Array, cache: KVCache, layer_fn):
         """Run `layer_fn(layer_params, layer_index, x, cache) -> (x, cache)` over the stack."""
@@ -165,8 +178,14 @@ class Llama:
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], indices))
         return x, cache
 
-    def prefill(self, params: Params, cache: KVCache, tokens: jax.Array, length: jax.Array,
-                block_table: jax.Array) -> tuple[jax.Array, KVCache]:
+    def prefill(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
         """Run one prompt, write its keys/values into its blocks, return the last logits.
 
         tokens: i32[T] (padded to a bucket length T); length: i32[] real tokens (1..T);
@@ -174,23 +193,32 @@ class Llama:
         Returns fp32 logits [V] at position length-1, and the updated cache.
         """
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        blocks = jnp.where(positions < length, block_table[positions // cache.block_size],
-                           cache.num_blocks)
+        blocks = jnp.where(
+            positions < length, block_table[positions // cache.block_size], cache.num_blocks
+        )
         offsets = positions % cache.block_size
         x = jnp.take(params["embed"]["embedding"], tokens, axis=0)  # [T, D]
 
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
             q, k, v = layer.qkv(x, positions)
-            cache = KVCache(k=write_kv(cache.k, index, blocks, offsets, k),
-                            v=write_kv(cache.v, index, blocks, offsets, v))
+            cache = KVCache(
+                k=write_kv(cache.k, index, blocks, offsets, k),
+                v=write_kv(cache.v, index, blocks, offsets, v),
+            )
             return layer.finish(x, causal_attention(q, k, v, length)), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)
         return self._logits(params, x[length - 1]), cache
 
-    def decode(self, params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array,
-               block_tables: jax.Array) -> tuple[jax.Array, KVCache]:
+    def decode(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        positions: jax.Array,
+        block_tables: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
         """One token for each of S slots.
 
         tokens, positions: i32[S]; block_tables: i32[S, max_blocks]. An idle slot has an
@@ -205,10 +233,13 @@ class Llama:
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
             q, k, v = layer.qkv(x[:, None], positions[:, None])  # [S, 1, ...]
-            cache = KVCache(k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
-                            v=write_kv(cache.v, index, blocks, offsets, v[:, 0]))
-            attn = paged_decode_attention(q[:, 0], cache.k[index], cache.v[index],
-                                          block_tables, positions)
+            cache = KVCache(
+                k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
+                v=write_kv(cache.v, index, blocks, offsets, v[:, 0]),
+            )
+            attn = paged_decode_attention(
+                q[:, 0], cache.k[index], cache.v[index], block_tables, positions
+            )
             return layer.finish(x, attn), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)

@@ -31,8 +31,9 @@ class LoadedModel:
     source: str  # what was loaded, for logs
 
 
-def load_model(spec: str, serving_dtype: DTypeLike = jnp.float32,
-               progress: Progress | None = None) -> LoadedModel:
+def load_model(
+    spec: str, serving_dtype: DTypeLike = jnp.float32, progress: Progress | None = None
+) -> LoadedModel:
     """`progress(done, total)` is called after each tensor read from a GGUF or HF file."""
     dtype = jnp.dtype(serving_dtype)
     if spec in list_presets():
@@ -51,22 +52,26 @@ def load_model(spec: str, serving_dtype: DTypeLike = jnp.float32,
     if path.exists():
         raise WeightsError(
             f"model path {spec!r} is neither a .gguf file, a Hugging Face directory "
-            f"(config.json + *.safetensors) nor a jlora checkpoint ({checkpoint.MARKER})")
-    raise WeightsError(f"unknown model path or preset {spec!r}; presets: "
-                       f"{', '.join(list_presets())}")
+            f"(config.json + *.safetensors) nor a jlora checkpoint ({checkpoint.MARKER})"
+        )
+    raise WeightsError(
+        f"unknown model path or preset {spec!r}; presets: {', '.join(list_presets())}"
+    )
 
 
-def _load_gguf(path: Path, dtype: jnp.dtype, progress: Progress | None,
-               expected: ModelConfig | None = None) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: jnp.dtype, progress: Progress | None, expected: ModelConfig | None = None
+) -> LoadedModel:
     gguf_file = GGUFFile(path)
     config = gguf_file.config(expected.name if expected else "")
     diff = _config_diff(config, expected) if expected is not None else {}
     if expected is not None and diff:
-        raise WeightsError(f"{path}: GGUF metadata disagrees with preset {expected.name} "
-                           f"(field: (gguf, preset)) {diff}")
+        raise WeightsError(
+            f"{path}: GGUF metadata disagrees with preset {expected.name} "
+            f"(field: (gguf, preset)) {diff}"
+        )
     params = gguf_file.params(config, dtype, progress)
-    return LoadedModel(config, params, Tokenizer.from_gguf_fields(gguf_file.fields),
-                       f"GGUF {path}")
+    return LoadedModel(config, params, Tokenizer.from_gguf_fields(gguf_file.fields), f"GGUF {path}")
 
 
 def _config_diff(actual: ModelConfig, expected: ModelConfig) -> dict[str, tuple]:
@@ -85,5 +90,6 @@ def _load_preset(name: str, dtype: jnp.dtype, progress: Progress | None) -> Load
     if preset.weights.format == "gguf":
         return _load_gguf(preset.weights.resolve_path(), dtype, progress, expected=preset.config)
     params = Llama(preset.config, dtype).init_params(preset.weights.seed)
-    return LoadedModel(preset.config, params, None,
-                       f"preset {name} (random weights, seed {preset.weights.seed})")
+    return LoadedModel(
+        preset.config, params, None, f"preset {name} (random weights, seed {preset.weights.seed})"
+    )

@@ -40,8 +40,9 @@ TensorFn = Callable[[str], np.ndarray]  # HF tensor name (with ".weight") -> arr
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all), after each tensor
 
 
-def assemble_params(config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype,
-                    progress: Progress | None = None) -> Params:
+def assemble_params(
+    config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype, progress: Progress | None = None
+) -> Params:
     """Build `Params` from `tensor(hf_name)`; raise WeightsError naming a bad tensor."""
     shapes = Llama(config, dtype).param_shapes()
     total = 2 + ("lm_head" in shapes) + len(LAYER_TENSORS) * config.num_layers
@@ -57,35 +58,48 @@ def assemble_params(config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype,
             array = array.T
         if array.shape != tuple(expected):
             torch_shape = tuple(reversed(expected)) if transpose else tuple(expected)
-            raise WeightsError(f"tensor {name}: shape {array.T.shape if transpose else array.shape}"
-                               f" does not match the config (expected {torch_shape})")
+            raise WeightsError(
+                f"tensor {name}: shape {array.T.shape if transpose else array.shape}"
+                f" does not match the config (expected {torch_shape})"
+            )
         return array
 
     def to_device(array: np.ndarray) -> jax.Array:
         return jnp.asarray(array, dtype=dtype)
 
     params: Params = {
-        "embed": {"embedding": to_device(fetch(
-            "model.embed_tokens.weight", shapes["embed"]["embedding"].shape, False))},
-        "final_norm": {"scale": to_device(fetch(
-            "model.norm.weight", shapes["final_norm"]["scale"].shape, False))},
+        "embed": {
+            "embedding": to_device(
+                fetch("model.embed_tokens.weight", shapes["embed"]["embedding"].shape, False)
+            )
+        },
+        "final_norm": {
+            "scale": to_device(
+                fetch("model.norm.weight", shapes["final_norm"]["scale"].shape, False)
+            )
+        },
         "layers": {},
     }
     if "lm_head" in shapes:
-        params["lm_head"] = {"kernel": to_device(fetch(
-            "lm_head.weight", shapes["lm_head"]["kernel"].shape, True))}
+        params["lm_head"] = {
+            "kernel": to_device(fetch("lm_head.weight", shapes["lm_head"]["kernel"].shape, True))
+        }
     for ours, hf in LAYER_TENSORS.items():
         leaf = "scale" if ours.endswith("norm") else "kernel"
         per_layer_shape = shapes["layers"][ours][leaf].shape[1:]
-        stacked = np.stack([
-            fetch(f"model.layers.{i}.{hf}.weight", per_layer_shape, leaf == "kernel")
-            for i in range(config.num_layers)])
+        stacked = np.stack(
+            [
+                fetch(f"model.layers.{i}.{hf}.weight", per_layer_shape, leaf == "kernel")
+                for i in range(config.num_layers)
+            ]
+        )
         params["layers"][ours] = {leaf: to_device(stacked)}
     return params
 
 
-def load_safetensors_dir(path, config: ModelConfig, dtype: jnp.dtype,
-                         progress: Progress | None = None) -> Params:
+def load_safetensors_dir(
+    path, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
+) -> Params:
     """A Hugging Face model directory: one or more `*.safetensors` files."""
     from safetensors import SafetensorError, safe_open
 
