@@ -76,7 +76,7 @@ class TokenEvent:
     text is the new text this token completes (may be empty while a multi-byte
     character or a possible stop string is pending); finish_reason is set on the
     request's last event: "stop" (EOS or a stop string), "length" (max_tokens or
-    the context), or "abort".
+    the context).
     """
 
     request_id: str

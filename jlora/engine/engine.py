@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import EngineConfig, ModelConfig
+from configs import ConfigError, EngineConfig, ModelConfig
 from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.detokenizer import Detokenizer
@@ -73,8 +73,8 @@ class LLMEngine(Engine):
     ) -> None:
         cfg = engine_config
         if cfg.max_seq_len > model_config.max_context:
-            raise InvalidRequest(
-                f"max_seq_len={cfg.max_seq_len} exceeds the model's context "
+            raise ConfigError(
+                f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the model's context "
                 f"length {model_config.max_context}"
             )
         self.model_config = model_config
@@ -180,6 +180,8 @@ class LLMEngine(Engine):
     def warmup(
         self, prompt_lengths: list[int] | None = None, max_length: int | None = None
     ) -> None:
+        """Compile each prefill bucket (those `prompt_lengths` need, or all) and each decode
+        bucket up to the one holding `max_length` tokens (or all)."""
         cfg = self.config
         prefill = (
             cfg.prefill_buckets
@@ -287,18 +289,3 @@ class LLMEngine(Engine):
         self._sampling.temperature[seq.slot] = 0.0
         self._slots[seq.slot] = None
         self._ids.discard(seq.request.request_id)
-
-
-def build_engine(
-    model_config: ModelConfig,
-    params: Params,
-    tokenizer: Tokenizer | None,
-    engine_config: EngineConfig | None = None,
-) -> LLMEngine:
-    return LLMEngine(
-        model_config=model_config,
-        params=params,
-        tokenizer=tokenizer,
-        engine_config=engine_config
-        or EngineConfig(max_seq_len=min(2048, model_config.max_context)),
-    )

@@ -1,29 +1,16 @@
-"""Attention over the paged KV cache, in plain jnp (softmax in fp32).
+"""Attention over the paged KV cache.
 
-Grouped-query attention throughout: `num_heads` query heads share
-`num_kv_heads` key/value heads in groups of `num_heads // num_kv_heads`.
+Grouped-query attention throughout: `num_heads` query heads share `num_kv_heads`
+key/value heads in groups of `num_heads // num_kv_heads`. Both forms go through
+`jax.nn.dot_product_attention`, which picks the backend's best implementation
+(cuDNN's fused kernel on GPU; on CPU its XLA form measured ~30% faster than a plain
+masked einsum at T=512: 10.4 vs 15.0 ms per SmolLM2 layer).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-NEG_INF = jnp.finfo(jnp.float32).min
-
-
-def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[..., heads, head_dim] -> [..., kv_heads, group, head_dim]."""
-    *lead, heads, head_dim = q.shape
-    return q.reshape(*lead, num_kv_heads, heads // num_kv_heads, head_dim)
-
-
-def _softmax_values(
-    scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str, out_dtype: jnp.dtype
-) -> jax.Array:
-    scores = jnp.where(mask, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum(spec, probs, values, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array) -> jax.Array:
@@ -34,10 +21,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; length: i32[] (real tokens;
     rows t >= length are padding and their output is unspecified).
     Returns [T, heads * head_dim] in q's dtype.
-
-    `jax.nn.dot_product_attention` picks the backend's best implementation (cuDNN's
-    fused kernel on GPU); on CPU its XLA form measured ~30% faster than a plain
-    masked einsum at T=512 (10.4 vs 15.0 ms per SmolLM2 layer).
     """
     seq, heads, head_dim = q.shape
     out = jax.nn.dot_product_attention(
@@ -63,16 +46,15 @@ def paged_decode_attention(
     position, already written to the cache). Returns [S, heads * head_dim].
     """
     slots, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_pages.shape
+    kv_heads = k_pages.shape[2]
     keys = jnp.take(k_pages, block_tables, axis=0, mode="clip")  # [S, MB, bs, kvh, d]
     values = jnp.take(v_pages, block_tables, axis=0, mode="clip")
-    keys = keys.reshape(slots, -1, kv_heads, head_dim)  # [S, MB*bs, kvh, d]
-    values = values.reshape(slots, -1, kv_heads, head_dim)
-    qg = _grouped(q, kv_heads)  # [S, kvh, g, d]
-    scores = jnp.einsum("skgd,sjkd->skgj", qg, keys, preferred_element_type=jnp.float32)
-    scores *= head_dim**-0.5
-    mask = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [S, MB*bs]
-    out = _softmax_values(scores, mask[:, None, None, :], values, "skgj,sjkd->skgd", q.dtype)
+    out = jax.nn.dot_product_attention(
+        q[:, None],
+        keys.reshape(slots, -1, kv_heads, head_dim),  # [S, MB*bs, kvh, d]
+        values.reshape(slots, -1, kv_heads, head_dim),
+        key_value_seq_lengths=positions + 1,
+    )
     return out.reshape(slots, heads * head_dim)
 
 
