@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jlora.model.kv_cache import KVCache
@@ -19,21 +18,25 @@ from jlora.model.llama import Llama
 def jlora_last_logits(
     loaded, ids: list[int], *, bucket: int = 64, block_size: int = 16
 ) -> np.ndarray:
-    """`Llama.prefill` of `ids` (padded to `bucket`) on a fresh fp32 paged cache -> f32[V]."""
+    """`Llama.prefill` of `ids` (padded to `bucket`) on a fresh paged cache -> f32[V].
+
+    The cache and the computation take the dtype of the loaded parameters.
+    """
     if not 0 < len(ids) <= bucket:
         raise ValueError(f"{len(ids)} tokens do not fit the bucket of {bucket}")
     num_blocks = bucket // block_size
+    dtype = jax.tree.leaves(loaded.params)[0].dtype
     cache = KVCache.zeros(
         num_layers=loaded.config.num_layers,
         num_blocks=num_blocks,
         block_size=block_size,
         num_kv_heads=loaded.config.num_kv_heads,
         head_dim=loaded.config.head_dim,
-        dtype=jnp.float32,
+        dtype=dtype,
     )
     tokens = np.zeros(bucket, np.int32)
     tokens[: len(ids)] = ids
-    prefill = _jitted_prefill(loaded.config)
+    prefill = _jitted_prefill(loaded.config, dtype)
     logits, _ = prefill(
         loaded.params, cache, tokens, np.int32(len(ids)), np.arange(num_blocks, dtype=np.int32)
     )
@@ -41,9 +44,9 @@ def jlora_last_logits(
 
 
 @functools.cache
-def _jitted_prefill(config):
-    """One compiled prefill per model shape (ModelConfig is frozen, hence hashable)."""
-    return jax.jit(Llama(config, jnp.float32).prefill)
+def _jitted_prefill(config, dtype):
+    """One compiled prefill per model shape and dtype (ModelConfig is frozen, hashable)."""
+    return jax.jit(Llama(config, dtype).prefill)
 
 
 def hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:

@@ -73,7 +73,11 @@ def test_hf_directory_logits_match_transformers(tmp_path, tie, rope_theta):
     for length in SEQUENCE_LENGTHS:
         ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
         assert_close(
-            jlora_last_logits(loaded, ids), hf_last_logits(hf_model, ids), jnp.float32, np.float32
+            jlora_last_logits(loaded, ids),
+            hf_last_logits(hf_model, ids),
+            jnp.float32,
+            np.float32,
+            scope="model",
         )
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from configs import EngineConfig
-from jlora.engine.api import Request, SamplingParams
-from jlora.engine.engine import LLMEngine
+from jlora.engine.api import SamplingParams
+from jlora.model.loading import load_model
+from tests.engine_helpers import make_engine, run_to_completion
 from tests.model_helpers import hf_last_logits, jlora_last_logits
 from tests.tolerances import assert_close
 
@@ -33,28 +33,19 @@ def test_last_position_logits_match_transformers(smollm2, hf_smollm2, prompt):
     ids = smollm2.tokenizer.encode(prompt)
     ours = jlora_last_logits(smollm2, ids)
     theirs = hf_last_logits(hf_smollm2, ids)
-    assert_close(ours, theirs, jnp.float32, np.float32)
+    assert_close(ours, theirs, jnp.float32, np.float32, scope="model")
     assert np.argmax(ours) == np.argmax(theirs)
 
 
-def _greedy_engine(loaded) -> LLMEngine:
-    return LLMEngine(
-        model_config=loaded.config,
-        params=loaded.params,
-        tokenizer=loaded.tokenizer,
-        engine_config=EngineConfig(max_slots=4, max_seq_len=256),
-    )
-
-
-def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", ids, sampling))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished:
-        for event in engine.step():
-            out[event.request_id].append(event.token_id)
-    return [out[f"r{i}"] for i in range(len(prompts))]
+def test_bf16_serving_stays_close_to_the_fp32_oracle(hf_smollm2):
+    """bf16 weights and activations: logits within the bf16 model bound, same top tokens."""
+    bf16 = load_model("smollm2-135m", jnp.bfloat16)
+    for prompt in PROMPTS:
+        ids = bf16.tokenizer.encode(prompt)
+        ours = jlora_last_logits(bf16, ids)
+        theirs = hf_last_logits(hf_smollm2, ids)
+        assert_close(ours, theirs, jnp.bfloat16, np.float32, scope="model")
+        assert np.argmax(theirs) in np.argsort(-ours)[:3]
 
 
 def _hf_greedy(hf_model, ids: list[int], max_tokens: int) -> list[int]:
@@ -77,7 +68,9 @@ def test_greedy_continuations_match_transformers(smollm2, hf_smollm2):
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]))
         for c in CHATS
     ]
-    ours = _generate(_greedy_engine(smollm2), prompts, max_tokens=32)
-    for ids, generated in zip(prompts, ours, strict=True):
+    engine = make_engine(smollm2, max_slots=4, max_seq_len=256)
+    ours = run_to_completion(engine, prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    for ids, result in zip(prompts, ours, strict=True):
+        generated = result["token_ids"]
         assert len(generated) == 32
         assert generated == _hf_greedy(hf_smollm2, ids, 32), tokenizer.decode(ids)
