@@ -308,3 +308,86 @@ def test_unpermute_rope_rows_inverts_llama_cpp(heads, head_dim, in_features):
     restored = unpermute_rope_rows(permuted, heads)
     assert restored.dtype == weight.dtype
     np.testing.assert_array_equal(restored, weight)
+
+
+# -- a GGUF file of our own making ---------------------------------------------------
+
+# Hugging Face layer tensor -> (GGUF name, storage type): a mix of the types real files use.
+_GGUF_LAYER_TENSORS = {
+    "input_layernorm": ("attn_norm", "F32"),
+    "self_attn.q_proj": ("attn_q", "Q8_0"),
+    "self_attn.k_proj": ("attn_k", "F16"),
+    "self_attn.v_proj": ("attn_v", "Q8_0"),
+    "self_attn.o_proj": ("attn_output", "F16"),
+    "post_attention_layernorm": ("ffn_norm", "F32"),
+    "mlp.gate_proj": ("ffn_gate", "Q8_0"),
+    "mlp.up_proj": ("ffn_up", "F32"),
+    "mlp.down_proj": ("ffn_down", "Q8_0"),
+}
+
+
+def _write_gguf(path, hf_model) -> None:
+    """Write a Hugging Face Llama as llama.cpp's converter would (q/k rows permuted)."""
+    import gguf
+
+    cfg = hf_model.config
+    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    writer.add_token_types([1] * cfg.vocab_size)
+    writer.add_token_merges([])
+
+    def add(name: str, array: np.ndarray, kind: str) -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F16":
+            array = array.astype(np.float16)
+        elif kind != "F32":
+            array = gguf.quants.quantize(array.astype(np.float32), qtype)
+        writer.add_tensor(name, array, raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], "Q8_0")
+    add("output_norm.weight", state["model.norm.weight"], "F32")
+    add("output.weight", state["lm_head.weight"], "F16")
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, (gguf_name, kind) in _GGUF_LAYER_TENSORS.items():
+            weight = state[f"model.layers.{i}.{hf_name}.weight"]
+            if hf_name == "self_attn.q_proj":
+                weight = _llama_cpp_permute(weight, cfg.num_attention_heads)
+            elif hf_name == "self_attn.k_proj":
+                weight = _llama_cpp_permute(weight, cfg.num_key_value_heads)
+            add(f"blk.{i}.{gguf_name}.weight", weight, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_of_our_own_making_matches_transformers_reading_it(tmp_path):
+    """Untied head, GQA, Q8_0/F16/F32 tensors: jlora and transformers read the same GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_model = _save_tiny_hf(tmp_path / "hf", tie=False, rope_theta=50000.0)
+    _write_gguf(tmp_path / "tiny.gguf", hf_model)
+    loaded = load_model(str(tmp_path / "tiny.gguf"))
+    assert loaded.config.rope_theta == 50000.0 and not loaded.config.tie_embeddings
+    oracle = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
+    rng = np.random.default_rng(1)
+    for length in SEQUENCE_LENGTHS:
+        ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
+        ours = jlora_last_logits(loaded, ids)
+        assert_close(ours, hf_last_logits(oracle, ids), jnp.float32, np.float32, scope="model")
+        # Quantization moved the weights; a permutation bug would move the logits more.
+        assert np.abs(ours - hf_last_logits(hf_model, ids)).max() < 0.5
