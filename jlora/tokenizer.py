@@ -1,8 +1,16 @@
 """Tokenizer and chat template, built offline from GGUF metadata or a model directory.
 
-A GGUF file carries its vocabulary (`tokenizer.ggml.tokens`), BPE merges, token
-types, special ids and a Jinja chat template; we build a `tokenizers` BPE from
-them. A model directory (Hugging Face, or one written by `jlora convert`) carries
+A GGUF file carries its vocabulary (`tokenizer.ggml.tokens`), token types, special
+ids and a Jinja chat template; we build a `tokenizers` BPE from them, of one of two
+kinds (`tokenizer.ggml.model`):
+
+- 'gpt2': byte-level BPE (SmolLM, Llama-3, Qwen), with its merges in the file.
+- 'llama': SentencePiece BPE (Llama-2, Mistral), as llama.cpp and Hugging Face run
+  it: spaces become '▁' and one is prepended, characters outside the vocabulary fall
+  back to the byte pieces '<0x00>'..'<0xFF>', and the merges, usually absent from
+  the file, are derived from the pieces' scores.
+
+A model directory (Hugging Face, or one written by `jlora convert`) carries
 `tokenizer.json` and `tokenizer_config.json`.
 """
 
@@ -14,15 +22,28 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BPE
 
 # GGUF token types (llama.cpp `llama_token_type`).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+# SentencePiece's stand-in for a space.
+_SPACE = "\u2581"
 
 
 class TokenizerError(ValueError):
     """The tokenizer metadata is missing or unsupported; the message names the field."""
+
+
+def _required(fields: dict[str, Any], key: str) -> Any:
+    if key not in fields:
+        raise TokenizerError(f"GGUF metadata field {key} is missing")
+    return fields[key]
+
+
+def _merges(fields: dict[str, Any]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges`: 'left right' strings, best first."""
+    return [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -35,6 +56,88 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
+
+
+def _byte_level_bpe(fields: dict[str, Any], tokens: list[str]) -> _BPE:
+    """'gpt2': bytes mapped to printable characters, split by a regex, then merged."""
+    backend = _BPE(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(fields), fuse_unk=False
+        )
+    )
+    backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def merges_from_scores(
+    tokens: list[str], scores: list[float], types: list[int] | None
+) -> list[tuple[str, str]]:
+    """BPE merges, best first, that tokenize as SentencePiece BPE does with these scores.
+
+    Semantics: SentencePiece (and llama.cpp) repeatedly joins the adjacent pair of
+    symbols whose concatenation is the highest-scoring normal piece, the leftmost
+    pair on a tie. A `tokenizers` BPE applies its best-ranked merge instead, so each
+    way to split a normal piece into two normal pieces becomes a merge, ranked by the
+    whole piece's score (ties: lower piece id, then shorter left half). Ranks cannot
+    express the leftmost rule between two different pieces of equal score; trained
+    SentencePiece BPE vocabularies give every piece its own score.
+    types: `tokenizer.ggml.token_type`, or None when all pieces are normal. Control,
+    byte and unknown pieces are never the result of a merge.
+    """
+    normal = {
+        piece: piece_id
+        for piece_id, piece in enumerate(tokens)
+        if types is None or types[piece_id] == _NORMAL
+    }
+    ranked = [
+        (-scores[piece_id], piece_id, cut, piece[:cut], piece[cut:])
+        for piece, piece_id in normal.items()
+        for cut in range(1, len(piece))
+        if piece[:cut] in normal and piece[cut:] in normal
+    ]
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_bpe(fields: dict[str, Any], tokens: list[str]) -> _BPE:
+    """'llama': '▁' for spaces, byte fallback, merges from the scores unless given."""
+    merges = _merges(fields) or merges_from_scores(
+        tokens,
+        _required(fields, "tokenizer.ggml.scores"),
+        fields.get("tokenizer.ggml.token_type"),
+    )
+    backend = _BPE(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            unk_token=tokens[fields["tokenizer.ggml.unknown_token_id"]],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    add_space_prefix = bool(fields["tokenizer.ggml.add_space_prefix"])
+    prepend = [normalizers.Prepend(_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", _SPACE)])
+    strip = [decoders.Strip(" ", left=1, right=0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace(_SPACE, " "), *strip]
+    )
+    return backend
+
+
+_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+# tokenizer.ggml.model -> llama.cpp's values for the metadata a file leaves out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {},
+    "llama": {
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+    },
+}
 
 
 class Tokenizer:
@@ -63,17 +166,14 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         """fields: GGUF metadata key -> decoded value (see `jlora.model.gguf`)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in _BUILDERS:
             raise TokenizerError(
-                f"tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' byte-level BPE)"
+                f"tokenizer.ggml.model={kind!r} is not supported "
+                "(only 'gpt2' byte-level BPE and 'llama' SentencePiece BPE)"
             )
-        tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        backend = _BPE(
-            models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
-        )
-        backend.pre_tokenizer = _pre_tokenizer(fields.get("tokenizer.ggml.pre", "gpt2"))
-        backend.decoder = decoders.ByteLevel()
+        fields = {**_DEFAULTS[kind], **fields}
+        tokens: list[str] = _required(fields, "tokenizer.ggml.tokens")
+        backend = _BUILDERS[kind](fields, tokens)
         types = fields.get("tokenizer.ggml.token_type", [])
         backend.add_special_tokens(
             [
