@@ -391,3 +391,49 @@ def test_gguf_of_our_own_making_matches_transformers_reading_it(tmp_path):
         assert_close(ours, hf_last_logits(oracle, ids), jnp.float32, np.float32, scope="model")
         # Quantization moved the weights; a permutation bug would move the logits more.
         assert np.abs(ours - hf_last_logits(hf_model, ids)).max() < 0.5
+
+
+def _reference_gguf(path):
+    """The `gguf` package's own reader: metadata values and dequantized tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    return fields, tensors
+
+
+def _assert_reads_like_the_gguf_package(path, tensor_names=None):
+    from jlora.model.gguf import GGUFFile
+
+    ours = GGUFFile(path)
+    fields, tensors = _reference_gguf(path)
+    assert ours.fields == fields
+    for name in tensor_names or tensors:
+        np.testing.assert_array_equal(
+            ours.tensor(name), tensors[name].reshape(ours.tensor(name).shape)
+        )
+
+
+def test_gguf_reader_agrees_with_the_gguf_package_on_our_file(tmp_path):
+    _write_gguf(tmp_path / "tiny.gguf", _save_tiny_hf(tmp_path / "hf", tie=False))
+    _assert_reads_like_the_gguf_package(tmp_path / "tiny.gguf")
+
+
+@pytest.mark.slow
+def test_gguf_reader_agrees_with_the_gguf_package_on_smollm2(smollm2_gguf_path):
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight",
+             "output_norm.weight"]  # fmt: skip
+    _assert_reads_like_the_gguf_package(smollm2_gguf_path, names)
+
+
+def test_every_truncation_of_a_gguf_is_refused_cleanly(tmp_path):
+    from jlora.model.gguf import GGUFFile
+
+    _write_gguf(tmp_path / "tiny.gguf", _save_tiny_hf(tmp_path / "hf", tie=False))
+    whole = (tmp_path / "tiny.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    for length in np.linspace(0, len(whole) - 1, 40, dtype=int):
+        cut.write_bytes(whole[:length])
+        with pytest.raises(WeightsError, match="not a valid GGUF file"):
+            GGUFFile(cut)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import ModelConfig
+from jlora.model.gguf_format import GGUFFormatError, read_gguf
 from jlora.model.llama import Params
 from jlora.model.weights import LAYER_TENSORS, Progress, WeightsError, assemble_params
 
@@ -37,19 +38,13 @@ class GGUFFile:
     """An opened GGUF file: decoded metadata fields and lazily dequantized tensors."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         if not path.is_file():
             raise WeightsError(f"{path}: no such file")
         try:
-            self._reader = gguf.GGUFReader(str(path))
-            self.fields: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items()}
-        except Exception as err:  # the reader raises ValueError, struct/IndexError, ...
-            raise WeightsError(
-                f"{path}: not a valid GGUF file ({type(err).__name__}: {err})"
-            ) from err
-        self._tensors = {t.name: t for t in self._reader.tensors}
+            self.fields, self._tensors = read_gguf(path)
+        except GGUFFormatError as err:
+            raise WeightsError(f"{path}: not a valid GGUF file ({err})") from err
 
     def field(self, key: str) -> Any:
         if key not in self.fields:
@@ -83,15 +78,15 @@ class GGUFFile:
 
         if name not in self._tensors:
             raise WeightsError(f"{self.path}: tensor {name} is missing")
-        t = self._tensors[name]
+        info = self._tensors[name]
+        ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = gguf.quants.dequantize(info.data, ggml_type)
         except (NotImplementedError, ValueError) as err:
             raise WeightsError(
-                f"{self.path}: tensor {name} of type {t.tensor_type.name} "
-                f"cannot be dequantized ({err})"
+                f"{self.path}: tensor {name} of type {ggml_type.name} cannot be dequantized ({err})"
             ) from err
-        return np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        return np.asarray(array, dtype=np.float32).reshape(info.shape)
 
     def params(
         self, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
