@@ -47,7 +47,7 @@ class TensorInfo:
 
 class _Cursor:
     def __init__(self, buffer: np.ndarray) -> None:
-        self.buffer = buffer
+        self.buffer = memoryview(buffer)  # type: ignore[arg-type]
         self.pos = 0
 
     def unpack(self, fmt: str) -> Any:
