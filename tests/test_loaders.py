@@ -437,3 +437,13 @@ def test_every_truncation_of_a_gguf_is_refused_cleanly(tmp_path):
         cut.write_bytes(whole[:length])
         with pytest.raises(WeightsError, match="not a valid GGUF file"):
             GGUFFile(cut)
+
+
+@pytest.mark.slow
+def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path, smollm2):
+    from jlora.model.loading import LoadedModel
+
+    tiny = load_model("cpu-tiny")  # 512-row embedding; SmolLM2's tokenizer has 49152 tokens
+    with pytest.raises(WeightsError, match="the tokenizer has 49152 tokens but the model's "
+                                           "vocab_size is 512"):  # fmt: skip
+        LoadedModel(tiny.config, tiny.params, smollm2.tokenizer, "test")

@@ -30,6 +30,13 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
 
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:
+            raise WeightsError(
+                f"{self.source}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
+                f"model's vocab_size is {self.config.vocab_size}"
+            )
+
 
 def load_model(
     spec: str, serving_dtype: DTypeLike = jnp.float32, progress: Progress | None = None

@@ -49,20 +49,19 @@ def assemble_params(
     done = 0
 
     def fetch(name: str, expected: tuple[int, ...], transpose: bool) -> np.ndarray:
+        """The tensor in Flax layout; `expected` is that layout's shape."""
         nonlocal done
         array = np.asarray(tensor(name), dtype=np.float32)
         done += 1
         if progress is not None:
             progress(done, total)
-        if transpose:
-            array = array.T
-        if array.shape != tuple(expected):
-            torch_shape = tuple(reversed(expected)) if transpose else tuple(expected)
+        torch_shape = tuple(reversed(expected)) if transpose else tuple(expected)
+        if array.shape != torch_shape:
             raise WeightsError(
-                f"tensor {name}: shape {array.T.shape if transpose else array.shape}"
-                f" does not match the config (expected {torch_shape})"
+                f"tensor {name}: shape {array.shape} does not match the config "
+                f"(expected {torch_shape})"
             )
-        return array
+        return array.T if transpose else array
 
     def to_device(array: np.ndarray) -> jax.Array:
         return jnp.asarray(array, dtype=dtype)
@@ -116,8 +115,6 @@ def load_safetensors_dir(
             where[key] = handle
 
     def tensor(name: str) -> np.ndarray:
-        if name == "lm_head.weight" and name not in where and config.tie_embeddings:
-            name = "model.embed_tokens.weight"
         if name not in where:
             raise WeightsError(f"{path}: tensor {name} is missing")
         return where[name].get_tensor(name)  # type: ignore[attr-defined]
