@@ -1,0 +1,34 @@
+"""The Llama projections a LoRA adapter may target, and their shapes in a base model."""
+
+from __future__ import annotations
+
+from configs import ModelConfig
+
+# Canonical order: everywhere adapters are laid out (host store, device slots), targets
+# appear in this order.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# The Hugging Face module that holds each projection inside a decoder layer.
+MODULE_OF = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each target projection of `config`."""
+    d, i = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (d, config.q_size),
+        "k_proj": (d, config.kv_size),
+        "v_proj": (d, config.kv_size),
+        "o_proj": (config.q_size, d),
+        "gate_proj": (d, i),
+        "up_proj": (d, i),
+        "down_proj": (i, d),
+    }
