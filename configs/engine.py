@@ -8,6 +8,11 @@ import math
 from configs.model import ConfigError
 
 DTYPES = ("float32", "bfloat16")
+# The Llama projections a LoRA adapter may target, in the canonical order of every
+# adapter layout (host store, device slots).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODES = ("cached", "ondemand")
+LORA_BACKENDS = ("reference",)
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -30,6 +35,13 @@ class EngineConfig:
       min_bucket up to max_seq_len). A prompt is padded to the next prefill bucket; a
       decode step attends over the next decode bucket above the longest running
       sequence.
+    max_loras: device adapter slots (0: serve the base model only, no LoRA code in the
+      compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
+      they hold. Adapters of higher rank or other targets are refused at registration.
+    lora_mode: "ondemand" loads an adapter into a slot when a request needs it (the
+      running batch keeps decoding meanwhile); "cached" loads and pins every adapter
+      when it is registered. lora_backend: the batched-LoRA implementation.
+    host_store_mib: capacity of the shared-memory arena holding registered adapters.
     """
 
     dtype: str = "float32"
@@ -41,6 +53,12 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] = ()
     min_bucket: int = 32
     prefill_token_budget: int = 2048  # prompt tokens prefilled per iteration (at least one)
+    max_loras: int = 0
+    max_lora_rank: int = 64
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_mode: str = "ondemand"
+    lora_backend: str = "reference"
+    host_store_mib: int = 1024
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +69,8 @@ class EngineConfig:
             "block_size",
             "min_bucket",
             "prefill_token_budget",
+            "max_lora_rank",
+            "host_store_mib",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
@@ -59,6 +79,21 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
                 f"of block_size={self.block_size}"
+            )
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r} must be >= 0")
+        targets = tuple(self.lora_targets)
+        if not targets or any(t not in LORA_TARGETS for t in targets):
+            raise ConfigError(
+                f"EngineConfig.lora_targets={targets!r} must be a non-empty subset of "
+                f"{LORA_TARGETS}"
+            )
+        object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if self.lora_mode not in LORA_MODES:
+            raise ConfigError(f"EngineConfig.lora_mode={self.lora_mode!r} must be one of {LORA_MODES}")
+        if self.lora_backend not in LORA_BACKENDS:
+            raise ConfigError(
+                f"EngineConfig.lora_backend={self.lora_backend!r} must be one of {LORA_BACKENDS}"
             )
         if self.kv_cache_tokens < 0:
             raise ConfigError(f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is negative")

@@ -17,12 +17,17 @@ def make_engine(loaded, **config) -> LLMEngine:
 
 
 def run_to_completion(
-    engine: Engine, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]
+    engine: Engine,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list[SamplingParams],
+    adapters: list[str | None] | None = None,
 ) -> list[dict]:
-    """Queue every prompt at once, step until done; per prompt: token_ids, text, finish_reason."""
+    """Queue every prompt at once (prompt i with adapters[i]), step until done; per
+    prompt: token_ids, text, finish_reason."""
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    for i, (ids, params) in enumerate(zip(prompts, samplings, strict=True)):
-        engine.add_request(Request(f"r{i}", ids, params))
+    names = adapters if adapters is not None else [None] * len(prompts)
+    for i, (ids, params, name) in enumerate(zip(prompts, samplings, names, strict=True)):
+        engine.add_request(Request(f"r{i}", ids, params, adapter=name))
     results = {
         f"r{i}": {"token_ids": [], "text": "", "finish_reason": None} for i in range(len(prompts))
     }

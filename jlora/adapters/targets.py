@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from configs import ModelConfig
+from configs.engine import LORA_TARGETS as TARGETS
 
-# Canonical order: everywhere adapters are laid out (host store, device slots), targets
-# appear in this order.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+__all__ = ["MODULE_OF", "TARGETS", "target_shapes"]
 
 # The Hugging Face module that holds each projection inside a decoder layer.
 MODULE_OF = {

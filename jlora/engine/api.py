@@ -20,6 +20,10 @@ class InvalidRequest(ValueError):
     """A request cannot be served as asked; the message names the field."""
 
 
+class UnknownAdapter(InvalidRequest):
+    """A request names an adapter that is not registered (NOT_FOUND to a client)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
@@ -66,6 +70,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    adapter: str | None = None  # a registered adapter's name; None is the base model
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -103,6 +108,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def step(self) -> list[TokenEvent]:
         """Run one iteration (admit + prefill, then decode) and return its tokens."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python (shared memory, threads)."""
 
     @property
     @abc.abstractmethod

@@ -8,10 +8,15 @@ A request's life:
    while a decode slot is free and the KV blocks for their whole sequence (prompt +
    max_tokens, capped at max_seq_len) can be reserved; prompt tokens prefilled per
    step are bounded by `prefill_token_budget` so running requests keep decoding.
+   A request for an adapter that is not on the device waits while its adapter is
+   transferred in the background (later requests may go ahead of it), and the
+   running batch keeps decoding meanwhile.
 3. Each admitted prompt is padded to its prefill bucket and prefilled in one
-   compiled call that also samples the first token; the request takes a slot.
+   compiled call that also samples the first token; the request takes a slot, and
+   its adapter's device slot is held (never evicted) until the request leaves.
 4. One compiled decode call advances every occupied slot by a token, attending
-   over the smallest decode bucket that holds the longest running sequence.
+   over the smallest decode bucket that holds the longest running sequence; each
+   row adds its own adapter's LoRA delta (or none), so adapters mix in one batch.
 5. Each new token is checked on the host against EOS, stop strings, max_tokens
    and max_seq_len; a finished request leaves its slot and returns its blocks at
    once, so a queued request can join in the next step.
@@ -34,7 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import ConfigError, EngineConfig, ModelConfig
-from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent
+from jlora.adapters.backend import LoraWeights, Segments, make_backend
+from jlora.adapters.manager import AdapterManager
+from jlora.adapters.peft import AdapterError
+from jlora.adapters.store import StoredAdapter
+from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent, UnknownAdapter
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.steps import CompiledSteps, host_sampling
@@ -81,7 +90,8 @@ class LLMEngine(Engine):
         self.config = cfg
         self.tokenizer = tokenizer
         self.params = params
-        self.model = Llama(model_config, jnp.dtype(cfg.dtype))
+        backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
+        self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend)
         self.cache = KVCache.zeros(
             num_layers=model_config.num_layers,
             num_blocks=cfg.num_blocks,
@@ -103,6 +113,19 @@ class LLMEngine(Engine):
         self._positions = np.zeros(cfg.max_slots, np.int32)
         self._tables = np.full((cfg.max_slots, cfg.blocks_per_seq), self._sentinel, np.int32)
         self._sampling = host_sampling(cfg.max_slots)
+        self._lora_idx = np.full(cfg.max_slots, -1, np.int32)  # each row's adapter slot
+        self.lora: AdapterManager | None = None
+        if backend is not None:
+            self.lora = AdapterManager(
+                model_config,
+                backend=backend,
+                num_slots=cfg.max_loras,
+                max_rank=cfg.max_lora_rank,
+                targets=cfg.lora_targets,
+                mode=cfg.lora_mode,
+                dtype=self.model.dtype,
+                host_store_bytes=cfg.host_store_mib * 2**20,
+            )
         log.info(
             "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
             cfg.max_slots,
@@ -130,10 +153,46 @@ class LLMEngine(Engine):
     def num_running(self) -> int:
         return sum(s is not None for s in self._slots)
 
+    def close(self) -> None:
+        if self.lora is not None:
+            self.lora.close()
+
+    # -- adapters -----------------------------------------------------------------
+
+    def register_adapter(self, name: str, path: str) -> StoredAdapter:
+        """Validate the PEFT adapter at `path` and serve it as `name` (AdapterError and
+        no change if it cannot be served)."""
+        if self.lora is None:
+            raise AdapterError("this engine serves the base model only (max_loras=0)")
+        return self.lora.register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter that no queued or running request names."""
+        if self.lora is None or name not in self.lora.store:
+            raise AdapterError(f"adapter name={name!r} is not registered")
+        users = sum(seq.request.adapter == name for seq in self._waiting)
+        users += sum(seq is not None and seq.request.adapter == name for seq in self._slots)
+        if users:
+            raise AdapterError(f"adapter {name!r} is named by {users} queued or running requests")
+        self.lora.unregister(name)
+
+    def adapters(self) -> list[StoredAdapter]:
+        return [] if self.lora is None else [self.lora.store.get(n) for n in self.lora.store.names()]
+
+    @property
+    def _lora_weights(self) -> LoraWeights | None:
+        return None if self.lora is None else self.lora.weights
+
+    # -- requests -------------------------------------------------------------------
+
     def add_request(self, request: Request) -> None:
         prompt = request.prompt_ids
         if request.request_id in self._ids:
             raise InvalidRequest(f"request_id={request.request_id!r} is already in use")
+        if request.adapter is not None and (
+            self.lora is None or request.adapter not in self.lora.store
+        ):
+            raise UnknownAdapter(f"adapter={request.adapter!r} is not registered")
         if not prompt:
             raise InvalidRequest("prompt is empty")
         if len(prompt) >= self.max_seq_len:
@@ -173,6 +232,8 @@ class LLMEngine(Engine):
         self._admit(events)
         if self.num_running:
             self._decode(events)
+        elif self._waiting and self.lora is not None and self.lora.slots.loading():
+            self.lora.slots.wait(timeout=1.0)  # nothing to run until an adapter lands
         return events
 
     # -- warm-up -----------------------------------------------------------------
@@ -192,10 +253,16 @@ class LLMEngine(Engine):
             cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len)
         )
         for bucket in prefill:
-            self.steps.compile_prefill(self.params, self.cache, bucket, cfg.blocks_per_seq)
+            self.steps.compile_prefill(
+                self.params, self.cache, bucket, cfg.blocks_per_seq, self._lora_weights
+            )
         for bucket in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
             self.steps.compile_decode(
-                self.params, self.cache, cfg.max_slots, bucket // cfg.block_size
+                self.params,
+                self.cache,
+                cfg.max_slots,
+                bucket // cfg.block_size,
+                self._lora_weights,
             )
         self.steps.warmed_up = True
 
@@ -206,21 +273,35 @@ class LLMEngine(Engine):
         return buckets[bisect.bisect_left(buckets, length)]
 
     def _admit(self, events: list[TokenEvent]) -> None:
+        if self.lora is not None:
+            self.lora.slots.poll()  # install the adapters that finished loading
         budget = self.config.prefill_token_budget
         prefilled = 0
-        while self._waiting and None in self._slots:
-            seq = self._waiting[0]
+        for seq in list(self._waiting):
+            if None not in self._slots:
+                break
+            adapter = seq.request.adapter
+            adapter_slot: int | None = -1
+            if adapter is not None:
+                assert self.lora is not None
+                adapter_slot = self.lora.slots.request(adapter)
+                if adapter_slot is None:
+                    continue  # its adapter is on its way; later requests may go first
             prompt_len = len(seq.request.prompt_ids)
             blocks_needed = math.ceil(seq.limit / self.config.block_size)
             if blocks_needed > self.allocator.num_free:
                 break
             if prefilled and prefilled + prompt_len > budget:
                 break
-            self._waiting.popleft()
+            self._waiting.remove(seq)
+            if adapter is not None:
+                assert self.lora is not None
+                self.lora.slots.acquire(adapter)
             seq.blocks = self.allocator.allocate(blocks_needed)
             seq.slot = self._slots.index(None)
             self._slots[seq.slot] = seq
             self._tables[seq.slot, : len(seq.blocks)] = seq.blocks
+            self._lora_idx[seq.slot] = adapter_slot
             self._set_sampling_row(seq)
             self._prefill(seq, events)
             prefilled += prompt_len
@@ -239,9 +320,20 @@ class LLMEngine(Engine):
         tokens = np.zeros(bucket, np.int32)
         tokens[: len(prompt)] = prompt
         sampling = jax.tree.map(lambda a: a[seq.slot : seq.slot + 1], self._sampling)
-        self.steps.compile_prefill(self.params, self.cache, bucket, self.config.blocks_per_seq)
+        weights = self._lora_weights
+        segments = None if weights is None else Segments.single(self._lora_idx[seq.slot], bucket)
+        self.steps.compile_prefill(
+            self.params, self.cache, bucket, self.config.blocks_per_seq, weights
+        )
         token, self.cache = self.steps.prefill(
-            self.params, self.cache, tokens, len(prompt), self._tables[seq.slot], sampling
+            self.params,
+            self.cache,
+            tokens,
+            len(prompt),
+            self._tables[seq.slot],
+            sampling,
+            weights,
+            segments,
         )
         self._append(seq, int(token), events)
 
@@ -249,7 +341,8 @@ class LLMEngine(Engine):
         running = [s for s in self._slots if s is not None]
         longest = max(s.length for s in running)
         blocks = self._bucket(self.config.decode_buckets, longest) // self.config.block_size
-        self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks)
+        weights = self._lora_weights
+        self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks, weights)
         sampled, self.cache = self.steps.decode(
             self.params,
             self.cache,
@@ -257,6 +350,8 @@ class LLMEngine(Engine):
             self._positions,
             self._tables[:, :blocks],
             self._sampling,
+            weights,
+            None if weights is None else self._lora_idx,
         )
         tokens = np.asarray(sampled)
         for seq in running:
@@ -287,5 +382,9 @@ class LLMEngine(Engine):
         self._tables[seq.slot] = self._sentinel
         self._positions[seq.slot] = 0
         self._sampling.temperature[seq.slot] = 0.0
+        if seq.request.adapter is not None:
+            assert self.lora is not None
+            self.lora.slots.release(seq.request.adapter)
+        self._lora_idx[seq.slot] = -1
         self._slots[seq.slot] = None
         self._ids.discard(seq.request.request_id)

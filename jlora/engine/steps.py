@@ -1,7 +1,9 @@
 """The jitted step functions, compiled ahead of time per bucket.
 
 `prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
-one token, attending over a bucketed prefix of the block tables. Both sample inside
+one token, attending over a bucketed prefix of the block tables. With LoRA, both
+also take the device adapter slots and the rows' slot indices (fixed shapes, so the
+adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. Executables are compiled ahead of time, once per
 bucket, and then called directly, so nothing is ever traced or compiled twice. The
@@ -18,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jlora.adapters.backend import LoraWeights, Segments
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
@@ -43,8 +46,12 @@ class CompiledSteps:
         length: jax.Array,
         block_table: jax.Array,
         sampling: SamplingArrays,
+        lora_weights: LoraWeights | None,
+        segments: Segments | None,
     ) -> tuple[jax.Array, KVCache]:
-        logits, cache = self.model.prefill(params, cache, tokens, length, block_table)
+        logits, cache = self.model.prefill(
+            params, cache, tokens, length, block_table, lora_weights, segments
+        )
         return sample(logits[None], sampling)[0], cache
 
     def _decode(
@@ -55,8 +62,12 @@ class CompiledSteps:
         positions: jax.Array,
         block_tables: jax.Array,
         sampling: SamplingArrays,
+        lora_weights: LoraWeights | None,
+        lora_idx: jax.Array | None,
     ) -> tuple[jax.Array, KVCache]:
-        logits, cache = self.model.decode(params, cache, tokens, positions, block_tables)
+        logits, cache = self.model.decode(
+            params, cache, tokens, positions, block_tables, lora_weights, lora_idx
+        )
         return sample(logits, sampling), cache
 
     # -- compilation -------------------------------------------------------------
@@ -75,7 +86,12 @@ class CompiledSteps:
         return executable
 
     def compile_prefill(
-        self, params: Params, cache: KVCache, bucket: int, blocks_per_seq: int
+        self,
+        params: Params,
+        cache: KVCache,
+        bucket: int,
+        blocks_per_seq: int,
+        lora_weights: LoraWeights | None,
     ) -> None:
         if bucket not in self._prefill_exe:
             self._prefill_exe[bucket] = self._compile(
@@ -87,9 +103,18 @@ class CompiledSteps:
                 np.int32(1),
                 np.zeros(blocks_per_seq, np.int32),
                 host_sampling(1),
+                lora_weights,
+                None if lora_weights is None else Segments.single(-1, bucket),
             )
 
-    def compile_decode(self, params: Params, cache: KVCache, slots: int, blocks: int) -> None:
+    def compile_decode(
+        self,
+        params: Params,
+        cache: KVCache,
+        slots: int,
+        blocks: int,
+        lora_weights: LoraWeights | None,
+    ) -> None:
         if (slots, blocks) not in self._decode_exe:
             self._decode_exe[(slots, blocks)] = self._compile(
                 self._decode_jit,
@@ -100,6 +125,8 @@ class CompiledSteps:
                 np.zeros(slots, np.int32),
                 np.zeros((slots, blocks), np.int32),
                 host_sampling(slots),
+                lora_weights,
+                None if lora_weights is None else np.zeros(slots, np.int32),
             )
 
     # -- calls -------------------------------------------------------------------
@@ -112,9 +139,13 @@ class CompiledSteps:
         length: int,
         block_table: np.ndarray,
         sampling: SamplingArrays,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
     ) -> tuple[jax.Array, KVCache]:
         executable = self._prefill_exe[tokens.shape[0]]
-        return executable(params, cache, tokens, np.int32(length), block_table, sampling)
+        return executable(
+            params, cache, tokens, np.int32(length), block_table, sampling, lora_weights, segments
+        )
 
     def decode(
         self,
@@ -124,9 +155,13 @@ class CompiledSteps:
         positions: np.ndarray,
         block_tables: np.ndarray,
         sampling: SamplingArrays,
+        lora_weights: LoraWeights | None = None,
+        lora_idx: np.ndarray | None = None,
     ) -> tuple[jax.Array, KVCache]:
         executable = self._decode_exe[block_tables.shape]
-        return executable(params, cache, tokens, positions, block_tables, sampling)
+        return executable(
+            params, cache, tokens, positions, block_tables, sampling, lora_weights, lora_idx
+        )
 
 
 def host_sampling(rows: int) -> SamplingArrays:

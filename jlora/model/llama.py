@@ -18,6 +18,7 @@ rotates, the caller attends over the paged KV cache (`attention.py`), and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -25,10 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
+from jlora.adapters.backend import LoraBackend, LoraWeights, Segments
 from jlora.model.attention import causal_attention, paged_decode_attention, write_kv
 from jlora.model.kv_cache import KVCache
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
+# A layer's LoRA hook: (projection name, its input) -> the rows' delta, or None if the
+# projection is not adapted.
+LoraFn = Callable[[str, jax.Array], jax.Array | None]
 
 
 class RMSNorm(nn.Module):
@@ -86,21 +91,30 @@ class DecoderLayer(nn.Module):
         self.up_proj = dense(cfg.intermediate_size)
         self.down_proj = dense(cfg.hidden_size)
 
-    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project(self, name: str, h: jax.Array, lora: LoraFn | None) -> jax.Array:
+        """The projection `name` of h, plus the rows' LoRA deltas when there are any."""
+        y = getattr(self, name)(h)
+        delta = lora(name, h) if lora is not None else None
+        return y if delta is None else y + delta
+
+    def qkv(
+        self, x: jax.Array, positions: jax.Array, lora: LoraFn | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [..., T, D], positions: i32[..., T] -> q [..., T, H, hd], k, v [..., T, KVH, hd]."""
         cfg = self.config
         h = self.attn_norm(x)
         lead = h.shape[:-1]
-        q = self.q_proj(h).reshape(*lead, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(h).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(h).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        q = self.project("q_proj", h, lora).reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = self.project("k_proj", h, lora).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = self.project("v_proj", h, lora).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
-    def finish(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+    def finish(self, x: jax.Array, attn: jax.Array, lora: LoraFn | None = None) -> jax.Array:
         """Residual output projection, then the residual SwiGLU MLP. attn: [..., T, H*hd]."""
-        h = x + self.o_proj(attn)
+        h = x + self.project("o_proj", attn, lora)
         m = self.mlp_norm(h)
-        return h + self.down_proj(nn.silu(self.gate_proj(m)) * self.up_proj(m))
+        act = nn.silu(self.project("gate_proj", m, lora)) * self.project("up_proj", m, lora)
+        return h + self.project("down_proj", act, lora)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Used only to initialise parameters (attention replaced by q itself)."""
@@ -114,9 +128,12 @@ class Llama:
     Both bodies are pure functions meant to be wrapped in `jax.jit` by the engine.
     """
 
-    def __init__(self, config: ModelConfig, dtype: Any = jnp.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: Any = jnp.float32, lora: LoraBackend | None = None
+    ) -> None:
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.lora = lora  # the batched-LoRA backend; None serves the base model only
         self.layer = DecoderLayer(config, self.dtype)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype)
 
@@ -166,6 +183,25 @@ class Llama:
             "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
         )
 
+    def _lora_fn(self, weights: LoraWeights | None, delta) -> LoraFn | None:
+        """A layer's LoRA hook over the slots' targets: `delta(weights, target, h)`.
+
+        The slots are indexed by layer inside the backend rather than scanned over, so
+        a step reads only the rows' adapters, not every slot of every layer.
+        """
+        if weights is None:
+            return None
+        if self.lora is None:
+            raise ValueError("LoRA weights were passed to a model built without a backend")
+
+        def lora(target: str, h: jax.Array) -> jax.Array | None:
+            if target not in weights:
+                return None
+            rows = h.reshape(-1, h.shape[-1])  # decode passes [S, 1, in] or [S, in]
+            return delta(weights, target, rows).reshape(*h.shape[:-1], -1)
+
+        return lora
+
     def _scan_layers(self, params: Params, x: jax.Array, cache: KVCache, layer_fn):
         """Run `layer_fn(layer_params, layer_index, x, cache) -> (x, cache)` over the stack."""
 
@@ -185,11 +221,15 @@ class Llama:
         tokens: jax.Array,
         length: jax.Array,
         block_table: jax.Array,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Run one prompt, write its keys/values into its blocks, return the last logits.
 
         tokens: i32[T] (padded to a bucket length T); length: i32[] real tokens (1..T);
-        block_table: i32[max_blocks] (entries past the prompt may be the sentinel).
+        block_table: i32[max_blocks] (entries past the prompt may be the sentinel);
+        lora_weights, segments: the device adapter slots and which rows use which slot
+        (both None, or both given when the model has a LoRA backend).
         Returns fp32 logits [V] at position length-1, and the updated cache.
         """
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
@@ -201,12 +241,15 @@ class Llama:
 
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            q, k, v = layer.qkv(x, positions)
+            lora = self._lora_fn(
+                lora_weights, lambda w, t, h: self.lora.sgmv(w, t, index, h, segments)
+            )
+            q, k, v = layer.qkv(x, positions, lora)
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k),
                 v=write_kv(cache.v, index, blocks, offsets, v),
             )
-            return layer.finish(x, causal_attention(q, k, v, length)), cache
+            return layer.finish(x, causal_attention(q, k, v, length), lora), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)
         return self._logits(params, x[length - 1]), cache
@@ -218,11 +261,15 @@ class Llama:
         tokens: jax.Array,
         positions: jax.Array,
         block_tables: jax.Array,
+        lora_weights: LoraWeights | None = None,
+        lora_idx: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One token for each of S slots.
 
         tokens, positions: i32[S]; block_tables: i32[S, max_blocks]. An idle slot has an
         all-sentinel block table: its write is dropped and its logits are meaningless.
+        lora_weights, lora_idx: the device adapter slots and each row's slot, i32[S]
+        (-1: the base model), both given when the model has a LoRA backend.
         Returns fp32 logits [S, V] and the updated cache.
         """
         rows = jnp.arange(tokens.shape[0])
@@ -232,7 +279,10 @@ class Llama:
 
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            q, k, v = layer.qkv(x[:, None], positions[:, None])  # [S, 1, ...]
+            lora = self._lora_fn(
+                lora_weights, lambda w, t, h: self.lora.bgmv(w, t, index, h, lora_idx)
+            )
+            q, k, v = layer.qkv(x[:, None], positions[:, None], lora)  # [S, 1, ...]
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
                 v=write_kv(cache.v, index, blocks, offsets, v[:, 0]),
@@ -240,7 +290,7 @@ class Llama:
             attn = paged_decode_attention(
                 q[:, 0], cache.k[index], cache.v[index], block_tables, positions
             )
-            return layer.finish(x, attn), cache
+            return layer.finish(x, attn, lora), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)
         return self._logits(params, x), cache

@@ -1,0 +1,175 @@
+"""Multi-LoRA on SmolLM2 against PEFT's mixed-adapter batches (PyTorch).
+
+Three adapters made by PEFT itself (different ranks, target sets, and rank-stabilised
+scaling for one), with random non-zero weights strong enough to change the greedy
+continuation, are served in one batch with base-model rows. PEFT runs the same batch
+with `adapter_names=` per row. Tokens must be equal and logits within the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jlora.adapters.backend import Segments
+from jlora.engine.api import SamplingParams
+from jlora.model.kv_cache import KVCache
+from tests.engine_helpers import make_engine, run_to_completion
+from tests.tolerances import assert_close
+
+pytestmark = pytest.mark.slow
+
+# name -> LoraConfig arguments. Ranks 8, 12 (not a power of two) and 32.
+ADAPTERS = {
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all-r12-rslora": dict(
+        r=12,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "mlp-o-r32": dict(r=32, lora_alpha=64, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Water boils at a temperature of",
+    "def fibonacci(n):\n    ",
+    "The capital of France is",
+    "My favourite colour is",
+]
+ROW_ADAPTERS = ["qv-r8", None, "all-r12-rslora", "mlp-o-r32", None, "qv-r8"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def peft_dirs(tmp_path_factory, hf_smollm2):
+    """PEFT-made adapters: lora_A and lora_B drawn at random (PEFT would zero B)."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("peft")
+    paths = {}
+    for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
+        model = get_peft_model(copy.deepcopy(hf_smollm2), LoraConfig(**kwargs))
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_A" in param_name:  # [r, in]: x @ A^T has entries ~ rms(x)
+                    param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+                elif "lora_B" in param_name:  # [out, r]
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5 / param.shape[1] ** 0.5)
+        model.save_pretrained(str(root / name))
+        paths[name] = root / name
+    return paths
+
+
+@pytest.fixture(scope="module")
+def peft_model(hf_smollm2, peft_dirs):
+    from peft import PeftModel
+
+    names = list(peft_dirs)
+    model = PeftModel.from_pretrained(
+        copy.deepcopy(hf_smollm2), str(peft_dirs[names[0]]), adapter_name=names[0]
+    )
+    for name in names[1:]:
+        model.load_adapter(str(peft_dirs[name]), adapter_name=name)
+    return model.eval()
+
+
+def _left_padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, batch))
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, tokens in enumerate(batch):
+        ids[row, width - len(tokens) :] = torch.tensor(tokens)
+        mask[row, width - len(tokens) :] = 1
+    return ids, mask
+
+
+def _peft_names(rows):
+    return [name if name is not None else "__base__" for name in rows]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    return [smollm2.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_mixed_batch_greedy_tokens_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
+    ids, mask = _left_padded(prompt_ids)
+    with torch.no_grad():
+        generated = peft_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            adapter_names=_peft_names(ROW_ADAPTERS),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+        )
+    theirs = generated[:, ids.shape[1] :].tolist()
+    with torch.no_grad(), peft_model.disable_adapter():
+        base = peft_model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
+        )[:, ids.shape[1] :].tolist()
+    for row, name in enumerate(ROW_ADAPTERS):
+        if name is not None:
+            assert theirs[row] != base[row], f"adapter {name} does not change row {row}"
+
+    # Four decode slots for six prompts and two device slots for three adapters: requests
+    # wait for slots, adapters are loaded on demand and evicted while others decode.
+    engine = make_engine(
+        smollm2, max_slots=4, max_seq_len=128, max_loras=2, max_lora_rank=32
+    )
+    for name, path in peft_dirs.items():
+        engine.register_adapter(name, str(path))
+    ours = run_to_completion(
+        engine,
+        prompt_ids,
+        SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+        ROW_ADAPTERS,
+    )
+    assert [r["token_ids"] for r in ours] == theirs
+    assert engine.lora.slots.stats()["evictions"] >= 1
+    engine.close()
+
+
+def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
+    engine = make_engine(
+        smollm2, max_slots=1, max_seq_len=64, max_loras=3, max_lora_rank=32, lora_mode="cached"
+    )
+    for name, path in peft_dirs.items():
+        engine.register_adapter(name, str(path))
+    ids, mask = _left_padded(prompt_ids)
+    with torch.no_grad():
+        theirs = peft_model(
+            input_ids=ids, attention_mask=mask, adapter_names=_peft_names(ROW_ADAPTERS)
+        ).logits[:, -1].numpy()
+    prefill = jax.jit(engine.model.prefill)
+    for row, (tokens, name) in enumerate(zip(prompt_ids, ROW_ADAPTERS, strict=True)):
+        slot = -1 if name is None else engine.lora.slots.slot_of(name)
+        padded = np.zeros(32, np.int32)
+        padded[: len(tokens)] = tokens
+        cache = KVCache.zeros(
+            num_layers=smollm2.config.num_layers,
+            num_blocks=2,
+            block_size=16,
+            num_kv_heads=smollm2.config.num_kv_heads,
+            head_dim=smollm2.config.head_dim,
+            dtype=jnp.float32,
+        )
+        logits, _ = prefill(
+            smollm2.params,
+            cache,
+            padded,
+            np.int32(len(tokens)),
+            np.arange(2, dtype=np.int32),
+            engine.lora.weights,
+            Segments.single(slot, 32),
+        )
+        assert_close(logits, theirs[row], jnp.float32, np.float32, scope="model")
+    engine.close()
