@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jlora.cli import convert, generate
+from jlora.cli import adapters, convert, generate
 from jlora.cli.common import UsageError
 
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(commands)
     convert.add_parser(commands)
+    adapters.add_parser(commands)
     return parser
 
 
@@ -46,13 +47,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_runtime(args.verbose)
     from configs import ConfigError
+    from jlora.adapters.peft import AdapterError
     from jlora.engine.api import InvalidRequest
     from jlora.model.weights import WeightsError
     from jlora.tokenizer import TokenizerError
 
     try:
         return args.run(args)
-    except (UsageError, ConfigError, InvalidRequest, WeightsError, TokenizerError, OSError) as err:
+    except (
+        UsageError,
+        ConfigError,
+        AdapterError,
+        InvalidRequest,
+        WeightsError,
+        TokenizerError,
+        OSError,
+    ) as err:
         print(f"jlora: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
