@@ -42,6 +42,9 @@ class EngineConfig:
       running batch keeps decoding meanwhile); "cached" loads and pins every adapter
       when it is registered. lora_backend: the batched-LoRA implementation.
     host_store_mib: capacity of the shared-memory arena holding registered adapters.
+    emulated_link_gbps: if positive, adapter transfers to the device are throttled to
+      this many gigabytes per second (a test and benchmark knob: a CPU-only machine
+      has no real host-to-device link, so cold starts would otherwise cost nothing).
     """
 
     dtype: str = "float32"
@@ -59,6 +62,7 @@ class EngineConfig:
     lora_mode: str = "ondemand"
     lora_backend: str = "reference"
     host_store_mib: int = 1024
+    emulated_link_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,8 +93,15 @@ class EngineConfig:
                 f"{LORA_TARGETS}"
             )
         object.__setattr__(self, "lora_targets", tuple(t for t in LORA_TARGETS if t in targets))
+        if not (isinstance(self.emulated_link_gbps, int | float) and self.emulated_link_gbps >= 0):
+            raise ConfigError(
+                f"EngineConfig.emulated_link_gbps={self.emulated_link_gbps!r} must be >= 0 "
+                "(0: no throttle)"
+            )
         if self.lora_mode not in LORA_MODES:
-            raise ConfigError(f"EngineConfig.lora_mode={self.lora_mode!r} must be one of {LORA_MODES}")
+            raise ConfigError(
+                f"EngineConfig.lora_mode={self.lora_mode!r} must be one of {LORA_MODES}"
+            )
         if self.lora_backend not in LORA_BACKENDS:
             raise ConfigError(
                 f"EngineConfig.lora_backend={self.lora_backend!r} must be one of {LORA_BACKENDS}"

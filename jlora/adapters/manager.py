@@ -19,6 +19,7 @@ replaces it.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,13 @@ class AdapterManager:
         mode: str,
         dtype: Any,
         host_store_bytes: int,
+        emulated_link_gbps: float = 0.0,
     ) -> None:
         self.backend = backend
         self.mode = mode
         self.max_rank = max_rank
         self.num_slots = num_slots
+        self.emulated_link_gbps = emulated_link_gbps
         self.dtype = dtype
         shapes = target_shapes(model_config)
         self.shapes = {target: shapes[target] for target in targets}
@@ -141,8 +144,18 @@ class AdapterManager:
 
     def _load(self, name: str, slot: int) -> Payload:
         """On the transfer thread: host arena -> packed numpy -> device arrays."""
-        payload = jax.device_put(self._pack(self.store.tensors(name)))
-        return jax.block_until_ready(payload)
+        start = time.perf_counter()
+        packed = self._pack(self.store.tensors(name))
+        payload = jax.block_until_ready(jax.device_put(packed))
+        if self.emulated_link_gbps:
+            nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(packed))
+            time.sleep(
+                max(0.0, nbytes / (self.emulated_link_gbps * 1e9) - (time.perf_counter() - start))
+            )
+        log.info(
+            "adapter %s -> slot %d in %.1f ms", name, slot, 1e3 * (time.perf_counter() - start)
+        )
+        return payload
 
     def _install(self, name: str, slot: int, payload: Payload) -> None:
         """On the scheduler thread: write a transferred adapter into its device slot."""

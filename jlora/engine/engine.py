@@ -125,6 +125,7 @@ class LLMEngine(Engine):
                 mode=cfg.lora_mode,
                 dtype=self.model.dtype,
                 host_store_bytes=cfg.host_store_mib * 2**20,
+                emulated_link_gbps=cfg.emulated_link_gbps,
             )
         log.info(
             "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
@@ -177,7 +178,9 @@ class LLMEngine(Engine):
         self.lora.unregister(name)
 
     def adapters(self) -> list[StoredAdapter]:
-        return [] if self.lora is None else [self.lora.store.get(n) for n in self.lora.store.names()]
+        return (
+            [] if self.lora is None else [self.lora.store.get(n) for n in self.lora.store.names()]
+        )
 
     @property
     def _lora_weights(self) -> LoraWeights | None:

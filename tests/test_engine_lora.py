@@ -1,0 +1,253 @@
+"""The engine with adapters, on the tiny random model: mixing, modes, loading, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.adapters.backend import Segments
+from jlora.adapters.peft import AdapterError, make_demo_adapters
+from jlora.engine.api import InvalidRequest, Request, SamplingParams, UnknownAdapter
+from jlora.model.kv_cache import KVCache
+from jlora.model.llama import Llama
+from tests.engine_helpers import make_engine, run_to_completion
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+RANKS = (4, 12, 32)  # 12 is not a power of two
+
+
+@pytest.fixture(scope="module")
+def demo(tiny, tmp_path_factory):
+    """Three demo adapters for cpu-tiny: name -> path, ranks 4, 12 and 32."""
+    paths = make_demo_adapters(
+        tiny.config, tmp_path_factory.mktemp("demo"), n=3, ranks=RANKS, seed=3
+    )
+    return {path.name: path for path in paths}
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n in lengths]
+
+
+def _engine(tiny, demo=None, **overrides):
+    config = {
+        "max_slots": 4,
+        "max_seq_len": 128,
+        "min_bucket": 16,
+        "max_loras": 2,
+        "max_lora_rank": 32,
+        **overrides,
+    }
+    engine = make_engine(tiny, **config)
+    for name, path in (demo or {}).items():
+        engine.register_adapter(name, str(path))
+    return engine
+
+
+def _names(demo):
+    return sorted(demo)
+
+
+def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_the_base_model(tiny, demo):
+    a, b, c = _names(demo)
+    prompts = _prompts([5, 9, 17, 3, 20, 11])
+    rows = [a, None, b, c, a, None]
+    engine = _engine(tiny, demo)
+    mixed = run_to_completion(engine, prompts, GREEDY, rows)
+    base_engine = make_engine(tiny, max_slots=4, max_seq_len=128, min_bucket=16)
+    for ids, name, result in zip(prompts, rows, mixed, strict=True):
+        if name is None:
+            assert result == run_to_completion(base_engine, [ids], GREEDY)[0]
+        else:
+            alone = run_to_completion(_engine(tiny, {name: demo[name]}), [ids], GREEDY, [name])
+            assert result == alone[0]
+            base = run_to_completion(base_engine, [ids], GREEDY)[0]
+            assert result["token_ids"] != base["token_ids"], f"{name} changed nothing"
+    engine.close()
+
+
+def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
+    """Logits of rows without an adapter, next to adapted rows, equal the base model's."""
+    engine = _engine(tiny, demo, max_loras=3, lora_mode="cached")
+    slots = [engine.lora.slots.slot_of(name) for name in _names(demo)]
+    base_model = Llama(tiny.config)
+    config, slots_count = tiny.config, 6
+
+    def cache():
+        return KVCache.zeros(
+            num_layers=config.num_layers,
+            num_blocks=slots_count * 2,
+            block_size=16,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=jnp.float32,
+        )
+
+    tokens = np.zeros(32, np.int32)
+    tokens[:7] = _prompts([7])[0]
+    table = np.arange(2, dtype=np.int32)
+    with_lora, _ = jax.jit(engine.model.prefill)(
+        tiny.params, cache(), tokens, np.int32(7), table, engine.lora.weights,
+        Segments.single(-1, 32),
+    )
+    alone, _ = jax.jit(base_model.prefill)(tiny.params, cache(), tokens, np.int32(7), table)
+    np.testing.assert_array_equal(with_lora, alone)
+
+    idx = np.array([slots[0], -1, slots[1], -1, slots[2], -1], np.int32)
+    step_tokens = np.array(_prompts([slots_count])[0], np.int32)
+    positions = np.arange(slots_count, dtype=np.int32) + 3
+    tables = np.arange(slots_count * 2, dtype=np.int32).reshape(slots_count, 2)
+    mixed, _ = jax.jit(engine.model.decode)(
+        tiny.params, cache(), step_tokens, positions, tables, engine.lora.weights, idx
+    )
+    plain, _ = jax.jit(base_model.decode)(tiny.params, cache(), step_tokens, positions, tables)
+    np.testing.assert_array_equal(np.asarray(mixed)[idx < 0], np.asarray(plain)[idx < 0])
+    assert not np.allclose(np.asarray(mixed)[idx >= 0], np.asarray(plain)[idx >= 0])
+    engine.close()
+
+
+def test_cached_and_ondemand_give_identical_tokens(tiny, demo):
+    prompts = _prompts([4, 30, 8, 15, 2, 22, 6], seed=1)
+    a, b, c = _names(demo)
+    rows = [c, a, None, b, c, a, b]
+    cached = _engine(tiny, demo, max_loras=3, lora_mode="cached")
+    ondemand = _engine(tiny, demo, max_loras=1)  # one device slot: loads and evictions
+    assert run_to_completion(cached, prompts, GREEDY, rows) == run_to_completion(
+        ondemand, prompts, GREEDY, rows
+    )
+    assert cached.lora.slots.stats()["evictions"] == 0
+    assert ondemand.lora.slots.stats()["evictions"] >= 2
+    for engine in (cached, ondemand):
+        assert not any(engine.lora.slots.in_use(name) for name in demo)
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        engine.close()
+
+
+def test_the_running_batch_keeps_decoding_while_an_adapter_loads(tiny, demo):
+    name = _names(demo)[-1]  # rank 32
+    # ~1.2 MB of slots at 0.005 GB/s: the transfer takes about a quarter of a second.
+    engine = _engine(tiny, demo, emulated_link_gbps=0.005)
+    engine.add_request(Request("base", _prompts([6])[0], SamplingParams(max_tokens=100)))
+    engine.step()
+    engine.add_request(Request("lora", _prompts([6], seed=2)[0], GREEDY, adapter=name))
+    steps_while_loading, tokens = 0, {"base": [], "lora": []}
+    while engine.has_unfinished:
+        events = engine.step()
+        if engine.lora.slots.is_loading(name):
+            assert [e.request_id for e in events] == ["base"]
+            steps_while_loading += 1
+        for event in events:
+            tokens[event.request_id].append(event.token_id)
+    assert steps_while_loading >= 2
+    assert len(tokens["lora"]) == GREEDY.max_tokens
+    engine.close()
+
+
+def test_unknown_adapter_is_refused_by_name(tiny, demo):
+    engine = _engine(tiny, demo)
+    with pytest.raises(UnknownAdapter, match="adapter='nope' is not registered"):
+        engine.add_request(Request("r", [1, 2, 3], GREEDY, adapter="nope"))
+    base_only = make_engine(tiny, max_slots=2, max_seq_len=64, min_bucket=16)
+    with pytest.raises(InvalidRequest, match="adapter="):
+        base_only.add_request(Request("r", [1, 2, 3], GREEDY, adapter=_names(demo)[0]))
+    with pytest.raises(AdapterError, match="max_loras=0"):
+        base_only.register_adapter("x", str(demo[_names(demo)[0]]))
+    assert not engine.has_unfinished
+    engine.close()
+
+
+def _state(engine):
+    return (
+        engine.lora.store.names(),
+        engine.lora.store.arena.bytes_used,
+        engine.lora.slots.resident(),
+        engine.lora.slots.loading(),
+        engine.lora.slots.pinned,
+    )
+
+
+def _corrupt_copy(path, tmp_path):
+    import shutil
+
+    copy = tmp_path / "corrupt"
+    shutil.copytree(path, copy)
+    weights = copy / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return copy
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "does not exist"),
+        ("corrupt", "adapter_model.safetensors"),
+        ("other-base", "different base model"),
+        ("rank", "max_lora_rank=8"),
+        ("targets", "lora_targets="),
+        ("duplicate", "already registered"),
+        ("bad-name", "name="),
+        ("cached-full", "max_loras=1"),
+    ],
+)
+def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected):
+    from configs import load_preset
+
+    names = _names(demo)
+    overrides = {
+        "rank": {"max_lora_rank": 8},
+        "targets": {"lora_targets": ("q_proj", "v_proj")},
+        "cached-full": {"max_loras": 1, "lora_mode": "cached"},
+    }.get(case, {})
+    first = demo[names[0]]
+    if case == "targets":  # the engine holds q_proj and v_proj only; so does its adapter
+        first = make_demo_adapters(
+            tiny.config, tmp_path / "qv", n=1, ranks=[4], targets=("q_proj", "v_proj")
+        )[0]
+    engine = _engine(tiny, {names[0]: first}, **overrides)
+    before = _state(engine)
+    path = {
+        "missing": tmp_path / "no-such-adapter",
+        "corrupt": _corrupt_copy(demo[names[1]], tmp_path) if case == "corrupt" else None,
+        "other-base": make_demo_adapters(
+            load_preset("smollm2-135m").config, tmp_path, n=1, ranks=[4]
+        )[0]
+        if case == "other-base"
+        else None,
+    }.get(case, demo[names[-1]])
+    name = {"duplicate": names[0], "bad-name": "../escape"}.get(case, "new")
+    with pytest.raises(AdapterError, match=expected.replace("[", r"\[")):
+        engine.register_adapter(name, str(path))
+    assert _state(engine) == before
+    # The engine still serves what it had.
+    result = run_to_completion(engine, _prompts([5]), GREEDY, [names[0]])
+    assert len(result[0]["token_ids"]) == GREEDY.max_tokens
+    engine.close()
+
+
+def test_unregister_refuses_an_adapter_in_use_then_frees_it(tiny, demo):
+    name = _names(demo)[0]
+    engine = _engine(tiny, {name: demo[name]})
+    engine.add_request(Request("r", _prompts([5])[0], GREEDY, adapter=name))
+    with pytest.raises(AdapterError, match="named by 1 queued or running"):
+        engine.unregister_adapter(name)
+    while engine.has_unfinished:
+        engine.step()
+    engine.unregister_adapter(name)
+    assert engine.lora.store.names() == [] and engine.lora.store.arena.bytes_used == 0
+    assert engine.lora.slots.resident() == {}
+    with pytest.raises(UnknownAdapter):
+        engine.add_request(Request("r2", [1, 2], GREEDY, adapter=name))
+    engine.close()
+
+
+def test_close_leaves_no_shared_memory_behind(tiny, demo):
+    engine = _engine(tiny, demo)
+    segment = f"/dev/shm/{engine.lora.store.arena.name.lstrip('/')}"
+    assert os.path.exists(segment)
+    engine.close()
+    assert not os.path.exists(segment)
