@@ -109,6 +109,37 @@ FAST_BAD_INPUT = [
         ["--max-seq-len 10", "at least 16"],
     ),
     ("max-slots-zero", ["--prompt", "hi", "--max-slots", "0"], ["--max-slots 0", "at least 1"]),
+    ("max-loras-zero", ["--prompt", "hi", "--max-loras", "0"], ["--max-loras 0", "at least 1"]),
+    (
+        "adapter-missing",
+        ["--prompt", "hi", "--adapter", "{tmp}/no-adapter"],
+        ["--adapter", "no-adapter", "no such adapter directory"],
+    ),
+    (
+        "adapter-escapes-its-dir",
+        ["--prompt", "hi", "--adapters-dir", "{tmp}/adapters", "--adapter", "../secrets"],
+        ["--adapter '../secrets'", "not a directory nor an adapter name"],
+    ),
+    (
+        "adapter-config-malformed",
+        ["--prompt", "hi", "--adapter", "{tmp}/broken-adapter"],
+        ["adapter_config.json"],
+    ),
+    (
+        "jsonl-line-not-json",
+        ["--prompts-file", "{tmp}/bad.jsonl"],
+        ["bad.jsonl line 2", "not valid JSON"],
+    ),
+    (
+        "jsonl-adapter-not-a-string",
+        ["--prompts-file", "{tmp}/bad-adapter.jsonl"],
+        ["bad-adapter.jsonl line 1", "adapter=5"],
+    ),
+    (
+        "jsonl-unknown-field",
+        ["--prompts-file", "{tmp}/bad-field.jsonl"],
+        ["bad-field.jsonl line 1", "unknown fields ['lora']"],
+    ),
 ]
 SLOW_BAD_INPUT = [
     (
@@ -130,6 +161,11 @@ SLOW_BAD_INPUT = [
 def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragments):
     (tmp_path / "blank.txt").write_text("\n   \n\n")
     (tmp_path / "broken.gguf").write_bytes(b"this is not a GGUF file\n" * 200)
+    (tmp_path / "broken-adapter").mkdir()
+    (tmp_path / "broken-adapter" / "adapter_config.json").write_text("{not json")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": \n')
+    (tmp_path / "bad-adapter.jsonl").write_text('{"prompt": "hi", "adapter": 5}\n')
+    (tmp_path / "bad-field.jsonl").write_text('{"prompt": "hi", "lora": "x"}\n')
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     _assert_usage_error(_jlora(cli_env, "generate", *args, cwd=tmp_path), fragments)
 
@@ -171,7 +207,8 @@ def test_prompts_file_jsonl_is_in_input_order_and_independent_of_it(tmp_path, cl
 
     assert [row["prompt"] for row in forward] == PROMPTS
     for row in forward:
-        assert set(row) == {"prompt", "text", "token_ids", "finish_reason"}
+        assert set(row) == {"prompt", "adapter", "text", "token_ids", "finish_reason"}
+        assert row["adapter"] is None
         assert 1 <= len(row["token_ids"]) <= 8
         assert all(isinstance(token, int) for token in row["token_ids"])
         assert row["finish_reason"] in ("stop", "length")
@@ -184,6 +221,60 @@ def test_prompts_file_jsonl_is_in_input_order_and_independent_of_it(tmp_path, cl
     # slot or batch position the prompt got.
     backward = _run_jsonl(cli_env, tmp_path, PROMPTS[::-1])
     assert backward[::-1] == forward
+
+
+@pytest.mark.slow
+def test_one_batch_mixes_adapters_from_a_jsonl_prompts_file(tmp_path, cli_env, smollm2):
+    from jlora.adapters.peft import make_demo_adapters
+    from jlora.engine.api import SamplingParams
+    from tests.engine_helpers import make_engine, run_to_completion
+
+    make_demo_adapters(smollm2.config, tmp_path / "adapters", n=2, ranks=[8, 16])
+    prompt = "The capital of France is"
+    rows = [
+        {"prompt": prompt, "adapter": "demo-00-r8"},
+        {"prompt": prompt, "adapter": None},
+        {"prompt": prompt},  # --adapter applies
+    ]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    default = str(tmp_path / "adapters" / "demo-01-r16")
+    outputs = {}
+    for mode in ("ondemand", "cached"):
+        result = _jlora(
+            cli_env,
+            "generate",
+            "--prompts-file",
+            "mixed.jsonl",
+            "--adapters-dir",
+            "adapters",
+            "--adapter",
+            default,
+            "--lora-mode",
+            mode,
+            "--output",
+            "jsonl",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr
+        outputs[mode] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert outputs["ondemand"] == outputs["cached"]
+    named, base, defaulted = outputs["ondemand"]
+    assert [named["adapter"], base["adapter"], defaulted["adapter"]] == [
+        "demo-00-r8",
+        None,
+        default,
+    ]
+    engine = make_engine(smollm2, max_slots=1, max_seq_len=64)
+    [alone] = run_to_completion(
+        engine,
+        [smollm2.tokenizer.encode(prompt)],
+        SamplingParams(max_tokens=12, ignore_eos=True),
+    )
+    assert base["token_ids"] == alone["token_ids"]
+    assert len({tuple(r["token_ids"]) for r in (named, base, defaulted)}) == 3
 
 
 @pytest.mark.slow

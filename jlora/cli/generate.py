@@ -2,19 +2,28 @@
 
 Three forms: `--prompt TEXT` streams one completion to stdout; `--prompts-file FILE`
 runs one prompt per line in one continuous batch and prints the completions in input
-order (`--output jsonl`: one JSON object per prompt with prompt, text, token_ids and
-finish_reason); with neither, an interactive session reads prompts from stdin
-(`--chat` keeps the conversation).
+order (`--output jsonl`: one JSON object per prompt with prompt, adapter, text,
+token_ids and finish_reason); with neither, an interactive session reads prompts from
+stdin (`--chat` keeps the conversation).
+
+Adapters: `--adapter PATH_OR_NAME` applies one PEFT adapter to every prompt (a
+directory, or a name under `--adapters-dir`). A prompts file named `*.jsonl` holds one
+JSON object per line, `{"prompt": ..., "adapter": ...}`, so one batch mixes adapters
+(`"adapter": null` is the base model; a missing field means `--adapter`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from jlora.adapters.store import NAME_PATTERN
 from jlora.cli.common import UsageError, add_model_args, resolve_dtype
 from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, TokenEvent
 
@@ -64,6 +73,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="longest prompt + completion (capped at the model's context)",
     )
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
+    lora = parser.add_argument_group("adapters")
+    lora.add_argument(
+        "--adapter",
+        metavar="PATH_OR_NAME",
+        help="a PEFT adapter directory (or a name under --adapters-dir) for every prompt",
+    )
+    lora.add_argument(
+        "--adapters-dir", type=Path, metavar="DIR", help="where adapter names are looked up"
+    )
+    lora.add_argument(
+        "--lora-mode",
+        choices=["ondemand", "cached"],
+        default="ondemand",
+        help="load each adapter when a request needs it (default), or all before serving",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        help="device adapter slots (default: one per distinct adapter)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -71,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value, low in (
         ("--max-seq-len", args.max_seq_len, 16),
         ("--max-slots", args.max_slots, 1),
+        ("--max-loras", args.max_loras, 1),
     ):
-        if value < low:
+        if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
@@ -84,43 +114,118 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.prompts_file:
-        prompts = _read_prompts(args.prompts_file)
+        prompts = _read_prompts(args.prompts_file, args.adapter)
     elif args.prompt is not None:
-        prompts = [args.prompt]
+        prompts = [Prompt(args.prompt, args.adapter)]
     else:
         prompts = []  # interactive: one conversation at a time
-    make_engine, encode = _load(args)
-    if not prompts:
-        return _interactive(make_engine(1), encode, sampling, chat=args.chat, system=args.system)
-    engine = make_engine(min(args.max_slots, len(prompts)))
-    return _run_batch(
-        engine,
-        encode,
-        prompts,
-        sampling,
-        args.output,
-        stream=args.prompt is not None and args.output == "text",
+    adapters = _resolve_adapters(
+        [p.adapter for p in prompts] if prompts else [args.adapter], args.adapters_dir
     )
+    make_engine, encode = _load(args, adapters)
+    if not prompts:
+        engine = make_engine(1)
+        name = adapters[args.adapter][0] if args.adapter else None
+        return _interactive(
+            engine, encode, sampling, chat=args.chat, system=args.system, adapter=name
+        )
+    served = {given: name for given, (name, _) in adapters.items()}
+    engine = make_engine(min(args.max_slots, len(prompts)))
+    try:
+        return _run_batch(
+            engine,
+            encode,
+            prompts,
+            served,
+            sampling,
+            args.output,
+            stream=args.prompt is not None and args.output == "text",
+        )
+    finally:
+        engine.close()
 
 
-def _read_prompts(path: Path) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str
+    adapter: str | None  # as given: a path or a name; None is the base model
+
+
+def _read_prompts(path: Path, default_adapter: str | None) -> list[Prompt]:
     if not path.is_file():
         raise UsageError(f"--prompts-file {path}: no such file")
-    prompts = [line for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
         raise UsageError(f"--prompts-file {path}: no prompts (every line is blank)")
+    if path.suffix != ".jsonl":
+        return [Prompt(line, default_adapter) for _, line in lines]
+    prompts = []
+    for number, line in lines:
+        where = f"--prompts-file {path} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(item, dict):
+            raise UsageError(f"{where}: expected a JSON object with a 'prompt' field")
+        if unknown := sorted(set(item) - {"prompt", "adapter"}):
+            raise UsageError(f"{where}: unknown fields {unknown} (expected prompt, adapter)")
+        text = item.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise UsageError(f"{where}: prompt={text!r} must be a non-empty string")
+        adapter = item.get("adapter", default_adapter)
+        if adapter is not None and (not isinstance(adapter, str) or not adapter):
+            raise UsageError(f"{where}: adapter={adapter!r} must be a non-empty string or null")
+        prompts.append(Prompt(text, adapter))
     return prompts
+
+
+def _resolve_adapters(
+    given: list[str | None], adapters_dir: Path | None
+) -> dict[str, tuple[str, Path]]:
+    """Each distinct adapter as given -> (the name it is served under, its PEFT directory).
+
+    The name is the directory's own name, made unique; UsageError if there is no directory.
+    """
+    resolved: dict[str, tuple[str, Path]] = {}
+    for spec in dict.fromkeys(a for a in given if a is not None):
+        path = Path(spec).expanduser()
+        if not path.is_dir() and adapters_dir is not None:
+            path = adapters_dir / spec
+            if NAME_PATTERN.fullmatch(spec) is None:  # no '/' or '..': stays inside the dir
+                raise UsageError(f"--adapter {spec!r}: not a directory nor an adapter name")
+        if not path.is_dir():
+            where = f" nor in --adapters-dir {adapters_dir}" if adapters_dir else ""
+            raise UsageError(f"--adapter {spec}: no such adapter directory{where}")
+        name = re.sub(r"[^A-Za-z0-9._:-]", "-", path.resolve().name).lstrip("._:-")[:120] or "a"
+        taken = {n for n, _ in resolved.values()}
+        unique = next(c for c in [name, *(f"{name}-{i}" for i in range(2, 1000))] if c not in taken)
+        resolved[spec] = (unique, path)
+    return resolved
 
 
 Encoder = Callable[[list[dict[str, str]] | str], list[int]]
 
 
-def _load(args: argparse.Namespace) -> tuple[Callable[[int], Engine], Encoder]:
-    """The model's tokenizer as an encoder, and an engine factory taking the slot count."""
+def _load(
+    args: argparse.Namespace, adapters: dict[str, tuple[str, Path]]
+) -> tuple[Callable[[int], Engine], Encoder]:
+    """The model's tokenizer as an encoder, and an engine factory taking the slot count
+    (the engine serves `adapters`, registered under the names the user gave)."""
     from configs import EngineConfig
+    from jlora.adapters.peft import read_lora_spec
     from jlora.engine.engine import LLMEngine
     from jlora.model.loading import load_model
 
+    specs = [read_lora_spec(path) for _, path in adapters.values()]  # fail before loading
+    lora: dict[str, Any] = {}
+    if specs:
+        lora = {
+            "max_loras": args.max_loras or len(specs),
+            "max_lora_rank": max(spec.rank for spec in specs),
+            "lora_targets": tuple({t for spec in specs for t in spec.targets}),
+            "lora_mode": args.lora_mode,
+        }
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     tokenizer = loaded.tokenizer
     if tokenizer is None:
@@ -135,13 +240,21 @@ def _load(args: argparse.Namespace) -> tuple[Callable[[int], Engine], Encoder]:
             dtype=resolve_dtype(args.dtype),
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
+            **lora,
         )
-        return LLMEngine(
+        engine = LLMEngine(
             model_config=loaded.config,
             params=loaded.params,
             tokenizer=tokenizer,
             engine_config=config,
         )
+        try:
+            for name, path in adapters.values():
+                engine.register_adapter(name, path)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
 
     def encode(prompt: list[dict[str, str]] | str) -> list[int]:
         if isinstance(prompt, list):  # a conversation
@@ -157,12 +270,17 @@ def _load(args: argparse.Namespace) -> tuple[Callable[[int], Engine], Encoder]:
 def _run_batch(
     engine: Engine,
     encode: Encoder,
-    prompts: list[str],
+    prompts: list[Prompt],
+    served: dict[str, str],
     sampling: SamplingParams,
     output: str,
     stream: bool = False,
 ) -> int:
-    requests = [Request(str(i), encode(p), sampling) for i, p in enumerate(prompts)]
+    """Run `prompts` in one batch; `served` maps each adapter as given to its served name."""
+    requests = [
+        Request(str(i), encode(p.text), sampling, adapter=served.get(p.adapter or ""))
+        for i, p in enumerate(prompts)
+    ]
     for i, request in enumerate(requests):  # validate every prompt before running any
         try:
             engine.add_request(request)
@@ -194,7 +312,8 @@ def _run_batch(
                 print(
                     json.dumps(
                         {
-                            "prompt": prompts[printed],
+                            "prompt": prompts[printed].text,
+                            "adapter": prompts[printed].adapter,
                             "text": text,
                             "token_ids": result["token_ids"],
                             "finish_reason": result["finish_reason"],
@@ -209,7 +328,13 @@ def _run_batch(
 
 
 def _interactive(
-    engine: Engine, encode: Encoder, sampling: SamplingParams, *, chat: bool, system: str | None
+    engine: Engine,
+    encode: Encoder,
+    sampling: SamplingParams,
+    *,
+    chat: bool,
+    system: str | None,
+    adapter: str | None,
 ) -> int:
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     print("jlora: compiling the engine's steps (cached after the first run)...", file=sys.stderr)
@@ -228,7 +353,12 @@ def _interactive(
         messages = [*history, {"role": "user", "content": line.strip()}]
         try:
             engine.add_request(
-                Request(f"turn-{turn}", encode(messages if chat else line.strip()), sampling)
+                Request(
+                    f"turn-{turn}",
+                    encode(messages if chat else line.strip()),
+                    sampling,
+                    adapter=adapter,
+                )
             )
         except InvalidRequest as err:
             print(f"jlora: error: {err}; starting a new conversation", file=sys.stderr)
