@@ -31,9 +31,19 @@ ADAPTERS = {
         r=12,
         lora_alpha=8,
         use_rslora=True,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
     ),
-    "mlp-o-r32": dict(r=32, lora_alpha=64, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp-o-r32": dict(
+        r=32, lora_alpha=64, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]
+    ),
 }
 PROMPTS = [
     "The quick brown fox",
@@ -60,9 +70,13 @@ def peft_dirs(tmp_path_factory, hf_smollm2):
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if "lora_A" in param_name:  # [r, in]: x @ A^T has entries ~ rms(x)
-                    param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+                    param.copy_(
+                        torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
+                    )
                 elif "lora_B" in param_name:  # [out, r]
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5 / param.shape[1] ** 0.5)
+                    param.copy_(
+                        torch.randn(param.shape, generator=generator) * 0.5 / param.shape[1] ** 0.5
+                    )
         model.save_pretrained(str(root / name))
         paths[name] = root / name
     return paths
@@ -122,9 +136,7 @@ def test_mixed_batch_greedy_tokens_match_peft(smollm2, peft_model, peft_dirs, pr
 
     # Four decode slots for six prompts and two device slots for three adapters: requests
     # wait for slots, adapters are loaded on demand and evicted while others decode.
-    engine = make_engine(
-        smollm2, max_slots=4, max_seq_len=128, max_loras=2, max_lora_rank=32
-    )
+    engine = make_engine(smollm2, max_slots=4, max_seq_len=128, max_loras=2, max_lora_rank=32)
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))
     ours = run_to_completion(
@@ -146,9 +158,11 @@ def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
         engine.register_adapter(name, str(path))
     ids, mask = _left_padded(prompt_ids)
     with torch.no_grad():
-        theirs = peft_model(
-            input_ids=ids, attention_mask=mask, adapter_names=_peft_names(ROW_ADAPTERS)
-        ).logits[:, -1].numpy()
+        theirs = (
+            peft_model(input_ids=ids, attention_mask=mask, adapter_names=_peft_names(ROW_ADAPTERS))
+            .logits[:, -1]
+            .numpy()
+        )
     prefill = jax.jit(engine.model.prefill)
     for row, (tokens, name) in enumerate(zip(prompt_ids, ROW_ADAPTERS, strict=True)):
         slot = -1 if name is None else engine.lora.slots.slot_of(name)

@@ -50,9 +50,7 @@ class Segments:
     @staticmethod
     def single(slot: int, rows: int) -> Segments:
         """One segment covering `rows` rows (host-side numpy, ready to pass to a step)."""
-        return Segments(
-            slot=np.array([slot], np.int32), start=np.array([0, rows], np.int32)
-        )
+        return Segments(slot=np.array([slot], np.int32), start=np.array([0, rows], np.int32))
 
 
 class LoraBackend(abc.ABC):
