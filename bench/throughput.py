@@ -147,11 +147,18 @@ def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
     return elapsed
 
 
-def jlora_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+def jlora_decode(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    adapters: list[str | None] | None = None,
+) -> float:
+    """Seconds for N decode steps of `prompts` (prompt i with adapters[i]), after an
+    untimed first step that prefills them all."""
     # Each request yields one token at prefill, one at the untimed first decode, then N.
     sampling = SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(Request(uuid.uuid4().hex, prompt, sampling))
+    for prompt, adapter in zip(prompts, adapters or [None] * len(prompts), strict=True):
+        engine.add_request(Request(uuid.uuid4().hex, prompt, sampling, adapter=adapter))
     engine.step()
     if engine.num_running != len(prompts):
         raise RuntimeError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from jax import monitoring
 
 from jlora.engine.api import Request, SamplingParams
@@ -37,8 +38,23 @@ def test_listener_counts_compilations(tiny):
     assert _EVENTS
 
 
-def test_no_compilation_after_warmup(tiny):
-    engine = make_engine(tiny, max_slots=3, max_seq_len=128, min_bucket=16)
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_no_compilation_after_warmup(tiny, tmp_path, lora):
+    """With LoRA, three adapters share two device slots: the run loads, evicts and
+    mixes adapters with base rows, and still compiles nothing."""
+    if lora:
+        from jlora.adapters.peft import make_demo_adapters
+
+        paths = make_demo_adapters(tiny.config, tmp_path, n=3, ranks=[4, 8, 16])
+        engine = make_engine(
+            tiny, max_slots=3, max_seq_len=128, min_bucket=16, max_loras=2, max_lora_rank=16
+        )
+        for path in paths:
+            engine.register_adapter(path.name, str(path))
+        adapters = [path.name for path in paths] + [None]
+    else:
+        engine = make_engine(tiny, max_slots=3, max_seq_len=128, min_bucket=16)
+        adapters = [None]
     engine.warmup()
     rng = np.random.default_rng(0)
     # (arrival step, prompt length, max_tokens, sampling) — lengths cover every prefill
@@ -71,6 +87,7 @@ def test_no_compilation_after_warmup(tiny):
                                 seed=i,
                                 ignore_eos=True,
                             ),
+                            adapter=adapters[i % len(adapters)],
                         )
                     )
             if step == 12:
@@ -81,6 +98,8 @@ def test_no_compilation_after_warmup(tiny):
     finally:
         _COUNTING[0] = False
     assert _EVENTS == []
+    if lora:
+        assert engine.lora.slots.stats()["evictions"] >= 1
     assert engine.steps.num_compiles == len(engine.config.prefill_buckets) + len(
         engine.config.decode_buckets
     )

@@ -1,0 +1,126 @@
+"""The host store: a shared-memory arena, layer-major regions, readable from another process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from jlora.adapters.peft import AdapterError, load_peft_adapter, make_demo_adapters
+from jlora.adapters.store import ALIGN, HostStore, SharedArena
+
+
+@pytest.fixture(scope="module")
+def demo(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    return make_demo_adapters(
+        tiny.config, root, n=2, ranks=[4, 12], targets=("q_proj", "down_proj", "v_proj")
+    )
+
+
+def test_arena_first_fit_alignment_and_coalescing():
+    arena = SharedArena(10 * ALIGN)
+    try:
+        a = arena.alloc(1)  # rounds up to one aligned unit
+        b = arena.alloc(3 * ALIGN)
+        c = arena.alloc(ALIGN + 1)  # two units
+        assert (a, b, c) == (0, ALIGN, 4 * ALIGN)
+        assert arena.bytes_used == 6 * ALIGN
+        with pytest.raises(MemoryError, match="no free region of 320 bytes"):
+            arena.alloc(5 * ALIGN)  # 4 units free at the end only
+        arena.free(b)
+        assert arena.alloc(2 * ALIGN) == b  # first fit: the hole left by b
+        arena.free(a)
+        arena.free(b)
+        arena.free(c)  # everything coalesces back into one region
+        assert arena.alloc(10 * ALIGN) == 0
+    finally:
+        arena.close()
+
+
+def test_regions_are_layer_major_with_scaling_folded_into_b(tiny, demo):
+    store = HostStore(tiny.config, 2**22)
+    try:
+        stored = store.register("a", demo[1])
+        adapter = load_peft_adapter(demo[1], tiny.config)
+        rank = stored.spec.rank
+        assert stored.spec.targets == ("q_proj", "v_proj", "down_proj")
+        raw = np.frombuffer(store.arena.shm.buf, np.float32)
+        for layer in range(tiny.config.num_layers):
+            # One layer is one contiguous run: A, B of each target in canonical order.
+            start = (stored.offset + layer * stored.layer_stride) // 4
+            parts = []
+            for target in stored.spec.targets:
+                parts += [
+                    adapter.weights[target][0][layer].ravel(),
+                    adapter.weights[target][1][layer].ravel(),
+                ]
+            expected = np.concatenate(parts)
+            np.testing.assert_array_equal(raw[start : start + expected.size], expected)
+            assert expected.size * 4 == stored.layer_stride
+        for target, (a, b) in store.tensors("a").items():
+            np.testing.assert_array_equal(a, adapter.weights[target][0])
+            np.testing.assert_array_equal(b, adapter.weights[target][1])
+            assert a.shape[-1] == rank and not a.flags.owndata  # a view into the arena
+        del raw, a, b
+    finally:
+        store.close()
+
+
+def _read_layer_sum(shm_name: str, offset: int, count: int, queue) -> None:
+    """In a spawned process: attach the arena by name and sum a run of floats in place."""
+    shm = shared_memory.SharedMemory(name=shm_name)
+    view = np.ndarray((count,), np.float32, buffer=shm.buf, offset=offset)
+    queue.put(float(view.astype(np.float64).sum()))
+    del view
+    shm.close()
+
+
+def test_another_process_reads_a_layer_in_place(tiny, demo):
+    store = HostStore(tiny.config, 2**22)
+    try:
+        stored = store.register("a", demo[0])
+        layer = 2
+        offset = stored.offset + layer * stored.layer_stride
+        count = stored.layer_stride // 4
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        worker = context.Process(
+            target=_read_layer_sum, args=(store.arena.name, offset, count, queue)
+        )
+        worker.start()
+        theirs = queue.get(timeout=60)
+        worker.join(timeout=60)
+        ours = np.ndarray((count,), np.float32, buffer=store.arena.shm.buf, offset=offset)
+        assert theirs == pytest.approx(float(ours.astype(np.float64).sum()), rel=0, abs=0)
+        del ours
+    finally:
+        store.close()
+
+
+def test_a_full_store_refuses_and_keeps_what_it_has(tiny, demo):
+    probe = HostStore(tiny.config, 2**22)
+    size = probe.register("probe", demo[1]).nbytes
+    probe.close()
+    store = HostStore(tiny.config, size + ALIGN)
+    try:
+        store.register("a", demo[1])
+        with pytest.raises(AdapterError, match="adapter 'b': the host store has no free region"):
+            store.register("b", demo[1])
+        assert store.names() == ["a"]
+        store.unregister("a")
+        store.register("b", demo[1])  # the freed region is reused
+    finally:
+        store.close()
+
+
+def test_close_unlinks_the_segment(tiny, demo):
+    store = HostStore(tiny.config, 2**20)
+    store.register("a", demo[0])
+    path = f"/dev/shm/{store.arena.name.lstrip('/')}"
+    assert os.path.exists(path)
+    store.close()
+    assert not os.path.exists(path)
