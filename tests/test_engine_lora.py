@@ -92,7 +92,12 @@ def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     tokens[:7] = _prompts([7])[0]
     table = np.arange(2, dtype=np.int32)
     with_lora, _ = jax.jit(engine.model.prefill)(
-        tiny.params, cache(), tokens, np.int32(7), table, engine.lora.weights,
+        tiny.params,
+        cache(),
+        tokens,
+        np.int32(7),
+        table,
+        engine.lora.weights,
         Segments.single(-1, 32),
     )
     alone, _ = jax.jit(base_model.prefill)(tiny.params, cache(), tokens, np.int32(7), table)

@@ -44,8 +44,8 @@ class Segments:
       start[g]:start[g + 1]; rows at or after start[G] have no adapter.
     """
 
-    slot: jax.Array
-    start: jax.Array
+    slot: jax.Array | np.ndarray
+    start: jax.Array | np.ndarray
 
     @staticmethod
     def single(slot: int, rows: int) -> Segments:

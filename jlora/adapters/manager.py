@@ -157,7 +157,7 @@ class AdapterManager:
         )
         return payload
 
-    def _install(self, name: str, slot: int, payload: Payload) -> None:
+    def _install(self, name: str, slot: int, payload: object) -> None:
         """On the scheduler thread: write a transferred adapter into its device slot."""
         self.weights = self._install_exe(self.weights, np.int32(slot), payload)
 

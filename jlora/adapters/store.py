@@ -18,6 +18,7 @@ is touched, so a bad adapter changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
@@ -120,14 +121,10 @@ class SharedArena:
 
 
 def _unlink(shm: shared_memory.SharedMemory) -> None:
-    try:
+    with contextlib.suppress(BufferError):  # numpy views still alive: unmapped with them
         shm.close()
-    except BufferError:  # numpy views still alive: the mapping goes when they do
-        pass
-    try:
+    with contextlib.suppress(FileNotFoundError):
         shm.unlink()
-    except FileNotFoundError:
-        pass
 
 
 class HostStore:

@@ -109,7 +109,7 @@ class Engine(abc.ABC):
     def step(self) -> list[TokenEvent]:
         """Run one iteration (admit + prefill, then decode) and return its tokens."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: engines without resources keep it)
         """Release what the engine holds outside Python (shared memory, threads)."""
 
     @property

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import logging
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,7 @@ class LLMEngine(Engine):
 
     # -- adapters -----------------------------------------------------------------
 
-    def register_adapter(self, name: str, path: str) -> StoredAdapter:
+    def register_adapter(self, name: str, path: str | Path) -> StoredAdapter:
         """Validate the PEFT adapter at `path` and serve it as `name` (AdapterError and
         no change if it cannot be served)."""
         if self.lora is None:
@@ -284,12 +285,13 @@ class LLMEngine(Engine):
             if None not in self._slots:
                 break
             adapter = seq.request.adapter
-            adapter_slot: int | None = -1
+            adapter_slot = -1
             if adapter is not None:
                 assert self.lora is not None
-                adapter_slot = self.lora.slots.request(adapter)
-                if adapter_slot is None:
+                ready = self.lora.slots.request(adapter)
+                if ready is None:
                     continue  # its adapter is on its way; later requests may go first
+                adapter_slot = ready
             prompt_len = len(seq.request.prompt_ids)
             blocks_needed = math.ceil(seq.limit / self.config.block_size)
             if blocks_needed > self.allocator.num_free:
