@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jlora.adapters.backend import Segments
 from jlora.adapters.peft import AdapterError, make_demo_adapters
@@ -256,3 +258,40 @@ def test_close_leaves_no_shared_memory_behind(tiny, demo):
     assert os.path.exists(segment)
     engine.close()
     assert not os.path.exists(segment)
+
+
+@pytest.fixture(scope="module")
+def mode_engines(tiny, demo):
+    """One engine per mode, reused across hypothesis examples (each example drains them)."""
+    engines = {
+        "cached": _engine(tiny, demo, max_loras=3, lora_mode="cached"),
+        "ondemand": _engine(tiny, demo, max_loras=2),  # fewer slots than adapters
+    }
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 40), st.sampled_from([0, 1, 2, None]), st.integers(1, 6)),
+        min_size=1,
+        max_size=7,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_cached_and_ondemand_agree_on_any_mix(mode_engines, demo, requests, seed):
+    names = _names(demo)
+    prompts = _prompts([length for length, _, _ in requests], seed=seed)
+    rows = [None if index is None else names[index] for _, index, _ in requests]
+    sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for _, _, n in requests]
+    results = {
+        mode: run_to_completion(engine, prompts, sampling, rows)
+        for mode, engine in mode_engines.items()
+    }
+    assert results["cached"] == results["ondemand"]
+    for engine in mode_engines.values():
+        assert not any(engine.lora.slots.in_use(name) for name in names)

@@ -107,6 +107,8 @@ class AdapterManager:
                     f"adapter {name!r}: lora_mode=cached keeps every adapter on the device "
                     f"and all max_loras={self.num_slots} slots are taken ({err})"
                 )
+            except RuntimeError as err:  # a failed transfer (AdapterLoadError) among them
+                problem = f"adapter {name!r} could not be loaded onto the device: {err}"
         if problem is not None:
             self.store.unregister(name)
             raise AdapterError(problem)
@@ -127,9 +129,7 @@ class AdapterManager:
             raise AdapterError(
                 f"adapter {name!r} is used by {self.slots.in_use(name)} running requests"
             )
-        if name in self.slots.pinned:
-            self.slots.unpin(name)
-        self.slots.discard(name)
+        self.slots.discard(name)  # unpins it too
         while self.slots.is_loading(name):  # the transfer thread still reads the arena
             self.slots.wait(timeout=1.0)
             self.slots.poll()
