@@ -17,6 +17,7 @@ from jlora.engine.api import InvalidRequest, Request, SamplingParams, UnknownAda
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 from tests.engine_helpers import make_engine, run_to_completion
+from tests.tolerances import assert_close
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 RANKS = (4, 12, 32)  # 12 is not a power of two
@@ -51,6 +52,17 @@ def _engine(tiny, demo=None, **overrides):
     return engine
 
 
+def _fresh_cache(config, num_blocks):
+    return KVCache.zeros(
+        num_layers=config.num_layers,
+        num_blocks=num_blocks,
+        block_size=16,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=jnp.float32,
+    )
+
+
 def _names(demo):
     return sorted(demo)
 
@@ -81,14 +93,7 @@ def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     config, slots_count = tiny.config, 6
 
     def cache():
-        return KVCache.zeros(
-            num_layers=config.num_layers,
-            num_blocks=slots_count * 2,
-            block_size=16,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=jnp.float32,
-        )
+        return _fresh_cache(config, slots_count * 2)
 
     tokens = np.zeros(32, np.int32)
     tokens[:7] = _prompts([7])[0]
@@ -295,3 +300,38 @@ def test_cached_and_ondemand_agree_on_any_mix(mode_engines, demo, requests, seed
     assert results["cached"] == results["ondemand"]
     for engine in mode_engines.values():
         assert not any(engine.lora.slots.in_use(name) for name in names)
+
+
+@pytest.mark.parametrize("rank", [1, 256])
+def test_lora_equals_merged_weights_at_extreme_ranks(tiny, tmp_path, rank):
+    """An independent oracle: W + A·B merged into the base weights gives the same logits."""
+    from jlora.adapters.peft import load_peft_adapter
+
+    [path] = make_demo_adapters(tiny.config, tmp_path, n=1, ranks=[rank], seed=rank)
+    engine = _engine(tiny, {"a": path}, max_loras=1, max_lora_rank=rank, lora_mode="cached")
+    adapter = load_peft_adapter(path, tiny.config)
+    merged = jax.tree.map(lambda x: x, tiny.params)
+    for target, (lora_a, lora_b) in adapter.weights.items():
+        kernel = merged["layers"][target]["kernel"]
+        merged["layers"][target]["kernel"] = kernel + jnp.einsum("lir,lro->lio", lora_a, lora_b)
+    tokens = np.zeros(32, np.int32)
+    tokens[:9] = _prompts([9], seed=5)[0]
+    table = np.arange(2, dtype=np.int32)
+
+    def cache():
+        return _fresh_cache(tiny.config, 2)
+
+    ours, _ = jax.jit(engine.model.prefill)(
+        tiny.params,
+        cache(),
+        tokens,
+        np.int32(9),
+        table,
+        engine.lora.weights,
+        Segments.single(engine.lora.slots.slot_of("a"), 32),
+    )
+    oracle, _ = jax.jit(Llama(tiny.config).prefill)(merged, cache(), tokens, np.int32(9), table)
+    base, _ = jax.jit(Llama(tiny.config).prefill)(tiny.params, cache(), tokens, np.int32(9), table)
+    assert_close(ours, oracle, jnp.float32, np.float32, scope="model")
+    assert not np.allclose(ours, base, atol=1e-2), "the adapter changed nothing"
+    engine.close()
