@@ -123,15 +123,18 @@ def run(args: argparse.Namespace) -> int:
         [p.adapter for p in prompts] if prompts else [args.adapter], args.adapters_dir
     )
     make_engine, encode = _load(args, adapters)
-    if not prompts:
-        engine = make_engine(1)
-        name = adapters[args.adapter][0] if args.adapter else None
-        return _interactive(
-            engine, encode, sampling, chat=args.chat, system=args.system, adapter=name
-        )
     served = {given: name for given, (name, _) in adapters.items()}
-    engine = make_engine(min(args.max_slots, len(prompts)))
+    engine = make_engine(min(args.max_slots, len(prompts)) if prompts else 1)
     try:
+        if not prompts:
+            return _interactive(
+                engine,
+                encode,
+                sampling,
+                chat=args.chat,
+                system=args.system,
+                adapter=served.get(args.adapter or ""),
+            )
         return _run_batch(
             engine,
             encode,
