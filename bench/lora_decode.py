@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from bench.throughput import (
     jlora_decode,
     machine_facts,
     make_prompts,
+    write_report,
 )
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(render(facts, measurements, plan))
     if args.json:
-        rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-        report = {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json, facts, plan, measurements)
 
 
 if __name__ == "__main__":

@@ -267,6 +267,13 @@ def render(facts: dict[str, str | int | float], measurements: list[Measurement])
     return "\n".join(lines)
 
 
+def write_report(path: Path, facts: dict, plan, measurements: list[Measurement]) -> None:
+    """The raw results as JSON: machine facts, the plan (a dataclass) and every timing."""
+    rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
+    report = {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter prompts, fewer tokens")
@@ -302,9 +309,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(render(facts, measurements))
     if args.json:
-        rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-        report = {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json, facts, plan, measurements)
 
 
 if __name__ == "__main__":

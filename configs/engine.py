@@ -11,7 +11,7 @@ DTYPES = ("float32", "bfloat16")
 # The Llama projections a LoRA adapter may target, in the canonical order of every
 # adapter layout (host store, device slots).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_MODES = ("cached", "ondemand")
+LORA_MODES = ("ondemand", "cached")  # the first is the default
 LORA_BACKENDS = ("reference",)
 
 

@@ -11,16 +11,26 @@ import functools
 import jax
 import numpy as np
 
+from jlora.adapters.backend import Segments
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 
 
 def jlora_last_logits(
-    loaded, ids: list[int], *, bucket: int = 64, block_size: int = 16
+    loaded,
+    ids: list[int],
+    *,
+    bucket: int = 64,
+    block_size: int = 16,
+    params=None,
+    engine=None,
+    adapter: str | None = None,
 ) -> np.ndarray:
     """`Llama.prefill` of `ids` (padded to `bucket`) on a fresh paged cache -> f32[V].
 
-    The cache and the computation take the dtype of the loaded parameters.
+    The cache and the computation take the dtype of the loaded parameters; `params`
+    replaces them. With a LoRA `engine`, its model runs with its device adapter slots,
+    the prompt on `adapter`'s slot (None: no adapter).
     """
     if not 0 < len(ids) <= bucket:
         raise ValueError(f"{len(ids)} tokens do not fit the bucket of {bucket}")
@@ -36,17 +46,33 @@ def jlora_last_logits(
     )
     tokens = np.zeros(bucket, np.int32)
     tokens[: len(ids)] = ids
-    prefill = _jitted_prefill(loaded.config, dtype)
-    logits, _ = prefill(
-        loaded.params, cache, tokens, np.int32(len(ids)), np.arange(num_blocks, dtype=np.int32)
-    )
+    args = [
+        loaded.params if params is None else params,
+        cache,
+        tokens,
+        np.int32(len(ids)),
+        np.arange(num_blocks, dtype=np.int32),
+    ]
+    if engine is None:
+        prefill = _jitted_prefill(_base_model(loaded.config, dtype))
+    else:
+        prefill = _jitted_prefill(engine.model)
+        slot = -1 if adapter is None else engine.lora.slots.slot_of(adapter)
+        args += [engine.lora.weights, Segments.single(slot, bucket)]
+    logits, _ = prefill(*args)
     return np.asarray(logits)
 
 
 @functools.cache
-def _jitted_prefill(config, dtype):
-    """One compiled prefill per model shape and dtype (ModelConfig is frozen, hashable)."""
-    return jax.jit(Llama(config, dtype).prefill)
+def _base_model(config, dtype) -> Llama:
+    """One model per shape and dtype (ModelConfig is frozen, hashable)."""
+    return Llama(config, dtype)
+
+
+@functools.cache
+def _jitted_prefill(model: Llama):
+    """One jitted prefill per model object, so repeated calls compile once."""
+    return jax.jit(model.prefill)
 
 
 def hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:

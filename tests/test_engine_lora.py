@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jlora.adapters.backend import Segments
 from jlora.adapters.peft import AdapterError, make_demo_adapters
 from jlora.engine.api import InvalidRequest, Request, SamplingParams, UnknownAdapter
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 from tests.engine_helpers import make_engine, run_to_completion
+from tests.model_helpers import jlora_last_logits
 from tests.tolerances import assert_close
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -95,20 +95,9 @@ def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     def cache():
         return _fresh_cache(config, slots_count * 2)
 
-    tokens = np.zeros(32, np.int32)
-    tokens[:7] = _prompts([7])[0]
-    table = np.arange(2, dtype=np.int32)
-    with_lora, _ = jax.jit(engine.model.prefill)(
-        tiny.params,
-        cache(),
-        tokens,
-        np.int32(7),
-        table,
-        engine.lora.weights,
-        Segments.single(-1, 32),
-    )
-    alone, _ = jax.jit(base_model.prefill)(tiny.params, cache(), tokens, np.int32(7), table)
-    np.testing.assert_array_equal(with_lora, alone)
+    prompt = _prompts([7])[0]
+    with_lora = jlora_last_logits(tiny, prompt, bucket=32, engine=engine, adapter=None)
+    np.testing.assert_array_equal(with_lora, jlora_last_logits(tiny, prompt, bucket=32))
 
     idx = np.array([slots[0], -1, slots[1], -1, slots[2], -1], np.int32)
     step_tokens = np.array(_prompts([slots_count])[0], np.int32)
@@ -314,24 +303,10 @@ def test_lora_equals_merged_weights_at_extreme_ranks(tiny, tmp_path, rank):
     for target, (lora_a, lora_b) in adapter.weights.items():
         kernel = merged["layers"][target]["kernel"]
         merged["layers"][target]["kernel"] = kernel + jnp.einsum("lir,lro->lio", lora_a, lora_b)
-    tokens = np.zeros(32, np.int32)
-    tokens[:9] = _prompts([9], seed=5)[0]
-    table = np.arange(2, dtype=np.int32)
-
-    def cache():
-        return _fresh_cache(tiny.config, 2)
-
-    ours, _ = jax.jit(engine.model.prefill)(
-        tiny.params,
-        cache(),
-        tokens,
-        np.int32(9),
-        table,
-        engine.lora.weights,
-        Segments.single(engine.lora.slots.slot_of("a"), 32),
-    )
-    oracle, _ = jax.jit(Llama(tiny.config).prefill)(merged, cache(), tokens, np.int32(9), table)
-    base, _ = jax.jit(Llama(tiny.config).prefill)(tiny.params, cache(), tokens, np.int32(9), table)
+    prompt = _prompts([9], seed=5)[0]
+    ours = jlora_last_logits(tiny, prompt, bucket=32, engine=engine, adapter="a")
+    oracle = jlora_last_logits(tiny, prompt, bucket=32, params=merged)
+    base = jlora_last_logits(tiny, prompt, bucket=32)
     assert_close(ours, oracle, jnp.float32, np.float32, scope="model")
     assert not np.allclose(ours, base, atol=1e-2), "the adapter changed nothing"
     engine.close()

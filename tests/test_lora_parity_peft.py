@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import copy
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from jlora.adapters.backend import Segments
 from jlora.engine.api import SamplingParams
-from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
+from tests.model_helpers import jlora_last_logits
 from tests.tolerances import assert_close
 
 pytestmark = pytest.mark.slow
@@ -163,27 +161,7 @@ def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
             .logits[:, -1]
             .numpy()
         )
-    prefill = jax.jit(engine.model.prefill)
     for row, (tokens, name) in enumerate(zip(prompt_ids, ROW_ADAPTERS, strict=True)):
-        slot = -1 if name is None else engine.lora.slots.slot_of(name)
-        padded = np.zeros(32, np.int32)
-        padded[: len(tokens)] = tokens
-        cache = KVCache.zeros(
-            num_layers=smollm2.config.num_layers,
-            num_blocks=2,
-            block_size=16,
-            num_kv_heads=smollm2.config.num_kv_heads,
-            head_dim=smollm2.config.head_dim,
-            dtype=jnp.float32,
-        )
-        logits, _ = prefill(
-            smollm2.params,
-            cache,
-            padded,
-            np.int32(len(tokens)),
-            np.arange(2, dtype=np.int32),
-            engine.lora.weights,
-            Segments.single(slot, 32),
-        )
+        logits = jlora_last_logits(smollm2, tokens, bucket=32, engine=engine, adapter=name)
         assert_close(logits, theirs[row], jnp.float32, np.float32, scope="model")
     engine.close()

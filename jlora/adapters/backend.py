@@ -112,6 +112,12 @@ def _lora(x: jax.Array, a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(ab_spec, xa, b, preferred_element_type=jnp.float32)
 
 
+def _unless_all_base(slots: jax.Array, compute, shape: tuple[int, ...], dtype) -> jax.Array:
+    """compute() if any slot is an adapter's (>= 0), else zeros: a batch of base-model rows
+    skips the LoRA work (and reads no adapter weights) at run time."""
+    return jax.lax.cond(jnp.any(slots >= 0), compute, lambda: jnp.zeros(shape, dtype))
+
+
 class ReferenceBackend(LoraBackend):
     """Plain jnp: a per-row gather for decode, one masked product per segment for prefill.
 
@@ -162,9 +168,7 @@ class ReferenceBackend(LoraBackend):
             delta = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "si,sir->sr|sr,sro->so")
             return jnp.where((idx >= 0)[:, None], delta, 0.0).astype(x.dtype)
 
-        return jax.lax.cond(
-            jnp.any(idx >= 0), compute, lambda: jnp.zeros((x.shape[0], fan_out), x.dtype)
-        )
+        return _unless_all_base(idx, compute, (x.shape[0], fan_out), x.dtype)
 
     def sgmv(self, weights, target, layer, x, segments) -> jax.Array:
         a_slots, b_slots = weights[target]["a"], weights[target]["b"]
@@ -181,11 +185,7 @@ class ReferenceBackend(LoraBackend):
                 delta = jnp.where(inside[:, None], part, delta)
             return delta.astype(x.dtype)
 
-        return jax.lax.cond(
-            jnp.any(segments.slot >= 0),
-            compute,
-            lambda: jnp.zeros((x.shape[0], fan_out), x.dtype),
-        )
+        return _unless_all_base(segments.slot, compute, (x.shape[0], fan_out), x.dtype)
 
 
 BACKENDS: dict[str, type[LoraBackend]] = {"reference": ReferenceBackend}

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from configs.engine import LORA_MODES
 from jlora.adapters.store import NAME_PATTERN
 from jlora.cli.common import UsageError, add_model_args, resolve_dtype
 from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, TokenEvent
@@ -84,7 +85,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     lora.add_argument(
         "--lora-mode",
-        choices=["ondemand", "cached"],
+        choices=LORA_MODES,
         default="ondemand",
         help="load each adapter when a request needs it (default), or all before serving",
     )
