@@ -1,0 +1,105 @@
+"""What every LoRA kernel shares: the argument checks, block sizes and GPU lowering.
+
+Layouts. Every kernel reads adapters as *rank rows*: row j of an adapter's A^T
+(its j-th column of A, length `in`) and row j of its B (length `out`). A slot is
+either a stacked run of R rank rows ([N, R, in], BGMV) or R entries of a page table
+into a pool of rank rows ([P, in], MBGMV and SGMV). A stacked layout is a pool whose
+page table is `stacked_pages(N, R)`, so the segmented kernel serves both.
+
+Arithmetic, for every kernel and its reference: x @ A is accumulated in fp32 and
+rounded to x.dtype (as PEFT's two Linear layers do), @ B is accumulated in fp32,
+added to y in fp32 and rounded to y.dtype once. A row without an adapter (index -1)
+is not written: it leaves y bit-identical.
+
+GPU lowering: Triton for all three kernels. They are gathers of small blocks
+addressed by per-row indices read inside the kernel (a row's slot, its pages), with
+per-row trip counts; Triton lowers such pointer arithmetic and dynamic loops on
+Ampere and Hopper alike, while Mosaic GPU targets large TMA/wgmma tiles on Hopper
+only. Triton wants every array in the kernel body to have power-of-two sizes: block
+sizes come from `pow2_block`, and the rank dimension R must be a power of two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+RANK_CHUNK = 8  # rank rows read per step of a row's rank loop: at most 7 rows wasted
+
+
+def pow2_block(dim: int, cap: int) -> int:
+    """The largest power of two that divides `dim`, at most `cap` (1 for odd dims)."""
+    return min(dim & -dim, cap)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """A block that is the whole array, the same for every program (indexed inside)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 1) -> Any:
+    """Compiler parameters that select the Triton lowering on GPU."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def stacked_pages(num_slots: int, rank: int) -> jax.Array:
+    """The page table of a stacked layout [N, R, ...] seen as a pool [N * R, ...]."""
+    return jnp.arange(num_slots * rank, dtype=jnp.int32).reshape(num_slots, rank)
+
+
+class KernelArgumentError(ValueError):
+    """A kernel or reference was called with arguments of the wrong shape or dtype."""
+
+
+def expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise KernelArgumentError(message)
+
+
+def expect_shape(name: str, array: Any, shape: tuple[int | None, ...]) -> None:
+    """`array`'s shape matches `shape` (None: any size); the error names the argument."""
+    ok = len(array.shape) == len(shape) and all(
+        want is None or have == want for have, want in zip(array.shape, shape, strict=True)
+    )
+    expect(ok, f"{name} has shape {tuple(array.shape)}, expected {_pattern(shape)}")
+
+
+def expect_dtype(name: str, array: Any, allowed: tuple[Any, ...]) -> None:
+    expect(
+        jnp.dtype(array.dtype) in [jnp.dtype(d) for d in allowed],
+        f"{name} has dtype {jnp.dtype(array.dtype).name}, "
+        f"expected one of {[jnp.dtype(d).name for d in allowed]}",
+    )
+
+
+def expect_activations(y: Any, x: Any) -> tuple[int, int, int]:
+    """y [rows, out] and x [rows, in] of one float dtype -> (rows, in, out)."""
+    expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
+    expect_dtype("x", x, FLOAT_DTYPES)
+    expect_shape("y", y, (x.shape[0], None))
+    expect(y.dtype == x.dtype, f"y has dtype {y.dtype}, expected x's dtype {x.dtype}")
+    return x.shape[0], x.shape[1], y.shape[1]
+
+
+def expect_rank_dim(name: str, rank: int) -> int:
+    """Checks that R is a power of two; returns the rank chunk, min(RANK_CHUNK, R)."""
+    expect(is_pow2(rank), f"{name} has rank dimension {rank}; it must be a power of two")
+    return min(RANK_CHUNK, rank)
+
+
+def as_layer(layer: Any) -> jax.Array:
+    """The layer index as the i32[1] array the kernels read."""
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _pattern(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
