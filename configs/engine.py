@@ -12,7 +12,7 @@ DTYPES = ("float32", "bfloat16")
 # adapter layout (host store, device slots).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("ondemand", "cached")  # the first is the default
-LORA_BACKENDS = ("reference",)
+LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -40,7 +40,9 @@ class EngineConfig:
       they hold. Adapters of higher rank or other targets are refused at registration.
     lora_mode: "ondemand" loads an adapter into a slot when a request needs it (the
       running batch keeps decoding meanwhile); "cached" loads and pins every adapter
-      when it is registered. lora_backend: the batched-LoRA implementation.
+      when it is registered. lora_backend: the batched-LoRA implementation:
+      "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
+      (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
     host_store_mib: capacity of the shared-memory arena holding registered adapters.
     emulated_link_gbps: if positive, adapter transfers to the device are throttled to
       this many gigabytes per second (a test and benchmark knob: a CPU-only machine

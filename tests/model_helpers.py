@@ -11,7 +11,7 @@ import functools
 import jax
 import numpy as np
 
-from jlora.adapters.backend import Segments
+from jlora.adapters.backends import Segments
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 

@@ -1,7 +1,9 @@
-"""The reference LoRA backend against a naive loop, on the device slot layout.
+"""Every LoRA backend against a naive loop, through its own device layout.
 
-The loop is the semantics written out (backend.py): for each row, if its slot is not
--1, y += x @ A[layer, slot] @ B[layer, slot], in fp32 and one row at a time.
+The loop is the semantics written out (backends/base.py): for each row, if its slot
+is not -1, y += x @ A[layer, slot] @ B[layer, slot], in fp32 and one row at a time.
+Each backend packs and installs the same adapters into its layout (stacked, padded
+slots or a page pool), so these tests cover pack, install and both kernel forms.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.adapters.backend import ReferenceBackend, Segments
+from configs.engine import LORA_BACKENDS
+from jlora.adapters.backends import BACKENDS, Segments, make_backend
+from jlora.adapters.backends.pallas import PagePool, rank_dim
+from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
 
 SHAPES = {"q_proj": (24, 40), "down_proj": (56, 24)}
@@ -30,34 +35,39 @@ def _adapter(rng, rank, targets=SHAPES):
     }
 
 
-@pytest.fixture(scope="module")
-def slots():
-    """Device slots holding four adapters (slot 2 adapts only q_proj), and their tensors."""
-    backend, rng = ReferenceBackend(), np.random.default_rng(0)
+def _install(backend, weights, slot, tensors, dtype):
+    payload = backend.pack(tensors, slot=slot, shapes=SHAPES, max_rank=MAX_RANK, dtype=dtype)
+    return backend.install(weights, jnp.int32(slot), payload)
+
+
+@pytest.fixture(scope="module", params=LORA_BACKENDS)
+def slots(request):
+    """Per dtype, a backend and its device slots holding four adapters (slot 2 adapts
+    only q_proj); and the adapters' tensors."""
+    rng = np.random.default_rng(0)
     adapters = [
         _adapter(rng, rank, targets=("q_proj",) if i == 2 else SHAPES)
         for i, rank in enumerate(RANKS)
     ]
-    weights = {}
+    by_dtype = {}
     for dtype in ("float32", "bfloat16"):
+        backend = make_backend(request.param)
         w = backend.allocate(
             num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype=dtype
         )
         for slot, tensors in enumerate(adapters):
-            payload = backend.pack(tensors, shapes=SHAPES, max_rank=MAX_RANK, dtype=dtype)
-            w = backend.install(w, jnp.int32(slot), payload)
-        weights[dtype] = w
-    return backend, weights, adapters
+            w = _install(backend, w, slot, tensors, dtype)
+        by_dtype[dtype] = backend, w
+    return by_dtype, adapters
 
 
-def _naive(adapters, target, layer, x, row_slots, dtype="float32"):
-    """fp32, one row at a time, on the weights as stored in `dtype`."""
-    fan_out = next(adapter[target][1].shape[-1] for adapter in adapters if target in adapter)
-    out = np.zeros((x.shape[0], fan_out), np.float32)
+def _naive(adapters, target, layer, y, x, row_slots, dtype="float32"):
+    """fp32, one row at a time, on the weights and activations as stored in `dtype`."""
+    out = _stored(y, dtype).copy()
     for row, slot in enumerate(row_slots):
         if slot >= 0 and target in adapters[slot]:
             a, b = (_stored(w[layer], dtype) for w in adapters[slot][target])
-            out[row] = (x[row].astype(np.float32) @ a) @ b
+            out[row] += _stored(_stored(x[row], dtype) @ a, dtype) @ b
     return out
 
 
@@ -65,12 +75,27 @@ def _stored(array, dtype):
     return np.asarray(jnp.asarray(array, dtype), np.float32)
 
 
+def _activations(rows, target, seed, dtype):
+    rng = np.random.default_rng(seed)
+    fan_in, fan_out = SHAPES[target]
+    y, x = rng.standard_normal((rows, fan_out)), rng.standard_normal((rows, fan_in))
+    return jnp.asarray(y, dtype), jnp.asarray(x, dtype)
+
+
 def test_naive_loop_by_hand():
-    # One row, rank 1: x = [1, 2], A = [[3], [4]] -> x @ A = 11; B = [[5, 6]] -> [55, 66].
+    # One row, rank 1: x = [1, 2], A = [[3], [4]] -> x @ A = 11; B = [[5, 6]] -> [55, 66],
+    # added to y = [1, 1]. The second row has no adapter: its y stays [2, 2].
     adapters = [{"t": (np.array([[[3.0], [4.0]]]), np.array([[[5.0, 6.0]]]))}]
     x = np.array([[1.0, 2.0], [7.0, 7.0]], np.float32)
-    out = _naive(adapters, "t", 0, x, [0, -1])  # the second row has no adapter
-    np.testing.assert_array_equal(out, [[55.0, 66.0], [0.0, 0.0]])
+    y = np.array([[1.0, 1.0], [2.0, 2.0]], np.float32)
+    out = _naive(adapters, "t", 0, y, x, [0, -1])
+    np.testing.assert_array_equal(out, [[56.0, 67.0], [2.0, 2.0]])
+
+
+def test_the_registry_serves_every_configured_backend():
+    assert set(BACKENDS) == set(LORA_BACKENDS)
+    with pytest.raises(ValueError, match="lora_backend='punica'"):
+        make_backend("punica")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -81,17 +106,13 @@ def test_naive_loop_by_hand():
     ids=["one", "none", "identical", "distinct", "mixed", "all-base"],
 )
 def test_bgmv_matches_the_loop(slots, dtype, target, row_slots):
-    backend, weights, adapters = slots
-    rng = np.random.default_rng(len(row_slots))
-    x = rng.standard_normal((len(row_slots), SHAPES[target][0])).astype(np.float32)
+    (backend, weights), adapters = slots[0][dtype], slots[1]
+    y, x = _activations(len(row_slots), target, len(row_slots), dtype)
     for layer in range(LAYERS):
-        delta = backend.bgmv(
-            weights[dtype], target, jnp.int32(layer), jnp.asarray(x, dtype), jnp.array(row_slots)
-        )
-        expected = _naive(adapters, target, layer, _stored(x, dtype), row_slots, dtype)
-        assert_close(delta, expected, dtype, dtype, scope="op")
-        base_rows = np.array(row_slots) < 0
-        assert not np.asarray(delta, np.float32)[base_rows].any(), "a -1 row got a delta"
+        out = backend.bgmv(weights, target, jnp.int32(layer), x, y, jnp.array(row_slots))
+        expected = _naive(adapters, target, layer, y, x, row_slots, dtype)
+        assert_close(out, expected, dtype, dtype, scope="op")
+        assert_untouched(y, out, row_slots)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -101,27 +122,42 @@ def test_bgmv_matches_the_loop(slots, dtype, target, row_slots):
     ids=["one", "none", "mixed-with-padding", "empty-segment"],
 )
 def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts):
-    backend, weights, adapters = slots
+    (backend, weights), adapters = slots[0][dtype], slots[1]
     rows = 9
     row_slots = [-1] * rows
     for slot, begin, end in zip(segment_slots, starts, starts[1:], strict=False):
         row_slots[begin:end] = [slot] * (end - begin)
     segments = Segments(slot=jnp.array(segment_slots), start=jnp.array(starts))
-    x = np.random.default_rng(1).standard_normal((rows, SHAPES["q_proj"][0])).astype(np.float32)
-    delta = backend.sgmv(weights[dtype], "q_proj", jnp.int32(1), jnp.asarray(x, dtype), segments)
-    expected = _naive(adapters, "q_proj", 1, _stored(x, dtype), row_slots, dtype)
-    assert_close(delta, expected, dtype, dtype, scope="op")
+    y, x = _activations(rows, "q_proj", 1, dtype)
+    out = backend.sgmv(weights, "q_proj", jnp.int32(1), x, y, segments)
+    expected = _naive(adapters, "q_proj", 1, y, x, row_slots, dtype)
+    assert_close(out, expected, dtype, dtype, scope="op")
+    assert_untouched(y, out, row_slots)
 
 
-def test_installing_a_slot_leaves_the_others_untouched(slots):
-    backend, weights, adapters = slots
-    rng = np.random.default_rng(7)
-    replacement = _adapter(rng, 3)
-    payload = backend.pack(replacement, shapes=SHAPES, max_rank=MAX_RANK, dtype="float32")
-    updated = backend.install(weights["float32"], jnp.int32(1), payload)
-    for target in SHAPES:
-        for part in ("a", "b"):
-            before, after = weights["float32"][target][part], updated[target][part]
-            np.testing.assert_array_equal(np.delete(after, 1, axis=1), np.delete(before, 1, axis=1))
-        np.testing.assert_array_equal(updated[target]["a"][:, 1, :, :3], replacement[target][0])
-        assert not np.asarray(updated[target]["a"][:, 1, :, 3:]).any(), "rank padding not zero"
+def test_replacing_a_slot_changes_only_its_rows(slots):
+    """Install a rank-3 adapter over slot 1: slot 1's rows follow it, other rows don't
+    move (in the page pool, the new adapter's pages must not clobber other slots')."""
+    (backend, weights), adapters = slots[0]["float32"], slots[1]
+    replacement = _adapter(np.random.default_rng(7), 3)
+    updated = _install(backend, weights, 1, replacement, "float32")
+    now = adapters[:1] + [replacement] + adapters[2:]
+    row_slots = [0, 1, 2, 3, -1, 1]
+    y, x = _activations(len(row_slots), "down_proj", 3, "float32")
+    out = backend.bgmv(updated, "down_proj", jnp.int32(2), x, y, jnp.array(row_slots))
+    expected = _naive(now, "down_proj", 2, y, x, row_slots)
+    assert_close(out, expected, "float32", "float32", scope="op")
+
+
+def test_the_page_pool_never_runs_out_and_never_shares_a_page():
+    pool, rng = PagePool(num_slots=3, max_rank=8), np.random.default_rng(0)
+    for _ in range(200):
+        pool.assign(int(rng.integers(3)), int(rng.integers(0, 9)))
+        owned = [pool.owned(slot) for slot in range(3)]
+        flat = [page for pages in owned for page in pages]
+        assert len(flat) == len(set(flat)), "two slots share a page"
+        assert all(0 <= page < pool.num_pages for page in flat)
+
+
+def test_rank_dim_is_a_power_of_two_of_at_least_16():
+    assert [rank_dim(r) for r in (1, 5, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from configs.engine import LORA_BACKENDS
 from jlora.engine.api import SamplingParams
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.model_helpers import jlora_last_logits
@@ -112,7 +113,7 @@ def prompt_ids(smollm2):
     return [smollm2.tokenizer.encode(p) for p in PROMPTS]
 
 
-def test_mixed_batch_greedy_tokens_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
+def test_mixed_batch_greedy_tokens_match_peft(peft_model, prompt_ids, reference_tokens):
     ids, mask = _left_padded(prompt_ids)
     with torch.no_grad():
         generated = peft_model.generate(
@@ -132,9 +133,20 @@ def test_mixed_batch_greedy_tokens_match_peft(smollm2, peft_model, peft_dirs, pr
         if name is not None:
             assert theirs[row] != base[row], f"adapter {name} does not change row {row}"
 
-    # Four decode slots for six prompts and two device slots for three adapters: requests
-    # wait for slots, adapters are loaded on demand and evicted while others decode.
-    engine = make_engine(smollm2, max_slots=4, max_seq_len=128, max_loras=2, max_lora_rank=32)
+    assert reference_tokens == theirs
+
+
+def _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend: str) -> list[list[int]]:
+    """Four decode slots for six prompts and two device slots for three adapters: requests
+    wait for slots, adapters are loaded on demand and evicted while others decode."""
+    engine = make_engine(
+        smollm2,
+        max_slots=4,
+        max_seq_len=128,
+        max_loras=2,
+        max_lora_rank=32,
+        lora_backend=backend,
+    )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))
     ours = run_to_completion(
@@ -143,14 +155,34 @@ def test_mixed_batch_greedy_tokens_match_peft(smollm2, peft_model, peft_dirs, pr
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
         ROW_ADAPTERS,
     )
-    assert [r["token_ids"] for r in ours] == theirs
     assert engine.lora.slots.stats()["evictions"] >= 1
     engine.close()
+    return [r["token_ids"] for r in ours]
 
 
-def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids):
+@pytest.fixture(scope="module")
+def reference_tokens(smollm2, peft_dirs, prompt_ids):
+    return _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, "reference")
+
+
+@pytest.mark.parametrize("backend", ["bgmv", "mbgmv"])
+def test_pallas_backends_give_the_reference_tokens(
+    smollm2, peft_dirs, prompt_ids, reference_tokens, backend
+):
+    """SGMV prefill and BGMV / MBGMV decode (interpreted on CPU) in the same mixed batch."""
+    assert _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend) == reference_tokens
+
+
+@pytest.mark.parametrize("backend", LORA_BACKENDS)
+def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids, backend):
     engine = make_engine(
-        smollm2, max_slots=1, max_seq_len=64, max_loras=3, max_lora_rank=32, lora_mode="cached"
+        smollm2,
+        max_slots=1,
+        max_seq_len=64,
+        max_loras=3,
+        max_lora_rank=32,
+        lora_mode="cached",
+        lora_backend=backend,
     )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))

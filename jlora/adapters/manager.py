@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from configs import ModelConfig
-from jlora.adapters.backend import LoraBackend, LoraWeights, Payload
+from jlora.adapters.backends import LoraBackend, LoraWeights, Payload
 from jlora.adapters.peft import AdapterError
 from jlora.adapters.slots import SlotManager
 from jlora.adapters.store import HostStore, StoredAdapter
@@ -75,7 +75,7 @@ class AdapterManager:
         }
         self._install_exe = (
             jax.jit(backend.install, donate_argnums=0)
-            .lower(self.weights, np.int32(0), self._pack(empty))
+            .lower(self.weights, np.int32(0), self._pack(empty, slot=0))
             .compile()
         )
         self.store = HostStore(model_config, host_store_bytes)
@@ -137,15 +137,15 @@ class AdapterManager:
 
     # -- the transfer thread and the scheduler thread ----------------------------
 
-    def _pack(self, tensors) -> Payload:
+    def _pack(self, tensors, *, slot: int) -> Payload:
         return self.backend.pack(
-            tensors, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype
+            tensors, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype
         )
 
     def _load(self, name: str, slot: int) -> Payload:
         """On the transfer thread: host arena -> packed numpy -> device arrays."""
         start = time.perf_counter()
-        packed = self._pack(self.store.tensors(name))
+        packed = self._pack(self.store.tensors(name), slot=slot)
         payload = jax.block_until_ready(jax.device_put(packed))
         if self.emulated_link_gbps:
             nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(packed))

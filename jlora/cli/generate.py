@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from configs.engine import LORA_MODES
+from configs.engine import LORA_BACKENDS, LORA_MODES
 from jlora.adapters.store import NAME_PATTERN
 from jlora.cli.common import UsageError, add_model_args, resolve_dtype
 from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, TokenEvent
@@ -88,6 +88,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=LORA_MODES,
         default="ondemand",
         help="load each adapter when a request needs it (default), or all before serving",
+    )
+    lora.add_argument(
+        "--lora-backend",
+        choices=LORA_BACKENDS,
+        default="reference",
+        help="batched-LoRA kernels: plain jnp (default), BGMV (stacked slots) or MBGMV "
+        "(a page pool); the Pallas ones run compiled on a GPU, interpreted elsewhere",
     )
     lora.add_argument(
         "--max-loras",
@@ -229,6 +236,7 @@ def _load(
             "max_lora_rank": max(spec.rank for spec in specs),
             "lora_targets": tuple({t for spec in specs for t in spec.targets}),
             "lora_mode": args.lora_mode,
+            "lora_backend": args.lora_backend,
         }
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     tokenizer = loaded.tokenizer

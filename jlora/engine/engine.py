@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import ConfigError, EngineConfig, ModelConfig
-from jlora.adapters.backend import LoraWeights, Segments, make_backend
+from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.manager import AdapterManager
 from jlora.adapters.peft import AdapterError
 from jlora.adapters.store import StoredAdapter

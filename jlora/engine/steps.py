@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jlora.adapters.backend import LoraWeights, Segments
+from jlora.adapters.backends import LoraWeights, Segments
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params

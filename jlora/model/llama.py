@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
-from jlora.adapters.backend import LoraBackend, LoraWeights, Segments
+from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
 from jlora.model.attention import causal_attention, paged_decode_attention, write_kv
 from jlora.model.kv_cache import KVCache
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
-# A layer's LoRA hook: (projection name, its input) -> the rows' delta, or None if the
-# projection is not adapted.
-LoraFn = Callable[[str, jax.Array], jax.Array | None]
+# A layer's LoRA hook: (projection name, its input h, its output y) -> y plus the rows'
+# LoRA deltas (y itself where the projection or the row is not adapted).
+LoraFn = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +94,7 @@ class DecoderLayer(nn.Module):
     def project(self, name: str, h: jax.Array, lora: LoraFn | None) -> jax.Array:
         """The projection `name` of h, plus the rows' LoRA deltas when there are any."""
         y = getattr(self, name)(h)
-        delta = lora(name, h) if lora is not None else None
-        return y if delta is None else y + delta
+        return y if lora is None else lora(name, h, y)
 
     def qkv(
         self, x: jax.Array, positions: jax.Array, lora: LoraFn | None = None
@@ -183,8 +182,8 @@ class Llama:
             "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
         )
 
-    def _lora_fn(self, weights: LoraWeights | None, delta) -> LoraFn | None:
-        """A layer's LoRA hook over the slots' targets: `delta(weights, target, h)`.
+    def _lora_fn(self, weights: LoraWeights | None, apply) -> LoraFn | None:
+        """A layer's LoRA hook over the slots' targets: `apply(weights, target, h, y)`.
 
         The slots are indexed by layer inside the backend rather than scanned over, so
         a step reads only the rows' adapters, not every slot of every layer.
@@ -194,11 +193,11 @@ class Llama:
         if self.lora is None:
             raise ValueError("LoRA weights were passed to a model built without a backend")
 
-        def lora(target: str, h: jax.Array) -> jax.Array | None:
+        def lora(target: str, h: jax.Array, y: jax.Array) -> jax.Array:
             if target not in weights:
-                return None
+                return y
             rows = h.reshape(-1, h.shape[-1])  # decode passes [S, 1, in] or [S, in]
-            return delta(weights, target, rows).reshape(*h.shape[:-1], -1)
+            return apply(weights, target, rows, y.reshape(rows.shape[0], -1)).reshape(y.shape)
 
         return lora
 
@@ -242,7 +241,7 @@ class Llama:
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
             lora = self._lora_fn(
-                lora_weights, lambda w, t, h: self.lora.sgmv(w, t, index, h, segments)
+                lora_weights, lambda w, t, h, y: self.lora.sgmv(w, t, index, h, y, segments)
             )
             q, k, v = layer.qkv(x, positions, lora)
             cache = KVCache(
@@ -280,7 +279,7 @@ class Llama:
         def layer_fn(layer_params, index, x, cache):
             layer = self.layer.bind({"params": layer_params})
             lora = self._lora_fn(
-                lora_weights, lambda w, t, h: self.lora.bgmv(w, t, index, h, lora_idx)
+                lora_weights, lambda w, t, h, y: self.lora.bgmv(w, t, index, h, y, lora_idx)
             )
             q, k, v = layer.qkv(x[:, None], positions[:, None], lora)  # [S, 1, ...]
             cache = KVCache(

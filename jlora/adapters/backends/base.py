@@ -1,0 +1,114 @@
+"""Batched LoRA: the interface the model calls, and the types that cross it.
+
+For each adapted projection y = x @ W of a layer, a backend adds the LoRA delta of
+each row's adapter (Toppings §2.1, Eq. 1: y' = xW + xAB), with the scaling already
+folded into B by the host store:
+
+    decode  (BGMV form):  y[s] += x[s] @ A[layer, idx[s]] @ B[layer, idx[s]]
+    prefill (SGMV form):  y[t] += x[t] @ A[layer, slot[g]] @ B[layer, slot[g]]
+                          for the segment g with start[g] <= t < start[g + 1]
+
+A slot index of -1 means "no adapter": that row of y is returned bit-identical.
+Arithmetic, in every backend: x @ A accumulates in fp32 and is rounded to x.dtype (as
+PEFT's two Linear layers do), @ B accumulates in fp32 and is added to y in fp32.
+
+The device layout (`allocate`) is the backend's choice: stacked slots padded to a
+rank (reference, BGMV) or a pool of rank-row pages (MBGMV). Every backend keeps one
+entry per target, so a target no slot holds is absent from the weights.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import numpy as np
+from flax import struct
+
+LoraWeights = dict[str, dict[str, jax.Array]]  # target -> device arrays, layout by backend
+HostTensors = dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (A [L,in,r], B [L,r,out])
+Payload = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy or device)
+
+
+@struct.dataclass
+class Segments:
+    """Prefill rows grouped by adapter (the SGMV form).
+
+    slot: i32[G], the device slot of each segment's adapter (-1: no adapter).
+    start: i32[G + 1], non-decreasing row offsets; segment g is rows
+      start[g]:start[g + 1]; rows at or after start[G] have no adapter.
+    """
+
+    slot: jax.Array | np.ndarray
+    start: jax.Array | np.ndarray
+
+    @staticmethod
+    def single(slot: int, rows: int) -> Segments:
+        """One segment covering `rows` rows (host-side numpy, ready to pass to a step)."""
+        return Segments(slot=np.array([slot], np.int32), start=np.array([0, rows], np.int32))
+
+
+class LoraBackend(abc.ABC):
+    """How adapters sit in device memory and how the batched delta is added."""
+
+    name: str
+
+    @abc.abstractmethod
+    def allocate(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_rank: int,
+        shapes: dict[str, tuple[int, int]],
+        dtype: Any,
+    ) -> LoraWeights:
+        """Zeroed device slots for `num_slots` adapters of rank <= max_rank.
+
+        shapes: target -> (in_features, out_features), the targets the slots hold.
+        """
+
+    @abc.abstractmethod
+    def pack(
+        self,
+        tensors: HostTensors,
+        *,
+        slot: int,
+        shapes: dict[str, tuple[int, int]],
+        max_rank: int,
+        dtype: Any,
+    ) -> Payload:
+        """One adapter's host tensors in the layout `install` takes for `slot` (numpy).
+
+        Targets in `shapes` that the adapter does not adapt are packed as rank 0.
+        Called on the transfer thread only, one adapter at a time.
+        """
+
+    @abc.abstractmethod
+    def install(self, weights: LoraWeights, slot: jax.Array, payload: Payload) -> LoraWeights:
+        """Write one packed adapter into slot `slot` (traceable; jit it with donation)."""
+
+    @abc.abstractmethod
+    def bgmv(
+        self,
+        weights: LoraWeights,
+        target: str,
+        layer: jax.Array,
+        x: jax.Array,
+        y: jax.Array,
+        idx: jax.Array,
+    ) -> jax.Array:
+        """Decode form. x: [S, in]; y: [S, out]; idx: i32[S] (-1: no adapter) -> y'."""
+
+    @abc.abstractmethod
+    def sgmv(
+        self,
+        weights: LoraWeights,
+        target: str,
+        layer: jax.Array,
+        x: jax.Array,
+        y: jax.Array,
+        segments: Segments,
+    ) -> jax.Array:
+        """Prefill form. x: [T, in]; y: [T, out]; segments as in `Segments` -> y'."""

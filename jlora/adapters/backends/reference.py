@@ -1,0 +1,100 @@
+"""The reference backend: plain jnp on Punica's stacked layout, every slot padded.
+
+    weights[target] = {"a": [L, N, in, R], "b": [L, N, R, out]}
+
+Padding is exact: padded columns of x @ A are zeros, and the matching rows of B are
+zeros, so they add nothing. Cost ∝ rows × max_rank (like BGMV), whatever the ranks
+in the batch. When no row has an adapter, a `lax.cond` skips the LoRA work entirely.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jlora.adapters.backends.base import LoraBackend, LoraWeights, Payload
+
+
+def _lora(x: jax.Array, a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+    """x @ a @ b in fp32, the intermediate rounded to x.dtype (base.py's arithmetic)."""
+    xa_spec, ab_spec = spec.split("|")
+    xa = jnp.einsum(xa_spec, x, a, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum(ab_spec, xa, b, preferred_element_type=jnp.float32)
+
+
+def _add_where(adapted: jax.Array, y: jax.Array, delta: jax.Array) -> jax.Array:
+    """y + delta (in fp32, rounded once) on adapted rows; other rows keep y's bits."""
+    return jnp.where(adapted[:, None], (y.astype(jnp.float32) + delta).astype(y.dtype), y)
+
+
+def _unless_all_base(slots: jax.Array, compute, y: jax.Array) -> jax.Array:
+    """compute() if any slot is an adapter's (>= 0), else y: a batch of base-model rows
+    skips the LoRA work (and reads no adapter weights) at run time."""
+    return jax.lax.cond(jnp.any(slots >= 0), compute, lambda: y)
+
+
+class ReferenceBackend(LoraBackend):
+    """Plain jnp: a per-row gather for decode, one masked product per segment for prefill."""
+
+    name = "reference"
+
+    def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
+        return {
+            target: {
+                "a": jnp.zeros((num_layers, num_slots, fan_in, max_rank), dtype),
+                "b": jnp.zeros((num_layers, num_slots, max_rank, fan_out), dtype),
+            }
+            for target, (fan_in, fan_out) in shapes.items()
+        }
+
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
+        payload: Payload = {}
+        layers = next(iter(tensors.values()))[0].shape[0]
+        for target, (fan_in, fan_out) in shapes.items():
+            a = np.zeros((layers, fan_in, max_rank), dtype)
+            b = np.zeros((layers, max_rank, fan_out), dtype)
+            if target in tensors:
+                lora_a, lora_b = tensors[target]
+                rank = lora_a.shape[-1]
+                a[:, :, :rank] = lora_a
+                b[:, :rank, :] = lora_b
+            payload[target] = {"a": a, "b": b}
+        return payload
+
+    def install(self, weights, slot, payload) -> LoraWeights:
+        return {
+            target: {
+                part: weights[target][part].at[:, slot].set(payload[target][part])
+                for part in ("a", "b")
+            }
+            for target in weights
+        }
+
+    def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
+        a_slots, b_slots = weights[target]["a"], weights[target]["b"]
+
+        def compute() -> jax.Array:
+            safe = jnp.maximum(idx, 0)
+            delta = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "si,sir->sr|sr,sro->so")
+            return _add_where(idx >= 0, y, delta)
+
+        return _unless_all_base(idx, compute, y)
+
+    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
+        a_slots, b_slots = weights[target]["a"], weights[target]["b"]
+        rows = jnp.arange(x.shape[0])
+
+        def compute() -> jax.Array:
+            delta = jnp.zeros(y.shape, jnp.float32)
+            adapted = jnp.zeros(x.shape[0], bool)
+            for g in range(segments.slot.shape[0]):
+                slot = segments.slot[g]
+                safe = jnp.maximum(slot, 0)
+                part = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "ti,ir->tr|tr,ro->to")
+                inside = (rows >= segments.start[g]) & (rows < segments.start[g + 1]) & (slot >= 0)
+                delta = jnp.where(inside[:, None], part, delta)
+                adapted = adapted | inside
+            return _add_where(adapted, y, delta)
+
+        return _unless_all_base(segments.slot, compute, y)

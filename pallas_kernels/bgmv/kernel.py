@@ -1,0 +1,199 @@
+"""BGMV (Punica's batched gather matrix-vector product) as two Triton Pallas kernels.
+
+Each decode row gathers its own adapter slot from a stacked layout and, as in Punica,
+every row is padded to the batch's largest rank R_batch: a row runs cdiv(R_batch, chunk)
+steps of its rank loop, so the cost is proportional to |S| * R_batch. Rank rows at or
+beyond the row's own rank are masked to zero before they are multiplied.
+
+1. shrink, grid (S,): v[s] = x[s] @ A^T rank chunk by rank chunk, f32[S, R], as an
+   elementwise multiply and sum over `in` blocks (a vector, no dot);
+2. v is rounded to x.dtype (common.py's arithmetic rule);
+3. expand, grid (S, out tiles): y[s, tile] += v[s] @ B[:, tile], written in place
+   (y's buffer is the output), and only for rows with an adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+
+IN_BLOCK_CAP = 512  # `in` elements per step of the shrink's reduction
+OUT_BLOCK_CAP = 512  # `out` elements per expand program
+
+
+def check_bgmv_args(y: Any, x: Any, a: Any, b: Any, idx: Any, ranks: Any) -> int:
+    """Checks shapes and dtypes (see `bgmv`); returns the rank chunk, min(8, R)."""
+    rows, fan_in, fan_out = common.expect_activations(y, x)
+    common.expect_shape("a", a, (None, None, None, fan_in))
+    _expect_same_dtype("a", a, x)
+    layers, slots, rank_dim, _ = a.shape
+    common.expect_shape("b", b, (layers, slots, rank_dim, fan_out))
+    _expect_same_dtype("b", b, x)
+    common.expect_shape("idx", idx, (rows,))
+    common.expect_dtype("idx", idx, (jnp.int32,))
+    common.expect_shape("ranks", ranks, (slots,))
+    common.expect_dtype("ranks", ranks, (jnp.int32,))
+    return common.expect_rank_dim("a", rank_dim)
+
+
+def _expect_same_dtype(name: str, array: Any, x: Any) -> None:
+    common.expect(
+        array.dtype == x.dtype, f"{name} has dtype {array.dtype}, expected x's dtype {x.dtype}"
+    )
+
+
+def batch_rank(idx: jax.Array, ranks: jax.Array) -> jax.Array:
+    """R_batch, i32[1]: the largest rank among rows with an adapter (0 if none)."""
+    row_ranks = jnp.where(idx >= 0, ranks[jnp.maximum(idx, 0)], 0)
+    return jnp.max(row_ranks, initial=0).reshape(1)
+
+
+def _shrink_kernel(
+    idx_ref,  # [S]
+    ranks_ref,  # [N]
+    layer_ref,  # [1]
+    batch_rank_ref,  # [1]
+    x_ref,  # [S, in]
+    a_ref,  # [L, N, R, in]
+    v_ref,  # [R]: row s of v f32[S, R]
+    *,
+    chunk: int,
+    block_in: int,
+):
+    row = pl.program_id(0)
+    slot = idx_ref[row]
+    v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
+
+    @pl.when(slot >= 0)
+    def _():
+        rank = ranks_ref[slot]
+        layer = layer_ref[0]
+
+        def rank_step(c, carry):
+            keep = (c * chunk + jnp.arange(chunk)) < rank  # [chunk]
+
+            def in_step(k, acc):
+                x = x_ref[row, pl.ds(k * block_in, block_in)]  # [block_in]
+                a = a_ref[layer, slot, pl.ds(c * chunk, chunk), pl.ds(k * block_in, block_in)]
+                a = jnp.where(keep[:, None], a, 0).astype(jnp.float32)  # [chunk, block_in]
+                return acc + jnp.sum(a * x.astype(jnp.float32)[None, :], axis=1)
+
+            steps = x_ref.shape[1] // block_in
+            acc = lax.fori_loop(0, steps, in_step, jnp.zeros(chunk, jnp.float32))
+            v_ref[pl.ds(c * chunk, chunk)] = acc
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(batch_rank_ref[0], chunk), rank_step, jnp.int32(0))
+
+
+def _expand_kernel(
+    idx_ref,  # [S]
+    ranks_ref,  # [N]
+    layer_ref,  # [1]
+    batch_rank_ref,  # [1]
+    v_ref,  # [R]: row s of v, x.dtype
+    b_ref,  # [L, N, R, out]
+    y_ref,  # [block_out]
+    out_ref,  # [block_out], aliased to y
+    *,
+    chunk: int,
+):
+    row, tile = pl.program_id(0), pl.program_id(1)
+    slot = idx_ref[row]
+    block_out = out_ref.shape[0]
+
+    @pl.when(slot >= 0)
+    def _():
+        rank = ranks_ref[slot]
+        layer = layer_ref[0]
+
+        def rank_step(c, acc):
+            keep = (c * chunk + jnp.arange(chunk)) < rank  # [chunk]
+            v = v_ref[pl.ds(c * chunk, chunk)]  # [chunk]: zero at or beyond the rank
+            b = b_ref[layer, slot, pl.ds(c * chunk, chunk), pl.ds(tile * block_out, block_out)]
+            b = jnp.where(keep[:, None], b, 0)  # [chunk, block_out]
+            prod = v.astype(jnp.float32)[:, None] * b.astype(jnp.float32)
+            return acc + jnp.sum(prod, axis=0)
+
+        steps = pl.cdiv(batch_rank_ref[0], chunk)
+        acc = lax.fori_loop(0, steps, rank_step, y_ref[...].astype(jnp.float32))
+        out_ref[...] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def bgmv(
+    y: jax.Array,
+    x: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    idx: jax.Array,
+    ranks: jax.Array,
+    layer: Any,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """Punica BGMV: every row gathers its adapter slot, padded to the batch's max rank.
+
+    Semantics: for each row s with n = idx[s] >= 0 and r = ranks[n],
+        y[s] += (x[s] @ a[layer, n, :r].T) @ b[layer, n, :r]
+    with common.py's arithmetic (x @ A in f32, rounded to x.dtype; @ B in f32; added to
+    y in f32 and rounded once). Rows with idx[s] == -1 are not written (bit-identical).
+    Every row reads cdiv(R_batch, 8) chunks of rank rows, R_batch = max over adapted
+    rows of ranks[idx[s]]; rows at or beyond a slot's rank are ignored (may hold NaN).
+
+    Args:
+      y: [S, out], f32 or bf16; the updated copy is returned.
+      x: [S, in], y's dtype.
+      a: [L, N, R, in], x's dtype: slot n's rank rows of A^T, stacked; R a power of two.
+      b: [L, N, R, out], x's dtype: slot n's rank rows of B.
+      idx: i32[S], each row's slot in [0, N), or -1 for no adapter.
+      ranks: i32[N], each slot's rank in [0, R] (0: the slot leaves its rows unchanged).
+      layer: i32 scalar (python int or 0-d array) in [0, L).
+      interpret: run the kernels in Pallas interpret mode (any backend).
+    Returns:
+      y's updated copy, [S, out], y.dtype.
+    """
+    chunk = check_bgmv_args(y, x, a, b, idx, ranks)
+    rows, fan_in = x.shape
+    fan_out = y.shape[1]
+    rank_dim = a.shape[2]
+    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
+    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
+    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    routing_specs = [common.whole(array.shape) for array in routing]
+
+    shrunk = pl.pallas_call(
+        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
+        grid=(rows,),
+        in_specs=[*routing_specs, common.whole(x.shape), common.whole(a.shape)],
+        out_specs=pl.BlockSpec((None, rank_dim), lambda s: (s, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, rank_dim), jnp.float32),
+        compiler_params=common.triton_params(),
+        interpret=interpret,
+        name="bgmv_shrink",
+    )(*routing, x, a)
+
+    tile_spec = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
+    return pl.pallas_call(
+        functools.partial(_expand_kernel, chunk=chunk),
+        grid=(rows, fan_out // block_out),
+        in_specs=[
+            *routing_specs,
+            pl.BlockSpec((None, rank_dim), lambda s, t: (s, 0)),
+            common.whole(b.shape),
+            tile_spec,
+        ],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        input_output_aliases={len(routing) + 2: 0},
+        compiler_params=common.triton_params(),
+        interpret=interpret,
+        name="bgmv_expand",
+    )(*routing, shrunk.astype(x.dtype), b, y)

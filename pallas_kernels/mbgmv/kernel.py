@@ -1,0 +1,194 @@
+"""MBGMV (S-LoRA): each decode row applies its own adapter at its own rank, read from a page pool.
+
+Two pallas_calls, as in Punica and S-LoRA. Shrink: one program per row computes
+v[s] = x[s] @ A of its slot, one chunk of rank rows at a time, for only as many
+chunks as the slot's rank needs (never the batch's largest rank: the cost is
+proportional to the sum of the rows' ranks). Expand: one program per (row, out tile)
+adds v[s] @ B to y in place. A chunk's rank rows are gathered from the pool through
+the slot's page table; rows of the last chunk at or beyond the rank are masked out
+before they are multiplied, so whatever their pages hold (NaN included) is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+
+IN_BLOCK_CAP = 512  # `in` elements of a gathered chunk read per step of shrink's inner loop
+OUT_BLOCK_CAP = 512  # `out` elements per expand program
+
+
+def check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks) -> int:
+    """Checks shapes and dtypes (see `mbgmv`); returns the rank chunk, min(8, R).
+
+    Raises KernelArgumentError naming the offending argument.
+    """
+    rows, fan_in, fan_out = common.expect_activations(y, x)
+    common.expect_shape("a_pool", a_pool, (None, None, fan_in))
+    common.expect_dtype("a_pool", a_pool, (x.dtype,))
+    common.expect_shape("b_pool", b_pool, (a_pool.shape[0], a_pool.shape[1], fan_out))
+    common.expect_dtype("b_pool", b_pool, (x.dtype,))
+    common.expect_shape("idx", idx, (rows,))
+    common.expect_dtype("idx", idx, (jnp.int32,))
+    common.expect_shape("pages", pages, (None, None))
+    common.expect_dtype("pages", pages, (jnp.int32,))
+    common.expect_shape("ranks", ranks, (pages.shape[0],))
+    common.expect_dtype("ranks", ranks, (jnp.int32,))
+    return common.expect_rank_dim("pages", pages.shape[1])
+
+
+def _chunk_pages_and_mask(pages_ref, slot, rank, chunk_index, chunk, num_pages):
+    """The pool pages of one chunk of a slot's rank rows, and which of them are < rank."""
+    first = chunk_index * chunk
+    # An entry beyond the rank is never used, but is clamped so the gather stays in the pool.
+    chunk_pages = jnp.clip(pages_ref[slot, pl.ds(first, chunk)], 0, num_pages - 1)  # [chunk]
+    in_rank = first + lax.broadcasted_iota(jnp.int32, (chunk,), 0) < rank  # [chunk]
+    return chunk_pages, in_rank
+
+
+def _shrink_kernel(
+    idx_ref,  # [S]
+    layer_ref,  # [1]
+    ranks_ref,  # [N]
+    pages_ref,  # [N, R]
+    x_ref,  # [S, in]
+    a_ref,  # [L, P, in]
+    v_ref,  # [R]: this row's v; entries past its rank's last chunk are not written
+    *,
+    chunk: int,
+    block_in: int,
+):
+    row = pl.program_id(0)
+    slot = idx_ref[row]
+    num_pages = a_ref.shape[1]
+    num_in_blocks = x_ref.shape[1] // block_in
+
+    @pl.when(slot >= 0)
+    def _():
+        layer = layer_ref[0]
+        rank = ranks_ref[slot]
+
+        def rank_chunk(c, carry):
+            chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
+
+            def in_block(k, acc):
+                cols = pl.ds(k * block_in, block_in)
+                a = a_ref[layer, chunk_pages, cols]  # [chunk, block_in]
+                a = jnp.where(in_rank[:, None], a.astype(jnp.float32), 0.0)
+                x = x_ref[row, cols].astype(jnp.float32)  # [block_in]
+                return acc + jnp.sum(a * x[None, :], axis=1)
+
+            acc = lax.fori_loop(0, num_in_blocks, in_block, jnp.zeros((chunk,), jnp.float32))
+            v_ref[pl.ds(c * chunk, chunk)] = acc
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(rank, chunk), rank_chunk, jnp.int32(0))
+
+
+def _expand_kernel(
+    idx_ref,  # [S]
+    layer_ref,  # [1]
+    ranks_ref,  # [N]
+    pages_ref,  # [N, R]
+    v_ref,  # [R]: this row's x @ A, in x's dtype
+    b_ref,  # [L, P, out]
+    y_ref,  # [block_out]
+    o_ref,  # [block_out], aliased to y
+    *,
+    chunk: int,
+    block_out: int,
+):
+    row = pl.program_id(0)
+    cols = pl.ds(pl.program_id(1) * block_out, block_out)
+    slot = idx_ref[row]
+    num_pages = b_ref.shape[1]
+
+    @pl.when(slot >= 0)
+    def _():
+        layer = layer_ref[0]
+        rank = ranks_ref[slot]
+
+        def rank_chunk(c, acc):
+            chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
+            b = b_ref[layer, chunk_pages, cols]  # [chunk, block_out]
+            b = jnp.where(in_rank[:, None], b.astype(jnp.float32), 0.0)
+            v = v_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32)  # [chunk]
+            return acc + jnp.sum(v[:, None] * b, axis=0)
+
+        acc = lax.fori_loop(
+            0, pl.cdiv(rank, chunk), rank_chunk, jnp.zeros((block_out,), jnp.float32)
+        )
+        o_ref[...] = (y_ref[...].astype(jnp.float32) + acc).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = False) -> jax.Array:
+    """Semantics: y[s] += sum_{j < ranks[n]} (x[s] . a_pool[layer, pages[n, j]])
+    * b_pool[layer, pages[n, j]] for every row s with n = idx[s] >= 0.
+
+    x @ A is accumulated in fp32 and rounded to x.dtype, then @ B is accumulated in
+    fp32 and added to y in fp32 (common.py). Rows with idx[s] == -1 are not written:
+    they stay bit-identical. Each row reads only its own rank's rows of the pool.
+
+    Args:
+      y: [S, out], float32 or bfloat16; the returned array is its updated copy.
+      x: [S, in], y's dtype.
+      a_pool: [L, P, in], x's dtype: a pool of rank rows; page p is one row of some
+        adapter's A^T for every layer.
+      b_pool: [L, P, out], x's dtype: the matching rows of the adapters' B.
+      idx: i32[S] in [-1, N): each row's slot, -1 for no adapter.
+      pages: i32[N, R], R a power of two: pages[n, j] is the page of slot n's rank row j;
+        entries at j >= ranks[n] are ignored (valid pages in [0, P) by contract).
+      ranks: i32[N] in [0, R]: each slot's rank (0: nothing is added).
+      layer: i32 scalar in [0, L): the layer whose rows are read.
+      interpret: run the Pallas interpreter (CPU) instead of compiling for GPU.
+
+    Returns:
+      [S, out] in y's dtype.
+    """
+    chunk = check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
+    rows, fan_in = x.shape
+    fan_out = y.shape[1]
+    rank_dim = pages.shape[1]
+    layer = common.as_layer(layer)
+    tables = (idx, layer, ranks, pages)
+    table_specs = [common.whole(t.shape) for t in tables]
+    params = common.triton_params()
+
+    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
+    v = pl.pallas_call(
+        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
+        out_shape=jax.ShapeDtypeStruct((rows, rank_dim), jnp.float32),
+        grid=(rows,),
+        in_specs=[*table_specs, common.whole(x.shape), common.whole(a_pool.shape)],
+        out_specs=pl.BlockSpec((None, rank_dim), lambda s: (s, 0)),
+        interpret=interpret,
+        compiler_params=params,
+        name="mbgmv_shrink",
+    )(*tables, x, a_pool)
+    v = v.astype(x.dtype)
+
+    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
+    row_tile = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
+    return pl.pallas_call(
+        functools.partial(_expand_kernel, chunk=chunk, block_out=block_out),
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(rows, fan_out // block_out),
+        in_specs=[
+            *table_specs,
+            pl.BlockSpec((None, rank_dim), lambda s, t: (s, 0)),
+            common.whole(b_pool.shape),
+            row_tile,
+        ],
+        out_specs=row_tile,
+        input_output_aliases={len(tables) + 2: 0},
+        interpret=interpret,
+        compiler_params=params,
+        name="mbgmv_expand",
+    )(*tables, v, b_pool, y)
