@@ -90,6 +90,24 @@ def expect_activations(y: Any, x: Any) -> tuple[int, int, int]:
     return x.shape[0], x.shape[1], y.shape[1]
 
 
+def expect_pool(x: Any, y: Any, a_pool: Any, b_pool: Any) -> None:
+    """a_pool [L, P, in] and b_pool [L, P, out] of rank rows, in x's dtype."""
+    expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
+    expect_dtype("a_pool", a_pool, (x.dtype,))
+    expect_shape("b_pool", b_pool, (a_pool.shape[0], a_pool.shape[1], y.shape[1]))
+    expect_dtype("b_pool", b_pool, (x.dtype,))
+
+
+def expect_page_table(pages: Any, ranks: Any) -> int:
+    """pages i32[N, R] (N >= 1) and ranks i32[N]; returns the rank chunk (see below)."""
+    expect_shape("pages", pages, (None, None))
+    expect_dtype("pages", pages, (jnp.int32,))
+    expect(pages.shape[0] > 0, "pages has no slots (shape [0, R])")
+    expect_shape("ranks", ranks, (pages.shape[0],))
+    expect_dtype("ranks", ranks, (jnp.int32,))
+    return expect_rank_dim("pages", pages.shape[1])
+
+
 def expect_rank_dim(name: str, rank: int) -> int:
     """Checks that R is a power of two; returns the rank chunk, min(RANK_CHUNK, R)."""
     expect(is_pow2(rank), f"{name} has rank dimension {rank}; it must be a power of two")

@@ -148,6 +148,38 @@ def _bits(array) -> np.ndarray:
     return np.asarray(array).view(np.uint16 if array.dtype == jnp.bfloat16 else np.uint32)
 
 
+def triton_calls(kernel, shapes) -> int:
+    """How many Triton kernels `kernel(*args, interpret=False)` lowers to for CUDA, on
+    arguments of `shapes` [(shape, dtype), ...]. Lowering runs on any host: it applies
+    the Triton rules (power-of-two arrays, supported primitives) without a GPU."""
+    import jax
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    traced = jax.jit(lambda *a: kernel(*a, interpret=False)).trace(*args)
+    return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
+
+
+# Argument errors of the pool kernels (MBGMV, SGMV), whose arguments start with
+# (y, x, a_pool, b_pool): case -> (the argument the error names, its position, change).
+POOL_KERNEL_ERRORS = {
+    "x dtype float16": ("x", 1, lambda x: x.astype(jnp.float16)),
+    "y dtype differs from x": ("y", 0, lambda y: y.astype(jnp.bfloat16)),
+    "y rows differ from x": ("y", 0, lambda y: y[:-1]),
+    "a_pool in differs from x": ("a_pool", 2, lambda a: a[..., :-1]),
+    "a_pool dtype differs from x": ("a_pool", 2, lambda a: a.astype(jnp.bfloat16)),
+    "b_pool pages differ from a_pool": ("b_pool", 3, lambda b: b[:, :-1]),
+    "b_pool out differs from y": ("b_pool", 3, lambda b: b[..., :-1]),
+    "b_pool dtype differs from x": ("b_pool", 3, lambda b: b.astype(jnp.bfloat16)),
+}
+
+
+def with_changed(args, position: int, change) -> tuple:
+    """`args` with args[position] replaced by change(args[position])."""
+    changed = list(args)
+    changed[position] = change(changed[position])
+    return tuple(changed)
+
+
 def gpu_or_skip(interpret: bool) -> None:
     """The compiled classes need a GPU; the interpret-mode subclasses run anywhere."""
     import jax

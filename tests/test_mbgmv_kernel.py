@@ -3,7 +3,6 @@ against the reference over the adapter-mix sweep, its GPU lowering, and argument
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -202,31 +201,19 @@ class TestLowering:
             ((slots,), jnp.int32),  # ranks
             ((), jnp.int32),  # layer
         ]
-        args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes]
-        compiled = jax.jit(lambda *a: mbgmv(*a, interpret=False))
-        text = compiled.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2  # shrink and expand
+        assert kernel_cases.triton_calls(mbgmv, shapes) == 2  # shrink and expand
 
 
 def _valid_args():
     return _paged_case(9, kernel_cases.MIXED_RANKS, 16, 7, "uniform", "float32")[0]
 
 
-def _with(position, value):
-    args = list(_valid_args())
-    args[position] = value(args[position])
-    return tuple(args)
+def _with(position, change):
+    return kernel_cases.with_changed(_valid_args(), position, change)
 
 
 BAD_ARGS = {
-    "x dtype float16": ("x", 1, lambda x: x.astype(jnp.float16)),
-    "y dtype differs from x": ("y", 0, lambda y: y.astype(jnp.bfloat16)),
-    "y rows differ from x": ("y", 0, lambda y: y[:-1]),
-    "a_pool in differs from x": ("a_pool", 2, lambda a: a[..., :-1]),
-    "a_pool dtype differs from x": ("a_pool", 2, lambda a: a.astype(jnp.bfloat16)),
-    "b_pool pages differ from a_pool": ("b_pool", 3, lambda b: b[:, :-1]),
-    "b_pool out differs from y": ("b_pool", 3, lambda b: b[..., :-1]),
-    "b_pool dtype differs from x": ("b_pool", 3, lambda b: b.astype(jnp.bfloat16)),
+    **kernel_cases.POOL_KERNEL_ERRORS,
     "idx length differs from rows": ("idx", 4, lambda i: i[:-1]),
     "idx dtype float32": ("idx", 4, lambda i: i.astype(jnp.float32)),
     "pages rank dim 12": ("pages", 5, lambda p: p[:, :12]),

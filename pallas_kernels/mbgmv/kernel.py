@@ -29,18 +29,11 @@ def check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks) -> int:
 
     Raises KernelArgumentError naming the offending argument.
     """
-    rows, fan_in, fan_out = common.expect_activations(y, x)
-    common.expect_shape("a_pool", a_pool, (None, None, fan_in))
-    common.expect_dtype("a_pool", a_pool, (x.dtype,))
-    common.expect_shape("b_pool", b_pool, (a_pool.shape[0], a_pool.shape[1], fan_out))
-    common.expect_dtype("b_pool", b_pool, (x.dtype,))
+    rows, _, _ = common.expect_activations(y, x)
+    common.expect_pool(x, y, a_pool, b_pool)
     common.expect_shape("idx", idx, (rows,))
     common.expect_dtype("idx", idx, (jnp.int32,))
-    common.expect_shape("pages", pages, (None, None))
-    common.expect_dtype("pages", pages, (jnp.int32,))
-    common.expect_shape("ranks", ranks, (pages.shape[0],))
-    common.expect_dtype("ranks", ranks, (jnp.int32,))
-    return common.expect_rank_dim("pages", pages.shape[1])
+    return common.expect_page_table(pages, ranks)
 
 
 def _chunk_pages_and_mask(pages_ref, slot, rank, chunk_index, chunk, num_pages):

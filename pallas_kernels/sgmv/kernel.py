@@ -37,21 +37,13 @@ def check_sgmv_args(
     multiples of 16 and R >= 16. Raises KernelArgumentError naming the argument.
     """
     rows, fan_in, fan_out = common.expect_activations(y, x)
-    common.expect_shape("a_pool", a_pool, (None, None, fan_in))
-    common.expect_dtype("a_pool", a_pool, (x.dtype,))
-    common.expect_shape("b_pool", b_pool, (a_pool.shape[0], a_pool.shape[1], fan_out))
-    common.expect_dtype("b_pool", b_pool, (x.dtype,))
+    common.expect_pool(x, y, a_pool, b_pool)
     common.expect_shape("seg_slot", seg_slot, (None,))
     common.expect_dtype("seg_slot", seg_slot, (jnp.int32,))
     common.expect_shape("seg_start", seg_start, (seg_slot.shape[0] + 1,))
     common.expect_dtype("seg_start", seg_start, (jnp.int32,))
-    common.expect_shape("pages", pages, (None, None))
-    common.expect_dtype("pages", pages, (jnp.int32,))
-    common.expect(pages.shape[0] > 0, "pages has no slots (shape [0, R])")
-    common.expect_shape("ranks", ranks, (pages.shape[0],))
-    common.expect_dtype("ranks", ranks, (jnp.int32,))
+    common.expect_page_table(pages, ranks)
     rank_dim = pages.shape[1]
-    common.expect_rank_dim("pages", rank_dim)
     if compiled:
         for name, dim in (("x (in)", fan_in), ("y (out)", fan_out)):
             common.expect(
