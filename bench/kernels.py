@@ -45,11 +45,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import itertools
-import json
-import os
 import statistics
 import sys
 import time
@@ -62,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from bench import report
 from configs import load_preset
 from pallas_kernels.bgmv import bgmv
 from pallas_kernels.mbgmv import mbgmv
@@ -311,13 +309,9 @@ def fits(measurements: list[Measurement]) -> list[dict[str, Any]]:
 
 def machine_facts(plan: Plan, fan: int) -> dict[str, Any]:
     return {
-        "device": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(),
+        **report.machine_facts(),
         "interpret": interpret_mode(),
         "shape": f"{plan.model} q_proj {fan} -> {fan}, {plan.dtype}",
-        "cpu_count": os.cpu_count() or 0,
-        "jax": jax.__version__,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
 
 
@@ -351,7 +345,7 @@ def render(facts, copy_bps: float, measurements: list[Measurement], fitted) -> s
     ]
     per_kernel = [f"{k} {c}" for k in ("BGMV", "MBGMV") for c in ("µs", "GB/s", "of copy")]
     lines = [
-        f"LoRA kernels | {facts['shape']} | {facts['device']} ({facts['backend']}) | "
+        f"LoRA kernels | {facts['shape']} | {facts['device']} ({facts['jax_backend']}) | "
         f"jax {facts['jax']} | {facts['date']}",
         "",
         *(["**interpret mode on CPU: not a bandwidth figure**", ""] if facts["interpret"] else []),
@@ -373,14 +367,11 @@ def render(facts, copy_bps: float, measurements: list[Measurement], fitted) -> s
 
 
 def write_report(path: Path, facts, plan: Plan, copy_bps: float, measurements, fitted) -> None:
-    """The raw results as JSON, laid out as bench.throughput's: machine, plan, results."""
     results = [
         {**dataclasses.asdict(m), "median_s": m.median_s, "bytes_per_s": m.bytes_per_s}
         for m in measurements
     ]
-    report = {"machine": facts, "plan": dataclasses.asdict(plan), "copy_bytes_per_s": copy_bps}
-    report |= {"results": results, "fits": fitted}
-    path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    report.write_report(path, facts, plan, results, copy_bytes_per_s=copy_bps, fits=fitted)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from bench.throughput import (
@@ -149,7 +148,6 @@ def main(argv: list[str] | None = None) -> None:
         plan = dataclasses.replace(plan, new_tokens=8, repeats=1)
 
     facts = machine_facts()
-    facts["device"] = jax.devices()[0].device_kind
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
     loaded = load_model(plan.model, plan.dtype)
     prompts = prompts_for(loaded, plan)

@@ -39,10 +39,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import functools
 import io
-import json
 import os
 import statistics
 import sys
@@ -50,11 +48,12 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import jax
 import torch
 import transformers
 
+from bench import report
 from configs import EngineConfig, load_preset
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.engine import LLMEngine
@@ -115,6 +114,8 @@ class Measurement:
 
 def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
     """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in."""
+    if loaded.tokenizer is None:
+        raise ValueError(f"{loaded.source} has no tokenizer to make text prompts with")
     passage = loaded.tokenizer.encode(PASSAGE)
     stream = passage * ((length + 7 * batch) // len(passage) + 1)
     return [stream[7 * row : 7 * row + length] for row in range(batch)]
@@ -220,20 +221,12 @@ def compare(
     return list(results.values())
 
 
-def machine_facts() -> dict[str, str | int | float]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                      if line.startswith("model name")), "unknown")  # fmt: skip
+def machine_facts() -> dict[str, Any]:
     return {
-        "cpu_count": os.cpu_count() or 0,
-        "cpu_model": cpu_model,
-        "load_avg_1min_start": os.getloadavg()[0],  # other processes skew a shared machine
-        "jax": jax.__version__,
-        "jax_backend": jax.default_backend(),
+        **report.machine_facts(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
 
 
@@ -270,8 +263,7 @@ def render(facts: dict[str, str | int | float], measurements: list[Measurement])
 def write_report(path: Path, facts: dict, plan, measurements: list[Measurement]) -> None:
     """The raw results as JSON: machine facts, the plan (a dataclass) and every timing."""
     rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-    report = {"machine": facts, "plan": dataclasses.asdict(plan), "results": rows}
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    report.write_report(path, facts, plan, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

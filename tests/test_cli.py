@@ -140,6 +140,11 @@ FAST_BAD_INPUT = [
         ["--prompts-file", "{tmp}/bad-field.jsonl"],
         ["bad-field.jsonl line 1", "unknown fields ['lora']"],
     ),
+    (
+        "lora-backend-unknown",
+        ["--prompt", "Hi", "--lora-backend", "punica"],
+        ["--lora-backend", "invalid choice: 'punica'"],
+    ),
 ]
 SLOW_BAD_INPUT = [
     (
@@ -239,7 +244,8 @@ def test_one_batch_mixes_adapters_from_a_jsonl_prompts_file(tmp_path, cli_env, s
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     default = str(tmp_path / "adapters" / "demo-01-r16")
     outputs = {}
-    for mode in ("ondemand", "cached"):
+    # The cached run also takes the MBGMV backend (its kernels interpreted on CPU).
+    for mode, backend in (("ondemand", "reference"), ("cached", "mbgmv")):
         result = _jlora(
             cli_env,
             "generate",
@@ -251,6 +257,8 @@ def test_one_batch_mixes_adapters_from_a_jsonl_prompts_file(tmp_path, cli_env, s
             default,
             "--lora-mode",
             mode,
+            "--lora-backend",
+            backend,
             "--output",
             "jsonl",
             "--max-tokens",

@@ -38,7 +38,9 @@ def test_listener_counts_compilations(tiny):
     assert _EVENTS
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize(
+    "lora", [None, "reference", "bgmv", "mbgmv"], ids=["base", "reference", "bgmv", "mbgmv"]
+)
 def test_no_compilation_after_warmup(tiny, tmp_path, lora):
     """With LoRA, three adapters share two device slots: the run loads, evicts and
     mixes adapters with base rows, and still compiles nothing."""
@@ -47,7 +49,13 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
 
         paths = make_demo_adapters(tiny.config, tmp_path, n=3, ranks=[4, 8, 16])
         engine = make_engine(
-            tiny, max_slots=3, max_seq_len=128, min_bucket=16, max_loras=2, max_lora_rank=16
+            tiny,
+            max_slots=3,
+            max_seq_len=128,
+            min_bucket=16,
+            max_loras=2,
+            max_lora_rank=16,
+            lora_backend=lora,
         )
         for path in paths:
             engine.register_adapter(path.name, str(path))
