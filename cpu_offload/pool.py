@@ -1,0 +1,501 @@
+"""CpuLoraPool: worker processes that compute x @ A @ B on CPU cores, with a watchdog.
+
+The coordinator (the engine's host thread) owns one pool. A request's LoRA product
+for one layer is a `submit` (x plus one `LoraJob` per target sharing that input),
+later matched by a `collect`; in between, the device computes the base projection.
+The wire protocol is in `cpu_offload.protocol`; this module is its two ends:
+
+- `_worker_main`: one spawned process per core, pinned with `os.sched_setaffinity`,
+  waiting on its slot's REQUEST (spin, then sleep) and writing its rows in place.
+- `CpuLoraPool`: profiles the kernel at start-up (tokens per core per millisecond
+  on a reference shape, CaraServe's profiling-guided parallelization), decides how
+  many workers a submit gets (`workers_for`), splits the rows, and collects.
+
+Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
+one whose process is gone, or which holds a task longer than `hang_after` seconds,
+is killed, counted in `respawns` and replaced; its unserved task is marked lost and
+`collect` recomputes those rows in the calling process with the same kernel
+(counted in `fallbacks`). A slot whose worker dies `max_start_failures` times in a
+row before it is ready is disabled and logged; submits then use the others, or the
+calling process when no worker is ready. `close()` (or the finalizer, for a pool
+that is never closed) stops the workers and unlinks the control segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import multiprocessing
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import numpy as np
+
+from cpu_offload.kernels import lora_rows
+from cpu_offload.protocol import (
+    DONE,
+    MAX_JOBS,
+    READY,
+    REQUEST,
+    STOP,
+    Backoff,
+    ControlBlock,
+    Layout,
+    LoraJob,
+    Task,
+    attach,
+)
+
+log = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "jlora_cpu_"  # control segments: /dev/shm/jlora_cpu_<pid>_<random>
+LOCAL = -1  # Share.worker for rows computed in the calling process
+REFERENCE_SHAPE = (128, 576, 16, 576)  # rows, in, rank, out: SmolLM2's q_proj at rank 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Start-up measurement of the kernel on one core (REFERENCE_SHAPE)."""
+
+    tokens_per_ms: float
+    flops_per_token: int  # 2 · rank · (in + out) at the reference shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    worker: int  # slot index, or LOCAL
+    seq: int
+    task: Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """A submit in flight; pass it to `collect`."""
+
+    rows: int
+    out_total: int
+    shares: tuple[Share, ...]
+
+
+def _compute(block: ControlBlock, arena: Any, task: Task) -> None:
+    """Step 4 of the protocol: the task's rows of every job, into the output region."""
+    rows = slice(task.row_start, task.row_end)
+    x = block.x(task.row_end, task.in_features)[rows]
+    y = block.y(task.row_end, task.out_total)[rows]
+    for job, column in zip(task.jobs, task.out_columns(), strict=True):
+        a = np.ndarray((task.in_features, job.rank), np.float32, arena, job.a_offset)
+        b = np.ndarray((job.rank, job.out_features), np.float32, arena, job.b_offset)
+        lora_rows(x, a, b, y[:, column : column + job.out_features])
+
+
+def _worker_main(
+    control_name: str, arena_name: str, index: int, generation: int, start_seq: int, core: int
+) -> None:
+    """A worker process: steps 1, 3 and 4 of the protocol until STOP or its parent dies."""
+    os.sched_setaffinity(0, {core})
+    parent = os.getppid()
+    control = attach(control_name, "control_name")
+    arena = attach(arena_name, "arena_name")
+    block = ControlBlock.from_header(control)
+    slot = block.slots[index]
+    warm = np.zeros((1, 1), np.float32)
+    lora_rows(warm, warm, warm, warm)
+    slot[READY] = generation
+    served = start_seq
+    while True:
+        backoff = Backoff()
+        while (request := int(slot[REQUEST])) == served:
+            backoff.pause()
+            if backoff.sleep_s >= backoff.max_sleep_s and os.getppid() != parent:
+                return  # orphaned: nobody will ever collect or close
+        if request == STOP:
+            return
+        _compute(block, arena, block.read_task(index))
+        slot[DONE] = request
+        served = request
+
+
+@dataclasses.dataclass
+class _Worker:
+    """The coordinator's record of one slot (host state; never in shared memory)."""
+
+    process: BaseProcess
+    generation: int
+    started: float
+    start_failures: int = 0
+    disabled: bool = False
+    task_since: float | None = None  # when the slot's unserved task was submitted
+    lost_seq: int = -1  # latest sequence number the slot's dead worker never served
+
+
+@dataclasses.dataclass
+class _Resources:
+    """What must be released even if the pool object is forgotten (the finalizer's view)."""
+
+    control: shared_memory.SharedMemory
+    block: ControlBlock
+    arena: Any
+    workers: list[_Worker]
+    stop: threading.Event
+    watchdog: threading.Thread | None = None
+
+
+def _release(resources: _Resources) -> None:
+    resources.stop.set()
+    watchdog = resources.watchdog
+    if watchdog is not None and watchdog is not threading.current_thread():
+        watchdog.join()
+    resources.block.slots[:, REQUEST] = STOP
+    for worker in resources.workers:
+        worker.process.join(timeout=2.0)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+    with contextlib.suppress(BufferError):  # numpy views still alive: unmapped with them
+        resources.control.close()
+    with contextlib.suppress(FileNotFoundError):
+        resources.control.unlink()
+    with contextlib.suppress(BufferError):
+        resources.arena.close()
+
+
+class CpuLoraPool:
+    """Worker processes computing LoRA products x @ A @ B over a shared-memory arena.
+
+    arena_name: `SharedArena.name` of the host store (A and B are read in place).
+    workers:    number of worker processes, pinned round-robin to the cores this
+                process may run on.
+    max_rows:   most rows (tokens) one submit carries.
+    max_in:     largest in_features of a submit.
+    max_out:    most output columns one submit produces (the sum over its jobs).
+    target_ms:  how long one worker's share should take; `workers_for` gives a
+                submit as many workers as that takes, by the start-up profile.
+    hang_after: seconds a worker may hold a task before the watchdog replaces it.
+    """
+
+    def __init__(
+        self,
+        arena_name: str,
+        *,
+        workers: int,
+        max_rows: int,
+        max_in: int,
+        max_out: int,
+        target_ms: float = 1.0,
+        hang_after: float = 5.0,
+        start_timeout: float = 120.0,
+        max_start_failures: int = 3,
+    ) -> None:
+        for field, value in [
+            ("workers", workers),
+            ("max_rows", max_rows),
+            ("max_in", max_in),
+            ("max_out", max_out),
+        ]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field}={value!r} must be a positive int")
+        for field, seconds in [
+            ("target_ms", target_ms),
+            ("hang_after", hang_after),
+            ("start_timeout", start_timeout),
+        ]:
+            if not seconds > 0:
+                raise ValueError(f"{field}={seconds!r} must be positive")
+        arena = attach(arena_name, "arena_name")
+        self.arena_name = arena_name
+        self.arena_nbytes = len(arena)
+        self.layout = Layout(workers, max_rows, max_in, max_out)
+        self.target_ms = target_ms
+        self.hang_after = hang_after
+        self.start_timeout = start_timeout
+        self.max_start_failures = max_start_failures
+        self.profile = _profile()
+        self.fallbacks = 0  # shares recomputed in the calling process
+        self.respawns = 0  # workers replaced after dying or hanging
+        self._context = multiprocessing.get_context("spawn")
+        self._cores = sorted(os.sched_getaffinity(0))
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._inflight: Ticket | None = None
+
+        control = shared_memory.SharedMemory(
+            name=f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}",
+            create=True,
+            size=self.layout.nbytes,
+        )
+        assert control.buf is not None
+        self._block = ControlBlock(control.buf, self.layout)
+        self._block.write_header()
+        self._block.slots[:] = 0
+        self._arena = arena
+        self._resources = _Resources(control, self._block, arena, [], threading.Event())
+        self._finalizer = weakref.finalize(self, _release, self._resources)
+        self._workers = self._resources.workers
+        self._workers += [self._spawn(index, generation=1) for index in range(workers)]
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        watchdog = threading.Thread(
+            target=_watch, args=(weakref.ref(self), self._resources.stop), daemon=True
+        )
+        self._resources.watchdog = watchdog
+        watchdog.start()
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def control_name(self) -> str:
+        return self._resources.control.name
+
+    @property
+    def num_workers(self) -> int:
+        return self.layout.workers
+
+    def ready_workers(self) -> list[int]:
+        """Slots whose worker is warm and idle enough to take a task."""
+        return [
+            index
+            for index, worker in enumerate(self._workers)
+            if not worker.disabled and int(self._block.slots[index, READY]) == worker.generation
+        ]
+
+    def workers_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
+        """How many workers a product of this shape needs to finish in ~target_ms."""
+        return self._workers_for_flops(rows, 2 * rank * (in_features + out_features))
+
+    def submit(
+        self, x: np.ndarray, jobs: Sequence[LoraJob], *, workers: int | None = None
+    ) -> Ticket:
+        """Hand x @ A_j @ B_j for every job to the workers; returns a Ticket for `collect`.
+
+        x:       f32[rows, in_features], 1 <= rows <= max_rows, in_features <= max_in.
+        jobs:    1 to MAX_JOBS LoraJobs sharing x; sum of out_features <= max_out.
+        workers: how many workers to split the rows across (default: `workers_for`).
+        """
+        rows, in_features = self._check_input(x)
+        jobs = tuple(jobs)
+        out_total = self._check_jobs(jobs, in_features)
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers={workers!r} must be a positive int")
+        if not self._finalizer.alive:
+            raise RuntimeError("submit: the pool is closed")
+        if self._inflight is not None:
+            raise RuntimeError("submit: the previous ticket has not been collected")
+        flops = sum(2 * job.rank * (in_features + job.out_features) for job in jobs)
+        wanted = workers if workers is not None else self._workers_for_flops(rows, flops)
+        self._block.x(rows, in_features)[...] = x
+        shares = []
+        with self._lock:
+            ready = self.ready_workers()[: min(wanted, rows)] or [LOCAL]
+            bounds = np.linspace(0, rows, len(ready) + 1).round().astype(int)
+            now = time.monotonic()
+            for index, start, end in zip(ready, bounds[:-1], bounds[1:], strict=True):
+                task = Task(int(start), int(end), in_features, out_total, jobs)
+                self._seq += 1
+                if index != LOCAL:
+                    self._workers[index].task_since = now
+                    self._block.write_task(index, task, self._seq)
+                shares.append(Share(index, self._seq, task))
+        self._inflight = Ticket(rows, out_total, tuple(shares))
+        return self._inflight
+
+    def collect(self, ticket: Ticket, timeout: float | None = None) -> np.ndarray:
+        """Wait for the ticket's rows; returns f32[rows, sum of out_features] (a copy).
+
+        Jobs come back side by side in submit order. Rows of a worker that died or
+        hung are recomputed here. Raises TimeoutError after `timeout` seconds (the
+        ticket stays in flight and can be collected again).
+        """
+        if ticket is not self._inflight:
+            raise ValueError("ticket is not the one in flight (collected already?)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(ticket.shares)
+        backoff = Backoff()
+        while pending:
+            for share in list(pending):
+                if self._served(share):
+                    pending.remove(share)
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"collect: {len(pending)} worker shares still running")
+            if pending:
+                backoff.pause()
+        self._inflight = None
+        return self._block.y(ticket.rows, ticket.out_total).copy()
+
+    def close(self) -> None:
+        """Stop the workers and unlink the control segment (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> CpuLoraPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------
+
+    def _workers_for_flops(self, rows: int, flops_per_token: int) -> int:
+        per_ms = self.profile.tokens_per_ms * self.profile.flops_per_token / flops_per_token
+        wanted = math.ceil(rows / max(per_ms * self.target_ms, 1e-9))
+        return max(1, min(wanted, self.num_workers))
+
+    def _check_input(self, x: object) -> tuple[int, int]:
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+            raise ValueError(f"x.dtype={getattr(x, 'dtype', type(x))} must be float32 ndarray")
+        if x.ndim != 2:
+            raise ValueError(f"x.shape={x.shape} must be [rows, in_features]")
+        rows, in_features = x.shape
+        if not 1 <= rows <= self.layout.max_rows:
+            raise ValueError(f"rows={rows} must be in 1..max_rows={self.layout.max_rows}")
+        if not 1 <= in_features <= self.layout.max_in:
+            raise ValueError(f"in_features={in_features} must be in 1..max_in={self.layout.max_in}")
+        return rows, in_features
+
+    def _check_jobs(self, jobs: tuple[LoraJob, ...], in_features: int) -> int:
+        if not 1 <= len(jobs) <= MAX_JOBS:
+            raise ValueError(f"len(jobs)={len(jobs)} must be in 1..{MAX_JOBS}")
+        for job in jobs:
+            if not isinstance(job, LoraJob):
+                raise ValueError(f"jobs: {job!r} is not a LoraJob")
+            if job.rank < 1 or job.out_features < 1:
+                raise ValueError(f"{job.rank=} and {job.out_features=} must be positive")
+            for field, offset, count in [
+                ("a_offset", job.a_offset, in_features * job.rank),
+                ("b_offset", job.b_offset, job.rank * job.out_features),
+            ]:
+                if offset < 0 or offset % 4 or offset + 4 * count > self.arena_nbytes:
+                    raise ValueError(
+                        f"{field}={offset} ({4 * count} bytes) must be a multiple of 4 "
+                        f"inside the arena ({self.arena_nbytes} bytes)"
+                    )
+        out_total = sum(job.out_features for job in jobs)
+        if out_total > self.layout.max_out:
+            raise ValueError(
+                f"out_features: the jobs' sum {out_total} exceeds max_out={self.layout.max_out}"
+            )
+        return out_total
+
+    def _served(self, share: Share) -> bool:
+        """True once the share's rows are in the output region (recomputing lost ones)."""
+        if share.worker != LOCAL:
+            worker = self._workers[share.worker]
+            if worker.lost_seq < share.seq:  # set before the replacement is visible
+                return int(self._block.slots[share.worker, DONE]) >= share.seq
+        _compute(self._block, self._arena, share.task)
+        self.fallbacks += 1
+        return True
+
+    def _spawn(self, index: int, generation: int, start_failures: int = 0) -> _Worker:
+        start_seq = int(self._block.slots[index, REQUEST])
+        process = self._context.Process(
+            target=_worker_main,
+            args=(
+                self.control_name,
+                self.arena_name,
+                index,
+                generation,
+                start_seq,
+                self._cores[index % len(self._cores)],
+            ),
+            name=f"cpu-lora-{index}",
+            daemon=True,
+        )
+        process.start()
+        return _Worker(process, generation, time.monotonic(), start_failures)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while len(self.ready_workers()) < self.num_workers:
+            for index, worker in enumerate(self._workers):
+                if not worker.process.is_alive():
+                    raise RuntimeError(
+                        f"cpu_offload worker {index} exited with code "
+                        f"{worker.process.exitcode} during start-up"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"cpu_offload workers not ready after start_timeout={self.start_timeout}s"
+                )
+            time.sleep(0.01)
+
+    def _check_workers(self) -> None:
+        """One watchdog pass: replace every worker that died or hangs."""
+        now = time.monotonic()
+        for index, worker in enumerate(self._workers):
+            if worker.disabled:
+                continue
+            ready = int(self._block.slots[index, READY]) == worker.generation
+            served = int(self._block.slots[index, DONE]) >= int(self._block.slots[index, REQUEST])
+            if not worker.process.is_alive():
+                self._replace(index, f"died (exit code {worker.process.exitcode})", ready)
+            elif not ready and now - worker.started > self.start_timeout:
+                self._replace(index, f"not ready after {self.start_timeout}s", ready)
+            elif (
+                not served
+                and worker.task_since is not None
+                and now - worker.task_since > self.hang_after
+            ):
+                self._replace(index, f"hung (no result after {self.hang_after}s)", ready)
+
+    def _replace(self, index: int, reason: str, was_ready: bool) -> None:
+        """Step 6 of the protocol: kill, mark the unserved task lost, start a new worker."""
+        with self._lock:
+            worker = self._workers[index]
+            if worker.process.is_alive():
+                worker.process.kill()
+            worker.process.join()
+            worker.disabled = True  # its READY still reads as ready: never hand it a task
+            request = int(self._block.slots[index, REQUEST])
+            lost_seq = request if int(self._block.slots[index, DONE]) < request else -1
+            lost_seq = max(lost_seq, worker.lost_seq)
+            failures = 0 if was_ready else worker.start_failures + 1
+            if failures >= self.max_start_failures:
+                worker.lost_seq = lost_seq
+                log.error("cpu_offload worker %d %s; disabled after %d failed starts",
+                          index, reason, failures)  # fmt: skip
+                return
+            log.warning("cpu_offload worker %d %s; respawning", index, reason)
+            replacement = self._spawn(index, worker.generation + 1, failures)
+            replacement.lost_seq = lost_seq
+            self.respawns += 1
+            self._workers[index] = replacement  # collect sees lost_seq from here on
+
+
+def _watch(pool_ref: weakref.ref[CpuLoraPool], stop: threading.Event) -> None:
+    """The watchdog thread: holds the pool only weakly, so a forgotten pool is finalized."""
+    while not stop.wait(0.01):
+        pool = pool_ref()
+        if pool is None:
+            return
+        try:
+            pool._check_workers()
+        except Exception:  # a failing watchdog would hide every later fault: say so, go on
+            log.exception("cpu_offload watchdog pass failed")
+        del pool
+
+
+def _profile() -> Profile:
+    """Tokens per core per millisecond of `lora_rows` at REFERENCE_SHAPE (median of 7)."""
+    rows, in_features, rank, out_features = REFERENCE_SHAPE
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, in_features), np.float32)
+    a = rng.standard_normal((in_features, rank), np.float32)
+    b = rng.standard_normal((rank, out_features), np.float32)
+    out = np.empty((rows, out_features), np.float32)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        lora_rows(x, a, b, out)
+        times.append(time.perf_counter() - start)
+    return Profile(rows / (1e3 * float(np.median(times))), 2 * rank * (in_features + out_features))

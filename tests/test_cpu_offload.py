@@ -1,0 +1,294 @@
+"""cpu_offload: the Numba kernel against numpy, and the worker pool on a real shared arena.
+
+The arena is laid out as the host store lays it out (jlora/adapters/store.py): per
+layer, for each target, A [in, r] then B [r, out], float32. One 2-worker pool is
+shared by the module (spawning is slow); the tests that end a pool start their own.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows
+
+ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
+LAYERS = 2
+RANK = 8
+TARGETS = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "big": (1024, 1024)}  # in, out
+BIG_RANK = 64  # the "big" target: ~10 ms of work per worker
+
+
+def _rank(target: str) -> int:
+    return BIG_RANK if target == "big" else RANK
+
+
+def _reference(x, a, b):
+    return x.astype(np.float64) @ a.astype(np.float64) @ b.astype(np.float64)
+
+
+class Arena:
+    """A shared-memory segment holding one adapter for LAYERS layers, store layout."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(7)
+        offsets, cursor = {}, 0
+        for target, (fan_in, fan_out) in TARGETS.items():
+            rank = _rank(target)
+            offsets[target] = (cursor, cursor + 4 * fan_in * rank)
+            cursor += 4 * rank * (fan_in + fan_out)
+        self.layer_stride = cursor
+        self.shm = shared_memory.SharedMemory(create=True, size=cursor * LAYERS)
+        self.weights = {}
+        for layer in range(LAYERS):
+            for target, (fan_in, fan_out) in TARGETS.items():
+                rank = _rank(target)
+                a = rng.standard_normal((fan_in, rank), np.float32) / np.float32(np.sqrt(fan_in))
+                b = rng.standard_normal((rank, fan_out), np.float32) / np.float32(np.sqrt(rank))
+                a_off, b_off = (layer * cursor + offset for offset in offsets[target])
+                self.view(a_off, a.shape)[...] = a
+                self.view(b_off, b.shape)[...] = b
+                self.weights[layer, target] = (a, b, LoraJob(a_off, b_off, rank, fan_out))
+
+    def view(self, offset, shape):
+        return np.ndarray(shape, np.float32, buffer=self.shm.buf, offset=offset)
+
+    def close(self) -> None:
+        self.shm.close()
+        self.shm.unlink()
+
+
+@pytest.fixture(scope="module")
+def arena():
+    arena = Arena()
+    yield arena
+    gc.collect()  # the test-local views go before the segment is unmapped
+    arena.close()
+
+
+@pytest.fixture(scope="module")
+def pool(arena):
+    with CpuLoraPool(
+        arena.shm.name, workers=2, max_rows=512, max_in=1024, max_out=1024, hang_after=2.0
+    ) as pool:
+        yield pool
+
+
+def _wait_all_ready(pool, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while len(pool.ready_workers()) < pool.num_workers:
+        assert time.monotonic() < deadline, "respawned workers never became ready"
+        time.sleep(0.02)
+
+
+def _x(rows, in_features, seed=0):
+    return np.random.default_rng(seed).standard_normal((rows, in_features), np.float32)
+
+
+# -- the kernel --------------------------------------------------------------
+
+
+def test_kernel_hand_made_rank_2():
+    x = np.array([[1, 2, 3]], np.float32)
+    a = np.array([[1, 0], [0, 1], [1, 1]], np.float32)
+    b = np.array([[1, 2], [3, 4]], np.float32)
+    out = np.zeros((1, 2), np.float32)
+    lora_rows(x, a, b, out)
+    # h = x @ a = [1 + 3, 2 + 3] = [4, 5]; out = [4·1 + 5·3, 4·2 + 5·4] = [19, 28]
+    np.testing.assert_array_equal(out, [[19, 28]])
+
+
+def test_kernel_hand_made_rank_1_into_columns():
+    x = np.array([[1, -1], [0.5, 2]], np.float32)
+    a = np.array([[2], [1]], np.float32)
+    b = np.array([[1, -2, 0.5]], np.float32)
+    out = np.full((2, 5), 9.0, np.float32)
+    lora_rows(x, a, b, out[:, 1:4])
+    # h = [1·2 - 1·1, 0.5·2 + 2·1] = [1, 3]; rows = h · [1, -2, 0.5]; columns 0, 4 untouched
+    np.testing.assert_array_equal(out, [[9, 1, -2, 0.5, 9], [9, 3, -6, 1.5, 9]])
+
+
+@pytest.mark.parametrize("rank", [1, 5, 16, 64])
+def test_kernel_matches_numpy(rank):
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((13, 576), np.float32)
+    a = rng.standard_normal((576, rank), np.float32) / np.float32(np.sqrt(576))
+    b = rng.standard_normal((rank, 192), np.float32) / np.float32(np.sqrt(rank))
+    out = np.empty((13, 192), np.float32)
+    lora_rows(x, a, b, out)
+    np.testing.assert_allclose(out, _reference(x, a, b), rtol=0, atol=ATOL)
+
+
+# -- the pool ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("layer", range(LAYERS))
+def test_pool_matches_numpy(pool, arena, workers, layer):
+    """q, k and v of one layer share x; their products come back side by side."""
+    x = _x(37, 64, seed=layer)
+    weights = [arena.weights[layer, target] for target in ("q", "k", "v")]
+    fallbacks = pool.fallbacks
+    y = pool.collect(pool.submit(x, [job for _, _, job in weights], workers=workers), 10.0)
+    assert y.dtype == np.float32 and y.shape == (37, 64 + 32 + 32)
+    expected = np.concatenate([_reference(x, a, b) for a, b, _ in weights], axis=1)
+    np.testing.assert_allclose(y, expected, rtol=0, atol=ATOL)
+    assert pool.fallbacks == fallbacks  # served by the workers
+
+
+def test_workers_for_follows_the_profile(pool):
+    assert pool.profile.tokens_per_ms > 0
+    assert pool.workers_for(1, 64, 8, 64) == 1
+    assert pool.workers_for(512, 1024, 64, 1024) == pool.num_workers
+    small, large = pool.workers_for(64, 576, 1, 576), pool.workers_for(64, 576, 64, 576)
+    assert small <= large
+
+
+def _big_product(pool, arena):
+    a, b, job = arena.weights[1, "big"]
+    x = _x(512, 1024, seed=3)
+    return x, pool.submit(x, [job], workers=2), _reference(x, a, b)
+
+
+def _assert_served_by_workers_again(pool, arena):
+    _wait_all_ready(pool)
+    fallbacks = pool.fallbacks
+    x, ticket, expected = _big_product(pool, arena)
+    np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+    assert pool.fallbacks == fallbacks
+
+
+def test_killed_worker_loses_nothing(pool, arena):
+    _wait_all_ready(pool)
+    fallbacks, respawns = pool.fallbacks, pool.respawns
+    victim = pool._workers[0].process.pid
+    os.kill(victim, signal.SIGSTOP)  # so that it cannot finish before it is killed
+    x, ticket, expected = _big_product(pool, arena)
+    os.kill(victim, signal.SIGKILL)
+    np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+    assert pool.fallbacks == fallbacks + 1
+    assert pool.respawns == respawns + 1
+    assert pool._workers[0].process.pid != victim
+    _assert_served_by_workers_again(pool, arena)
+
+
+def test_hung_worker_is_replaced(pool, arena):
+    _wait_all_ready(pool)
+    fallbacks, respawns = pool.fallbacks, pool.respawns
+    os.kill(pool._workers[1].process.pid, signal.SIGSTOP)
+    x, ticket, expected = _big_product(pool, arena)
+    start = time.monotonic()
+    np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+    assert time.monotonic() - start >= pool.hang_after * 0.9
+    assert (pool.fallbacks, pool.respawns) == (fallbacks + 1, respawns + 1)
+    _assert_served_by_workers_again(pool, arena)
+
+
+def test_collect_timeout_keeps_the_ticket(pool, arena):
+    _wait_all_ready(pool)
+    fallbacks, worker = pool.fallbacks, pool._workers[0].process.pid
+    os.kill(worker, signal.SIGSTOP)  # paused for less than hang_after
+    try:
+        x, ticket, expected = _big_product(pool, arena)
+        with pytest.raises(TimeoutError):
+            pool.collect(ticket, 0.05)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+    assert pool.fallbacks == fallbacks
+
+
+@pytest.mark.parametrize(
+    "field, call",
+    [
+        ("rows", lambda p, x, job: p.submit(np.zeros((513, 64), np.float32), [job])),
+        ("in_features", lambda p, x, job: p.submit(np.zeros((4, 2048), np.float32), [job])),
+        ("x.dtype", lambda p, x, job: p.submit(x.astype(np.float64), [job])),
+        ("x.shape", lambda p, x, job: p.submit(x[0], [job])),
+        ("len(jobs)", lambda p, x, job: p.submit(x, [])),
+        ("len(jobs)", lambda p, x, job: p.submit(x, [job] * (MAX_JOBS + 1))),
+        ("out_features", lambda p, x, job: p.submit(x, [job, LoraJob(0, 0, 1, 1024)])),
+        ("a_offset", lambda p, x, job: p.submit(x, [LoraJob(-4, 0, 8, 64)])),
+        ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 2, 8, 64)])),
+        ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 1 << 30, 8, 64)])),
+        ("workers", lambda p, x, job: p.submit(x, [job], workers=0)),
+    ],
+)
+def test_bad_submit_names_the_field_and_changes_nothing(pool, arena, field, call):
+    a, b, job = arena.weights[0, "q"]
+    x = _x(3, 64)
+    with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        call(pool, x, job)
+    np.testing.assert_allclose(pool.collect(pool.submit(x, [job])), _reference(x, a, b), atol=ATOL)
+
+
+def test_max_jobs_fit_in_a_slot(pool, arena):
+    a, b, job = arena.weights[0, "k"]
+    x = _x(5, 64)
+    y = pool.collect(pool.submit(x, [job] * MAX_JOBS))
+    np.testing.assert_allclose(y, np.tile(_reference(x, a, b), MAX_JOBS), atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"arena_name": "jlora-test-no-such-segment"}, "arena_name"),
+        ({"arena_name": "../etc/passwd"}, "arena_name"),
+        ({"workers": 0}, "workers"),
+        ({"max_rows": -1}, "max_rows"),
+        ({"hang_after": 0.0}, "hang_after"),
+    ],
+)
+def test_bad_pool_arguments_name_the_field(arena, kwargs, field):
+    arguments = {
+        "arena_name": arena.shm.name,
+        "workers": 1,
+        "max_rows": 8,
+        "max_in": 8,
+        "max_out": 8,
+    }
+    with pytest.raises(ValueError, match=field):
+        CpuLoraPool(**(arguments | kwargs))
+
+
+def _shm_listing() -> set[str]:
+    """This process's control segments (other processes on the machine create their own)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"jlora_cpu_{os.getpid()}_")}
+
+
+def test_close_stops_workers_and_leaves_no_segment(arena):
+    before = _shm_listing()
+    pool = CpuLoraPool(arena.shm.name, workers=1, max_rows=16, max_in=64, max_out=64)
+    assert pool.control_name in _shm_listing()
+    a, b, job = arena.weights[1, "q"]
+    x = _x(16, 64)
+    np.testing.assert_allclose(pool.collect(pool.submit(x, [job])), _reference(x, a, b), atol=ATOL)
+    assert pool.fallbacks == 0
+    processes = [worker.process for worker in pool._workers]
+    pool.close()
+    pool.close()
+    assert not any(process.is_alive() for process in processes)
+    assert _shm_listing() - before == set()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(x, [job])
+
+
+def test_forgotten_pool_is_finalized(arena):
+    before = _shm_listing()
+    pool = CpuLoraPool(arena.shm.name, workers=1, max_rows=16, max_in=64, max_out=64)
+    name, process = pool.control_name, pool._workers[0].process
+    del pool
+    gc.collect()  # the finalizer may also run on the watchdog thread, which can hold it briefly
+    deadline = time.monotonic() + 10
+    while name in _shm_listing() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert name not in _shm_listing()
+    assert _shm_listing() - before == set()
+    process.join(timeout=10)
+    assert not process.is_alive()
