@@ -1,9 +1,11 @@
 """The CPU LoRA kernel: x @ A @ B for a range of rows, compiled by Numba, fp32 throughout.
 
-One call runs on one core (no Numba threading): parallelism comes from the pool,
-which gives each worker process its own rows (CaraServe's one process per core).
-The signature is fixed, so the kernel is compiled (or loaded from Numba's on-disk
-cache) once at import, never on the serving path.
+One call runs on one core: parallelism comes from the pool, which gives each worker
+process its own rows (CaraServe's one process per core) and starts it with one BLAS
+thread. Both products are BLAS sgemm calls made from the compiled function (Numba's
+`np.dot`), which ran 4.5-8x faster than hand-written loops at SmolLM2 shapes on this
+project's 2-core Xeon. The signature is fixed, so the kernel is compiled (or loaded
+from Numba's on-disk cache) once at import, never on the serving path.
 """
 
 from __future__ import annotations
@@ -23,23 +25,6 @@ def lora_rows(x, a, b, out):  # pragma: no cover - compiled
     b:   f32[rank, out_features], C-contiguous, scaling already folded in
     out: f32[rows, out_features], any strides (columns of the output region)
 
-    Both products accumulate in fp32 in a fixed order (fastmath off), with the
-    innermost loops running over contiguous memory so LLVM vectorizes them.
+    x @ a is rounded to fp32 before @ b, as the device kernels round it to x.dtype.
     """
-    rows, in_features = x.shape
-    rank, out_features = b.shape
-    h = np.empty(rank, np.float32)  # [rank]
-    acc = np.empty(out_features, np.float32)  # [out_features]
-    for t in range(rows):
-        h[:] = 0.0
-        for i in range(in_features):
-            xi = x[t, i]
-            for j in range(rank):
-                h[j] += xi * a[i, j]
-        acc[:] = 0.0
-        for j in range(rank):
-            hj = h[j]
-            for o in range(out_features):
-                acc[o] += hj * b[j, o]
-        for o in range(out_features):
-            out[t, o] = acc[o]
+    out[:, :] = np.dot(np.dot(x, a), b)

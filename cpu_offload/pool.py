@@ -411,7 +411,8 @@ class CpuLoraPool:
             name=f"cpu-lora-{index}",
             daemon=True,
         )
-        process.start()
+        with _one_blas_thread():
+            process.start()
         return _Worker(process, generation, time.monotonic(), start_failures)
 
     def _wait_ready(self) -> None:
@@ -499,3 +500,20 @@ def _profile() -> Profile:
         lora_rows(x, a, b, out)
         times.append(time.perf_counter() - start)
     return Profile(rows / (1e3 * float(np.median(times))), 2 * rank * (in_features + out_features))
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """Spawned workers inherit this environment: one BLAS thread each, since the pool
+    already runs one worker per core."""
+    names = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict.fromkeys(names, "1"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
