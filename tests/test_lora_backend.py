@@ -161,3 +161,21 @@ def test_the_page_pool_never_runs_out_and_never_shares_a_page():
 
 def test_rank_dim_is_a_power_of_two_of_at_least_16():
     assert [rank_dim(r) for r in (1, 5, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("name", ["bgmv", "mbgmv"])
+def test_compiled_prefill_takes_the_reference_where_triton_dots_cannot(name):
+    """q_proj's in (24) is no multiple of 16: a compiled backend prefills it with the
+    jnp reference (which runs on any host), and gets the loop's answer."""
+    backend, rng = BACKENDS[name](interpret=False), np.random.default_rng(3)
+    adapters = [_adapter(rng, rank) for rank in RANKS]
+    weights = backend.allocate(
+        num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype="float32"
+    )
+    for slot, tensors in enumerate(adapters):
+        weights = _install(backend, weights, slot, tensors, "float32")
+    y, x = _activations(9, "q_proj", 4, "float32")
+    segments = Segments(slot=jnp.array([3, -1, 0]), start=jnp.array([0, 4, 5, 9]))
+    out = backend.sgmv(weights, "q_proj", jnp.int32(2), x, y, segments)
+    expected = _naive(adapters, "q_proj", 2, y, x, [3] * 4 + [-1] + [0] * 4)
+    assert_close(out, expected, "float32", "float32", scope="op")

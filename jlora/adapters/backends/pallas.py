@@ -31,12 +31,8 @@ class _PallasBackend(LoraBackend):
 
     def _prefill(self, y, x, a_pool, b_pool, segments, pages, ranks, layer) -> jax.Array:
         """SGMV, or its jnp reference where compiled Triton dots cannot take the shapes."""
-        fan_in, fan_out = x.shape[-1], y.shape[-1]
-        kernel = sgmv
-        if not self.interpret and (fan_in % 16 or fan_out % 16):
-            kernel = sgmv_reference
         args = (y, x, a_pool, b_pool, segments.slot, segments.start, pages, ranks, layer)
-        if kernel is sgmv:
+        if self.interpret or (x.shape[-1] % 16 == 0 and y.shape[-1] % 16 == 0):
             return sgmv(*args, interpret=self.interpret)
         return sgmv_reference(*args)
 
