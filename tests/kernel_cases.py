@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.tolerances import assert_close
+
 POPULARITY = ("identical", "distinct", "uniform", "zipf", "skewed")
 BATCHES = (1, 2, 3, 7, 16, 133)
 DTYPES = ("float32", "bfloat16")
@@ -146,6 +148,16 @@ def assert_untouched(before, after, slots_by_row) -> None:
 
 def _bits(array) -> np.ndarray:
     return np.asarray(array).view(np.uint16 if array.dtype == jnp.bfloat16 else np.uint32)
+
+
+def check_kernel(kernel, reference, args, slots_by_row, *, interpret: bool):
+    """kernel(*args) against reference(*args) under the tolerance policy (scope "op",
+    dtype first), rows without an adapter bit-identical; returns the kernel's output."""
+    y, x = args[0], args[1]
+    out = kernel(*args, interpret=interpret)
+    assert_close(out, reference(*args), x.dtype, y.dtype, scope="op")
+    assert_untouched(y, out, slots_by_row)
+    return out
 
 
 def triton_calls(kernel, shapes) -> int:

@@ -142,11 +142,9 @@ class TestSgmv:
         kernel_cases.gpu_or_skip(self.INTERPRET)
 
     def _check(self, args, slots):
-        y, x = args[0], args[1]
-        out = sgmv(*args, interpret=self.INTERPRET)
-        assert_close(out, sgmv_reference(*args), x.dtype, y.dtype, scope="op")
-        kernel_cases.assert_untouched(y, out, slots)
-        return out
+        return kernel_cases.check_kernel(
+            sgmv, sgmv_reference, args, slots, interpret=self.INTERPRET
+        )
 
     @pytest.mark.parametrize("name", TINY)
     def test_tiny(self, name):

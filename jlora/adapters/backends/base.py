@@ -112,3 +112,18 @@ class LoraBackend(abc.ABC):
         segments: Segments,
     ) -> jax.Array:
         """Prefill form. x: [T, in]; y: [T, out]; segments as in `Segments` -> y'."""
+
+
+def set_slot(weights: LoraWeights, slot: jax.Array, payload: Payload) -> LoraWeights:
+    """`install` for stacked layouts: every array of `payload` written into slot `slot`
+    of its counterpart in `weights`, on axis 1 of a per-layer array [L, N, ...] and on
+    axis 0 of a per-slot array [N]."""
+
+    def put(stacked: jax.Array, value: Any) -> jax.Array:
+        at = stacked.at[slot] if stacked.ndim == 1 else stacked.at[:, slot]
+        return at.set(value)
+
+    return {
+        target: {part: put(array, payload[target][part]) for part, array in parts.items()}
+        for target, parts in weights.items()
+    }

@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters.backends.base import LoraBackend, LoraWeights, Payload
+from jlora.adapters.backends.base import (
+    HostTensors,
+    LoraBackend,
+    LoraWeights,
+    Payload,
+    set_slot,
+)
 from pallas_kernels.bgmv import bgmv
 from pallas_kernels.common import stacked_pages
 from pallas_kernels.mbgmv import mbgmv
@@ -23,6 +29,24 @@ MIN_RANK_DIM = 16  # Triton's dots in SGMV need every dimension >= 16
 def rank_dim(max_rank: int) -> int:
     """The kernels' rank dimension R: a power of two, at least MIN_RANK_DIM."""
     return max(MIN_RANK_DIM, 1 << (max_rank - 1).bit_length())
+
+
+def rank_rows(tensors: HostTensors, shapes, rdim: int, dtype) -> Payload:
+    """One adapter as rank rows, per target: {"a": [L, R, in] (A^T, zero-padded),
+    "b": [L, R, out], "rank": i32 (0 for a target the adapter does not adapt)}."""
+    layers = next(iter(tensors.values()))[0].shape[0]
+    payload: Payload = {}
+    for target, (fan_in, fan_out) in shapes.items():
+        a = np.zeros((layers, rdim, fan_in), dtype)
+        b = np.zeros((layers, rdim, fan_out), dtype)
+        rank = 0
+        if target in tensors:
+            lora_a, lora_b = tensors[target]
+            rank = lora_a.shape[-1]
+            a[:, :rank] = lora_a.transpose(0, 2, 1)
+            b[:, :rank] = lora_b
+        payload[target] = {"a": a, "b": b, "rank": np.int32(rank)}
+    return payload
 
 
 class _PallasBackend(LoraBackend):
@@ -60,30 +84,10 @@ class BgmvBackend(_PallasBackend):
         }
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
-        rdim = rank_dim(max_rank)
-        layers = next(iter(tensors.values()))[0].shape[0]
-        payload: Payload = {}
-        for target, (fan_in, fan_out) in shapes.items():
-            a = np.zeros((layers, rdim, fan_in), dtype)
-            b = np.zeros((layers, rdim, fan_out), dtype)
-            rank = 0
-            if target in tensors:
-                lora_a, lora_b = tensors[target]
-                rank = lora_a.shape[-1]
-                a[:, :rank] = lora_a.transpose(0, 2, 1)
-                b[:, :rank] = lora_b
-            payload[target] = {"a": a, "b": b, "rank": np.int32(rank)}
-        return payload
+        return rank_rows(tensors, shapes, rank_dim(max_rank), dtype)
 
     def install(self, weights, slot, payload) -> LoraWeights:
-        return {
-            target: {
-                part: weights[target][part].at[:, slot].set(payload[target][part])
-                for part in ("a", "b")
-            }
-            | {"rank": weights[target]["rank"].at[slot].set(payload[target]["rank"])}
-            for target in weights
-        }
+        return set_slot(weights, slot, payload)
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         w = weights[target]
@@ -149,29 +153,15 @@ class MbgmvBackend(_PallasBackend):
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
         rdim = rank_dim(max_rank)
-        layers = next(iter(tensors.values()))[0].shape[0]
         rank = next(iter(tensors.values()))[0].shape[-1]
         pages = self.pool.assign(slot, rank)
         table = np.full(rdim, pages[0] if pages else 0, np.int32)
         table[:rank] = pages
-        payload: Payload = {}
-        for target, (fan_in, fan_out) in shapes.items():
-            a = np.zeros((layers, rdim, fan_in), dtype)
-            b = np.zeros((layers, rdim, fan_out), dtype)
+        payload = rank_rows(tensors, shapes, rdim, dtype)
+        for packed in payload.values():
             dest = np.full(rdim, self.pool.num_pages, np.int32)  # out of bounds: dropped
-            adapted = target in tensors
-            if adapted:
-                lora_a, lora_b = tensors[target]
-                a[:, :rank] = lora_a.transpose(0, 2, 1)
-                b[:, :rank] = lora_b
-                dest[:rank] = pages
-            payload[target] = {
-                "a": a,
-                "b": b,
-                "dest": dest,
-                "pages": table,
-                "rank": np.int32(rank if adapted else 0),
-            }
+            dest[: packed["rank"]] = pages
+            packed |= {"dest": dest, "pages": table}
         return payload
 
     def install(self, weights, slot, payload) -> LoraWeights:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jlora.adapters.backends.base import LoraBackend, LoraWeights, Payload
+from jlora.adapters.backends.base import LoraBackend, LoraWeights, Payload, set_slot
 
 
 def _lora(x: jax.Array, a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
@@ -63,13 +63,7 @@ class ReferenceBackend(LoraBackend):
         return payload
 
     def install(self, weights, slot, payload) -> LoraWeights:
-        return {
-            target: {
-                part: weights[target][part].at[:, slot].set(payload[target][part])
-                for part in ("a", "b")
-            }
-            for target in weights
-        }
+        return set_slot(weights, slot, payload)
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         a_slots, b_slots = weights[target]["a"], weights[target]["b"]
