@@ -20,7 +20,7 @@ from tests.tolerances import assert_close
 
 SHAPES = {"q_proj": (24, 40), "down_proj": (56, 24)}
 LAYERS, SLOTS, MAX_RANK = 3, 4, 16
-RANKS = (16, 5, 1, 8)  # slot i holds an adapter of rank RANKS[i]; 5 is not a power of two
+RANKS = (16, 1, 5, 8)  # slot i holds an adapter of rank RANKS[i]; 5 is not a power of two
 
 
 def _adapter(rng, rank, targets=SHAPES):

@@ -160,7 +160,8 @@ class MbgmvBackend(_PallasBackend):
         payload = rank_rows(tensors, shapes, rdim, dtype)
         for packed in payload.values():
             dest = np.full(rdim, self.pool.num_pages, np.int32)  # out of bounds: dropped
-            dest[: packed["rank"]] = pages
+            if packed["rank"]:  # 0 where the adapter does not adapt the target
+                dest[:rank] = pages
             packed |= {"dest": dest, "pages": table}
         return payload
 
