@@ -11,7 +11,7 @@ DTYPES = ("float32", "bfloat16")
 # The Llama projections a LoRA adapter may target, in the canonical order of every
 # adapter layout (host store, device slots).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_MODES = ("ondemand", "cached")  # the first is the default
+LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the default
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
 
 
@@ -39,8 +39,15 @@ class EngineConfig:
       compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
       they hold. Adapters of higher rank or other targets are refused at registration.
     lora_mode: "ondemand" loads an adapter into a slot when a request needs it (the
-      running batch keeps decoding meanwhile); "cached" loads and pins every adapter
-      when it is registered. lora_backend: the batched-LoRA implementation:
+      running batch keeps decoding meanwhile) and prefills once it has landed;
+      "cached" loads and pins every adapter when it is registered; "cpu-assist"
+      prefills a request for a cold adapter at once, its LoRA computed by CPU workers
+      for the layers whose group has not landed yet (CaraServe/Toppings §4); "auto"
+      picks between cpu-assist and waiting per request by a cost model.
+    cpu_workers: CPU LoRA worker processes for cpu-assist and auto (0: one per core
+      this process may use, less one for the engine's own thread).
+    lora_layer_groups: an adapter is transferred (and a CPU-assisted prefill is run)
+      in this many layer groups (Toppings §4.1, pipelined loading). lora_backend: the batched-LoRA implementation:
       "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
       (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
     host_store_mib: capacity of the shared-memory arena holding registered adapters.
@@ -65,6 +72,8 @@ class EngineConfig:
     lora_backend: str = "reference"
     host_store_mib: int = 1024
     emulated_link_gbps: float = 0.0
+    cpu_workers: int = 0
+    lora_layer_groups: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -77,6 +86,7 @@ class EngineConfig:
             "prefill_token_budget",
             "max_lora_rank",
             "host_store_mib",
+            "lora_layer_groups",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
@@ -85,6 +95,10 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
                 f"of block_size={self.block_size}"
+            )
+        if not isinstance(self.cpu_workers, int) or self.cpu_workers < 0:
+            raise ConfigError(
+                f"EngineConfig.cpu_workers={self.cpu_workers!r} must be >= 0 (0: one per core)"
             )
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r} must be >= 0")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs.engine import LORA_BACKENDS
-from jlora.adapters.backends import BACKENDS, Segments, make_backend
+from jlora.adapters.backends import BACKENDS, Segments, layer_group, make_backend
 from jlora.adapters.backends.pallas import PagePool, rank_dim
 from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
@@ -35,9 +35,13 @@ def _adapter(rng, rank, targets=SHAPES):
     }
 
 
-def _install(backend, weights, slot, tensors, dtype):
+def _install(backend, weights, slot, tensors, dtype, groups=((0, LAYERS),)):
+    """Pack an adapter and install it layer group by layer group (pipelined loading)."""
     payload = backend.pack(tensors, slot=slot, shapes=SHAPES, max_rank=MAX_RANK, dtype=dtype)
-    return backend.install(weights, jnp.int32(slot), payload)
+    for start, stop in groups:
+        group = layer_group(payload, start, stop)
+        weights = backend.install(weights, jnp.int32(slot), jnp.int32(start), group)
+    return weights
 
 
 @pytest.fixture(scope="module", params=LORA_BACKENDS)
@@ -56,7 +60,9 @@ def slots(request):
             num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype=dtype
         )
         for slot, tensors in enumerate(adapters):
-            w = _install(backend, w, slot, tensors, dtype)
+            # Slot 1 lands in two layer groups, slot 3 in three, the others whole.
+            groups = {1: ((0, 1), (1, LAYERS)), 3: ((2, 3), (0, 1), (1, 2))}
+            w = _install(backend, w, slot, tensors, dtype, groups.get(slot, ((0, LAYERS),)))
         by_dtype[dtype] = backend, w
     return by_dtype, adapters
 

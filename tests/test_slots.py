@@ -258,11 +258,26 @@ def test_discard_frees_a_resident_slot_and_refuses_one_in_use(make_slots):
     assert slots.num_free == 2
 
 
+def test_a_hold_taken_while_loading_carries_over_and_blocks_eviction(make_slots):
+    """A CPU-assisted prefill holds its adapter before it has landed: the hold names the
+    slot being loaded, survives the install, and keeps the adapter from eviction."""
+    device, slots = make_slots(1)
+    device.gate.clear()
+    assert slots.request("a") is None
+    assert slots.acquire("a") == 0 and slots.in_use("a") == 1
+    device.gate.set()
+    assert settle(slots) == ["a"]
+    assert slots.in_use("a") == 1
+    assert slots.request("b") is None and slots.loading() == {}  # no slot for b: a is held
+    slots.release("a")
+    assert slots.request("b") is None and slots.loading() == {"b": 0}
+
+
 def test_acquire_and_release_check_their_adapter(make_slots):
     _, slots = make_slots(1)
     with pytest.raises(ValueError, match="'a' released but not acquired"):
         slots.release("a")
-    with pytest.raises(ValueError, match="'a' is not ready"):
+    with pytest.raises(ValueError, match="'a' is not on the device"):
         slots.acquire("a")
     load_in_order(slots, "a")
     assert slots.acquire("a") == 0 and slots.in_use("a") == 1
@@ -348,6 +363,7 @@ class SlotMachine(RuleBasedStateMachine):
         self.held_slot: dict[str, int] = {}  # slot of each held adapter when first acquired
         self.pinned_ready: set[str] = set()  # pinned adapters seen ready since pinned
         self.wanted: set[str] = set()  # requested or pinned since last discarded
+        self.discarded_loading: set[str] = set()  # discarded while their load ran
 
     @rule(name=names)
     def request(self, name: str) -> None:
@@ -375,7 +391,9 @@ class SlotMachine(RuleBasedStateMachine):
 
     @rule(name=names)
     def acquire(self, name: str) -> None:
-        if not self.slots.is_ready(name):
+        """A ready adapter, or one loading (not discarded meanwhile), can be held."""
+        loading = self.slots.is_loading(name) and name not in self.discarded_loading
+        if not self.slots.is_ready(name) and not loading:
             with pytest.raises(ValueError, match=repr(name)):
                 self.slots.acquire(name)
             return
@@ -422,6 +440,10 @@ class SlotMachine(RuleBasedStateMachine):
             assert err.adapter == "bad" and isinstance(err.__cause__, OSError)
             assert not self.slots.is_ready("bad") and not self.slots.is_loading("bad")
             ready = err.ready
+            for _ in range(self.holds.pop("bad", 0)):  # as the engine does: fail its users
+                self.slots.release("bad")
+            self.held_slot.pop("bad", None)
+        self.discarded_loading = {n for n in self.discarded_loading if self.slots.is_loading(n)}
         for name in ready:
             slot = self.slots.slot_of(name)
             assert slot is not None and self.device.slots[slot] == name
@@ -453,6 +475,8 @@ class SlotMachine(RuleBasedStateMachine):
                 self.slots.discard(name)
             return
         self.slots.discard(name)
+        if self.slots.is_loading(name):
+            self.discarded_loading.add(name)
         self.wanted.discard(name)
         assert not self.slots.is_ready(name) and name not in self.slots.pinned
         self.pinned_ready.discard(name)
@@ -466,8 +490,12 @@ class SlotMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_adapters_keep_their_slot(self) -> None:
+        """A held adapter is ready in the slot it was held in, or still loading into it."""
         for name, slot in self.held_slot.items():
-            assert self.slots.slot_of(name) == slot and self.device.slots[slot] == name
+            if self.slots.is_loading(name):
+                assert self.slots.loading()[name] == slot
+            else:
+                assert self.slots.slot_of(name) == slot and self.device.slots[slot] == name
 
     @invariant()
     def use_counts_match_the_holds(self) -> None:

@@ -20,7 +20,8 @@ The life of an adapter:
    its slot and is reported as `AdapterLoadError`: background work fails loudly. `wait()`
    blocks until a load finishes, for a step in which every waiting request waits on one.
 4. `acquire(name)` / `release(name)`: a running request holds its adapter. A held adapter keeps
-   its slot and is never evicted.
+   its slot and is never evicted. An adapter still loading may be held too (a CPU-assisted
+   prefill runs while its adapter lands); the hold carries over when it is installed.
 5. Eviction picks among idle (use count 0), unpinned ready adapters, least recently used first;
    install, `acquire`, and a `request` that finds the adapter ready all count as a use.
    `pin(name)` exempts an adapter (if no slot can be had, its load waits for the next
@@ -97,7 +98,7 @@ class SlotManager:
         self._finished: list[_Load] = []
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
         self._ready: OrderedDict[str, int] = OrderedDict()  # least recently used first
-        self._uses: dict[str, int] = {}  # running requests per ready adapter
+        self._uses: dict[str, int] = {}  # running requests per ready (or loading) adapter
         self._loading: dict[str, _Load] = {}
         self._pinned: dict[str, None] = {}  # an ordered set: waiting pins load in pin order
         self._failures: deque[tuple[str, Exception]] = deque()  # not yet raised by poll()
@@ -125,10 +126,13 @@ class SlotManager:
         return None
 
     def acquire(self, name: str) -> int:
-        """Hold the ready adapter `name` for a running request; returns its slot."""
+        """Hold the ready or loading adapter `name` for a running request; returns its slot."""
         self._check_open()
+        if name in self._loading and not self._loading[name].discarded:
+            self._uses[name] = self._uses.get(name, 0) + 1
+            return self._loading[name].slot
         if name not in self._ready:
-            raise ValueError(f"adapter {name!r} is not ready on the device; request() it first")
+            raise ValueError(f"adapter {name!r} is not on the device; request() it first")
         self._uses[name] += 1
         self._ready.move_to_end(name)
         return self._ready[name]
@@ -194,7 +198,7 @@ class SlotManager:
                 self._stats["failures"] += 1
                 continue
             self._ready[load.name] = load.slot
-            self._uses[load.name] = 0
+            self._uses.setdefault(load.name, 0)  # holds taken while it loaded carry over
             ready.append(load.name)
         self._finished.clear()
         self._start_waiting_pins(keep=ready)  # what poll() returns is ready

@@ -5,7 +5,7 @@ from __future__ import annotations
 from configs import ModelConfig
 from configs.engine import LORA_TARGETS as TARGETS
 
-__all__ = ["MODULE_OF", "TARGETS", "target_shapes"]
+__all__ = ["INPUT_GROUPS", "MODULE_OF", "TARGETS", "target_shapes"]
 
 # The Hugging Face module that holds each projection inside a decoder layer.
 MODULE_OF = {
@@ -17,6 +17,16 @@ MODULE_OF = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+
+# The projections that read one input, in the order a layer runs them: q/k/v read the
+# normed attention input, gate/up the normed MLP input. CPU-assisted prefill hands each
+# group's input to the CPU workers once (CaraServe §4.2).
+INPUT_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

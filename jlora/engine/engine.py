@@ -10,10 +10,17 @@ A request's life:
    step are bounded by `prefill_token_budget` so running requests keep decoding.
    A request for an adapter that is not on the device waits while its adapter is
    transferred in the background (later requests may go ahead of it), and the
-   running batch keeps decoding meanwhile.
+   running batch keeps decoding meanwhile; in `cpu-assist` mode (or in `auto`,
+   when the cost model says it shortens the time to first token) it is admitted
+   at once instead, its adapter still loading.
 3. Each admitted prompt is padded to its prefill bucket and prefilled in one
    compiled call that also samples the first token; the request takes a slot, and
    its adapter's device slot is held (never evicted) until the request leaves.
+   A CPU-assisted prefill runs layer group by layer group instead: before each
+   segment the landed groups of the adapter are installed, and the layers of the
+   groups still in flight compute their LoRA on the CPU workers (`cpu_assist.py`).
+   If the adapter has not fully landed when the prefill ends, the request is
+   parked (it skips decode steps) until it has.
 4. One compiled decode call advances every occupied slot by a token, attending
    over the smallest decode bucket that holds the longest running sequence; each
    row adds its own adapter's LoRA delta (or none), so adapters mix in one batch.
@@ -33,6 +40,8 @@ import collections
 import dataclasses
 import logging
 import math
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -44,9 +53,13 @@ from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.manager import AdapterManager
 from jlora.adapters.peft import AdapterError
 from jlora.adapters.store import StoredAdapter
+from jlora.adapters.targets import INPUT_GROUPS
+from jlora.engine import cost_model
 from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent, UnknownAdapter
 from jlora.engine.blocks import BlockAllocator
+from jlora.engine.cpu_assist import CpuAssist, default_workers
 from jlora.engine.detokenizer import Detokenizer
+from jlora.engine.sampling import SamplingArrays
 from jlora.engine.steps import CompiledSteps, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
@@ -66,6 +79,8 @@ class _Sequence:
     blocks: list[int] = dataclasses.field(default_factory=list)
     slot: int = -1
     generated: list[int] = dataclasses.field(default_factory=list)
+    assist: bool | None = None  # the cost model's decision (auto mode), once made
+    parked: bool = False  # prefilled with CPU assistance; decodes once its adapter lands
 
     @property
     def length(self) -> int:
@@ -126,8 +141,21 @@ class LLMEngine(Engine):
                 mode=cfg.lora_mode,
                 dtype=self.model.dtype,
                 host_store_bytes=cfg.host_store_mib * 2**20,
+                layer_groups_per_load=cfg.lora_layer_groups,
                 emulated_link_gbps=cfg.emulated_link_gbps,
             )
+        self.cpu: CpuAssist | None = None
+        if self.lora is not None and cfg.lora_mode in ("cpu-assist", "auto"):
+            self.cpu = CpuAssist(
+                self.lora.store.arena.name,
+                self.lora.shapes,
+                workers=cfg.cpu_workers or default_workers(),
+                max_rows=max(cfg.prefill_buckets),
+            )
+            self.model.cpu_lora = self.cpu
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._prefill_s: dict[int, float] = {}  # device prefill seconds per bucket (auto)
+        self._handoff_s = 0.0  # one CPU-routed input group's callback overhead (auto)
         log.info(
             "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
             cfg.max_slots,
@@ -156,6 +184,8 @@ class LLMEngine(Engine):
         return sum(s is not None for s in self._slots)
 
     def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.close()
         if self.lora is not None:
             self.lora.close()
 
@@ -234,9 +264,9 @@ class LLMEngine(Engine):
     def step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         self._admit(events)
-        if self.num_running:
+        if self._decoding():
             self._decode(events)
-        elif self._waiting and self.lora is not None and self.lora.slots.loading():
+        elif self.has_unfinished and self.lora is not None and self.lora.slots.loading():
             self.lora.slots.wait(timeout=1.0)  # nothing to run until an adapter lands
         return events
 
@@ -260,6 +290,20 @@ class LLMEngine(Engine):
             self.steps.compile_prefill(
                 self.params, self.cache, bucket, cfg.blocks_per_seq, self._lora_weights
             )
+        if self.cpu is not None:
+            assert self._lora_weights is not None and self.lora is not None
+            sizes = sorted({stop - start for start, stop in self.lora.groups})
+            for bucket in prefill:
+                self.steps.compile_segmented(
+                    self.params,
+                    self.cache,
+                    bucket,
+                    cfg.blocks_per_seq,
+                    self._lora_weights,
+                    sizes,
+                )
+        if cfg.lora_mode == "auto":
+            self._measure_for_cost_model(prefill)
         for bucket in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
             self.steps.compile_decode(
                 self.params,
@@ -270,28 +314,60 @@ class LLMEngine(Engine):
             )
         self.steps.warmed_up = True
 
+    def _measure_for_cost_model(self, buckets: Sequence[int]) -> None:
+        """Time one device prefill per bucket (KV writes dropped: an all-sentinel block
+        table) and one callback round trip, for `auto`'s cost model."""
+        assert self.cpu is not None
+        table = np.full(self.config.blocks_per_seq, self._sentinel, np.int32)
+        weights = self._lora_weights
+        for bucket in buckets:
+            tokens = np.zeros(bucket, np.int32)
+            segments = None if weights is None else Segments.single(-1, bucket)
+            for _ in range(2):  # the first call pays one-off costs
+                start = time.perf_counter()
+                token, self.cache = self.steps.prefill(
+                    self.params, self.cache, tokens, bucket, table, host_sampling(1),
+                    weights, segments,
+                )  # fmt: skip
+                int(token)
+            self._prefill_s[bucket] = time.perf_counter() - start
+        self._handoff_s = self.cpu.measure_handoff_s()
+        log.info(
+            "cost model: link %.2f GB/s, prefill %s ms, callback round trip %.2f ms",
+            self.lora.link_bytes_per_s / 1e9 if self.lora else 0.0,
+            {b: round(1e3 * t, 1) for b, t in self._prefill_s.items()},
+            1e3 * self._handoff_s,
+        )
+
     # -- the iteration ----------------------------------------------------------------
 
     @staticmethod
     def _bucket(buckets: tuple[int, ...] | list[int], length: int) -> int:
         return buckets[bisect.bisect_left(buckets, length)]
 
+    def _decoding(self) -> list[_Sequence]:
+        """The running requests that take part in decode steps (none parked)."""
+        return [s for s in self._slots if s is not None and not s.parked]
+
     def _admit(self, events: list[TokenEvent]) -> None:
         if self.lora is not None:
             self.lora.slots.poll()  # install the adapters that finished loading
+            for seq in self._slots:
+                if seq is not None and seq.parked:
+                    seq.parked = not self.lora.slots.is_ready(seq.request.adapter or "")
         budget = self.config.prefill_token_budget
         prefilled = 0
         for seq in list(self._waiting):
             if None not in self._slots:
                 break
             adapter = seq.request.adapter
-            adapter_slot = -1
+            assisted = False
             if adapter is not None:
                 assert self.lora is not None
-                ready = self.lora.slots.request(adapter)
-                if ready is None:
-                    continue  # its adapter is on its way; later requests may go first
-                adapter_slot = ready
+                if self.lora.slots.request(adapter) is None:
+                    if not self._assists(seq):
+                        continue  # its adapter is on its way; later requests may go first
+                    assisted = True
             prompt_len = len(seq.request.prompt_ids)
             blocks_needed = math.ceil(seq.limit / self.config.block_size)
             if blocks_needed > self.allocator.num_free:
@@ -299,17 +375,60 @@ class LLMEngine(Engine):
             if prefilled and prefilled + prompt_len > budget:
                 break
             self._waiting.remove(seq)
+            adapter_slot = -1
             if adapter is not None:
                 assert self.lora is not None
-                self.lora.slots.acquire(adapter)
+                adapter_slot = self.lora.slots.acquire(adapter)
             seq.blocks = self.allocator.allocate(blocks_needed)
             seq.slot = self._slots.index(None)
             self._slots[seq.slot] = seq
             self._tables[seq.slot, : len(seq.blocks)] = seq.blocks
             self._lora_idx[seq.slot] = adapter_slot
             self._set_sampling_row(seq)
-            self._prefill(seq, events)
+            self._prefill(seq, events, assisted)
             prefilled += prompt_len
+
+    def _assists(self, seq: _Sequence) -> bool:
+        """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""
+        adapter = seq.request.adapter
+        assert self.lora is not None and adapter is not None
+        if self.cpu is None or not self.lora.slots.is_loading(adapter):
+            return False
+        if self.config.lora_mode == "cpu-assist":
+            return True
+        if seq.assist is None:
+            decision = cost_model.decide(self._cold_start(seq))
+            seq.assist = decision.assist
+            self.counters["auto_assist" if decision.assist else "auto_wait"] += 1
+            log.info(
+                "request %s, adapter %s, %d prompt tokens: %s",
+                seq.request.request_id,
+                adapter,
+                len(seq.request.prompt_ids),
+                decision.describe(),
+            )
+        return seq.assist
+
+    def _cold_start(self, seq: _Sequence) -> cost_model.ColdStart:
+        """The cost model's inputs for `seq`, whose adapter is loading."""
+        assert self.lora is not None and self.cpu is not None and seq.request.adapter
+        adapter, lora = seq.request.adapter, self.lora
+        groups = lora.groups
+        landed = lora.install_landed(adapter)
+        layers_left = sum(stop - start for start, stop in groups[landed:])
+        prompt = len(seq.request.prompt_ids)
+        bucket = self._bucket(self.config.prefill_buckets, prompt)
+        stored = lora.store.get(adapter)
+        adapted = sum(
+            any(name in stored.target_offsets for name in names) for names in INPUT_GROUPS
+        )
+        return cost_model.ColdStart(
+            load_left_s=layers_left * lora.layer_bytes / lora.link_bytes_per_s,
+            prefill_s=self._prefill_s.get(bucket, 0.0),
+            cpu_layer_s=self.cpu.layer_seconds(prompt, stored),
+            callbacks_layer_s=adapted * self._handoff_s,
+            group_layers=tuple(stop - start for start, stop in groups),
+        )
 
     def _set_sampling_row(self, seq: _Sequence) -> None:
         params, row, arrays = seq.request.sampling, seq.slot, self._sampling
@@ -319,17 +438,21 @@ class LLMEngine(Engine):
         arrays.seed[row] = seq.seed
         arrays.step[row] = 0
 
-    def _prefill(self, seq: _Sequence, events: list[TokenEvent]) -> None:
+    def _prefill(self, seq: _Sequence, events: list[TokenEvent], assisted: bool) -> None:
         prompt = seq.request.prompt_ids
         bucket = self._bucket(self.config.prefill_buckets, len(prompt))
         tokens = np.zeros(bucket, np.int32)
         tokens[: len(prompt)] = prompt
         sampling = jax.tree.map(lambda a: a[seq.slot : seq.slot + 1], self._sampling)
+        if assisted:
+            self._append(seq, self._prefill_assisted(seq, tokens, sampling), events)
+            return
         weights = self._lora_weights
         segments = None if weights is None else Segments.single(self._lora_idx[seq.slot], bucket)
         self.steps.compile_prefill(
             self.params, self.cache, bucket, self.config.blocks_per_seq, weights
         )
+        start = time.perf_counter()
         token, self.cache = self.steps.prefill(
             self.params,
             self.cache,
@@ -341,19 +464,77 @@ class LLMEngine(Engine):
             segments,
         )
         self._append(seq, int(token), events)
+        if bucket in self._prefill_s:  # keep the cost model's estimate current
+            seconds = time.perf_counter() - start
+            self._prefill_s[bucket] = 0.8 * self._prefill_s[bucket] + 0.2 * seconds
+
+    def _prefill_assisted(
+        self, seq: _Sequence, tokens: np.ndarray, sampling: SamplingArrays
+    ) -> int:
+        """Prefill layer group by layer group while the adapter lands (Toppings §4.1):
+        before each segment, install the groups that have landed and route the layers
+        of the others to the CPU workers. Returns the first token."""
+        assert self.lora is not None and self.cpu is not None and seq.request.adapter
+        adapter, lora, cfg = seq.request.adapter, self.lora, self.config
+        bucket, length = tokens.shape[0], len(seq.request.prompt_ids)
+        segments = Segments.single(self._lora_idx[seq.slot], bucket)
+        sizes = sorted({stop - start for start, stop in lora.groups})
+        self.steps.compile_segmented(
+            self.params, self.cache, bucket, cfg.blocks_per_seq, lora.weights, sizes
+        )
+        routes = []
+        x = self.steps.embed(self.params, tokens)
+        self.cpu.begin(lora.store.get(adapter))
+        try:
+            for index, (start, stop) in enumerate(lora.groups):
+                jax.block_until_ready(x)  # route by what has landed by now
+                on_device = index < lora.install_landed(adapter)
+                routes.append("D" if on_device else "C")
+                route = np.full(stop - start, 0 if on_device else 1, np.int32)
+                x, self.cache = self.steps.prefill_segment(
+                    self.params,
+                    self.cache,
+                    x,
+                    length,
+                    self._tables[seq.slot],
+                    start,
+                    route,
+                    lora.weights,
+                    segments,
+                )
+            token = int(self.steps.prefill_head(self.params, x, length, sampling))
+        finally:
+            self.cpu.end()
+        seq.parked = not lora.slots.is_ready(adapter)
+        self.counters["assisted_prefills"] += 1
+        self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
+        self.counters["cpu_layer_groups"] += routes.count("C")
+        self.counters["device_layer_groups"] += routes.count("D")
+        log.info(
+            "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
+            seq.request.request_id,
+            "".join(routes),
+            ", parked until its adapter lands" if seq.parked else "",
+        )
+        return token
 
     def _decode(self, events: list[TokenEvent]) -> None:
-        running = [s for s in self._slots if s is not None]
+        running = self._decoding()
         longest = max(s.length for s in running)
         blocks = self._bucket(self.config.decode_buckets, longest) // self.config.block_size
         weights = self._lora_weights
         self.steps.compile_decode(self.params, self.cache, self.max_slots, blocks, weights)
+        tables = self._tables[:, :blocks]
+        parked = [s.slot for s in self._slots if s is not None and s.parked]
+        if parked:  # a parked row runs like an idle one: its write is dropped
+            tables = tables.copy()
+            tables[parked] = self._sentinel
         sampled, self.cache = self.steps.decode(
             self.params,
             self.cache,
             self._tokens,
             self._positions,
-            self._tables[:, :blocks],
+            tables,
             self._sampling,
             weights,
             None if weights is None else self._lora_idx,

@@ -1,7 +1,10 @@
 """The jitted step functions, compiled ahead of time per bucket.
 
 `prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
-one token, attending over a bucketed prefix of the block tables. With LoRA, both
+one token, attending over a bucketed prefix of the block tables. A CPU-assisted
+prefill runs the same prompt in three kinds of call instead, so the host can route
+each layer group between them: `embed`, one `prefill_segment` per layer group (with
+its per-layer route to the CPU or the device), and `prefill_head` (logits, sample). With LoRA, both
 also take the device adapter slots and the rows' slot indices (fixed shapes, so the
 adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
@@ -33,8 +36,14 @@ class CompiledSteps:
         self.model = model
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
+        self._embed_jit = jax.jit(model.embed)
+        self._segment_jit = jax.jit(self._prefill_segment, donate_argnums=(1,))
+        self._head_jit = jax.jit(self._prefill_head)
         self._prefill_exe: dict[int, Any] = {}
         self._decode_exe: dict[tuple[int, int], Any] = {}
+        self._embed_exe: dict[int, Any] = {}
+        self._segment_exe: dict[tuple[int, int], Any] = {}  # (bucket, layers)
+        self._head_exe: dict[int, Any] = {}
         self.num_compiles = 0
         self.warmed_up = False  # set by the engine once warm-up is done
 
@@ -53,6 +62,36 @@ class CompiledSteps:
             params, cache, tokens, length, block_table, lora_weights, segments
         )
         return sample(logits[None], sampling)[0], cache
+
+    def _prefill_segment(
+        self,
+        params: Params,
+        cache: KVCache,
+        x: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+        layer_start: jax.Array,
+        route: jax.Array,
+        lora_weights: LoraWeights,
+        segments: Segments,
+    ) -> tuple[jax.Array, KVCache]:
+        return self.model.prefill_layers(
+            params,
+            cache,
+            x,
+            length,
+            block_table,
+            layer_start,
+            route.shape[0],
+            lora_weights,
+            segments,
+            route,
+        )
+
+    def _prefill_head(
+        self, params: Params, x: jax.Array, length: jax.Array, sampling: SamplingArrays
+    ) -> jax.Array:
+        return sample(self.model.last_logits(params, x, length)[None], sampling)[0]
 
     def _decode(
         self,
@@ -107,6 +146,43 @@ class CompiledSteps:
                 None if lora_weights is None else Segments.single(-1, bucket),
             )
 
+    def compile_segmented(
+        self,
+        params: Params,
+        cache: KVCache,
+        bucket: int,
+        blocks_per_seq: int,
+        lora_weights: LoraWeights,
+        group_sizes: list[int],
+    ) -> None:
+        """The calls of a CPU-assisted prefill of `bucket` tokens, for layer groups of
+        `group_sizes` layers."""
+        tokens = np.zeros(bucket, np.int32)
+        if bucket not in self._embed_exe:
+            self._embed_exe[bucket] = self._compile(
+                self._embed_jit, f"embed[{bucket}]", params, tokens
+            )
+        x = jax.eval_shape(self.model.embed, params, tokens)
+        for size in group_sizes:
+            if (bucket, size) not in self._segment_exe:
+                self._segment_exe[(bucket, size)] = self._compile(
+                    self._segment_jit,
+                    f"prefill segment[{bucket} tokens x {size} layers]",
+                    params,
+                    cache,
+                    x,
+                    np.int32(1),
+                    np.zeros(blocks_per_seq, np.int32),
+                    np.int32(0),
+                    np.zeros(size, np.int32),
+                    lora_weights,
+                    Segments.single(-1, bucket),
+                )
+        if bucket not in self._head_exe:
+            self._head_exe[bucket] = self._compile(
+                self._head_jit, f"prefill head[{bucket}]", params, x, np.int32(1), host_sampling(1)
+            )
+
     def compile_decode(
         self,
         params: Params,
@@ -146,6 +222,41 @@ class CompiledSteps:
         return executable(
             params, cache, tokens, np.int32(length), block_table, sampling, lora_weights, segments
         )
+
+    def embed(self, params: Params, tokens: np.ndarray) -> jax.Array:
+        return self._embed_exe[tokens.shape[0]](params, tokens)
+
+    def prefill_segment(
+        self,
+        params: Params,
+        cache: KVCache,
+        x: jax.Array,
+        length: int,
+        block_table: np.ndarray,
+        layer_start: int,
+        route: np.ndarray,
+        lora_weights: LoraWeights,
+        segments: Segments,
+    ) -> tuple[jax.Array, KVCache]:
+        """Layers [layer_start, layer_start + len(route)); route[i] = 1 puts layer
+        layer_start + i's LoRA on the CPU workers, 0 on the device slots."""
+        executable = self._segment_exe[(x.shape[0], route.shape[0])]
+        return executable(
+            params,
+            cache,
+            x,
+            np.int32(length),
+            block_table,
+            np.int32(layer_start),
+            route,
+            lora_weights,
+            segments,
+        )
+
+    def prefill_head(
+        self, params: Params, x: jax.Array, length: int, sampling: SamplingArrays
+    ) -> jax.Array:
+        return self._head_exe[x.shape[0]](params, x, np.int32(length), sampling)
 
     def decode(
         self,

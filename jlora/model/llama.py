@@ -9,7 +9,8 @@ Parameters are an explicit pytree (`Params`) passed into jitted step functions:
 
 Dense kernels are stored `[in, out]` (Flax), i.e. transposed w.r.t. PyTorch.
 Stacking the layers keeps compile time independent of depth, and a layer-group
-segment (CPU-assisted LoRA, a later stage) is a scan over a slice of the stack.
+segment of a CPU-assisted prefill (`prefill_layers`) is a scan over a slice of the
+stack, with the per-layer routing of LoRA to the device or the CPU as an i32 array.
 
 The attention itself is not part of the Flax layer: `DecoderLayer.qkv` projects and
 rotates, the caller attends over the paged KV cache (`attention.py`), and
@@ -19,21 +20,43 @@ rotates, the caller attends over the paged KV cache (`attention.py`), and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from configs import ModelConfig
 from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
+from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.model.attention import causal_attention, paged_decode_attention, write_kv
 from jlora.model.kv_cache import KVCache
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
-# A layer's LoRA hook: (projection name, its input h, its output y) -> y plus the rows'
-# LoRA deltas (y itself where the projection or the row is not adapted).
-LoraFn = Callable[[str, jax.Array, jax.Array], jax.Array]
+Projections = tuple[jax.Array, ...]
+# A layer's LoRA hook for projections sharing an input: (their names, the input h, a
+# function computing their base outputs from h) -> the outputs plus the rows' LoRA
+# deltas (the base output itself where a projection or a row is not adapted). The hook
+# decides when the base projections run, so CPU work can overlap them.
+LoraFn = Callable[[tuple[str, ...], jax.Array, Callable[[jax.Array], Projections]], Projections]
+
+
+class CpuLora(Protocol):
+    """The host side of CPU-assisted LoRA, called from the jitted prefill (io_callback).
+
+    For one input group of one layer: `submit` hands the group's input x
+    (f32[T, in], rows >= length are padding) to the CPU workers and returns a ticket;
+    `collect` waits for x·A·B of every projection of the group that the device slots
+    hold, side by side in INPUT_GROUPS order: f32[T, sum of their out_features],
+    zero where the adapter does not adapt a projection and on padding rows.
+    """
+
+    def submit(self, group: int, layer: np.ndarray, x: np.ndarray, length: np.ndarray) -> Any: ...
+
+    def collect(self, group: int, ticket: np.ndarray) -> np.ndarray: ...
 
 
 class RMSNorm(nn.Module):
@@ -91,10 +114,13 @@ class DecoderLayer(nn.Module):
         self.up_proj = dense(cfg.intermediate_size)
         self.down_proj = dense(cfg.hidden_size)
 
-    def project(self, name: str, h: jax.Array, lora: LoraFn | None) -> jax.Array:
-        """The projection `name` of h, plus the rows' LoRA deltas when there are any."""
-        y = getattr(self, name)(h)
-        return y if lora is None else lora(name, h, y)
+    def project(self, names: tuple[str, ...], h: jax.Array, lora: LoraFn | None) -> Projections:
+        """The projections `names` of their shared input h, plus the rows' LoRA deltas."""
+
+        def base(h: jax.Array) -> Projections:
+            return tuple(getattr(self, name)(h) for name in names)
+
+        return base(h) if lora is None else lora(names, h, base)
 
     def qkv(
         self, x: jax.Array, positions: jax.Array, lora: LoraFn | None = None
@@ -103,17 +129,19 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         h = self.attn_norm(x)
         lead = h.shape[:-1]
-        q = self.project("q_proj", h, lora).reshape(*lead, cfg.num_heads, cfg.head_dim)
-        k = self.project("k_proj", h, lora).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = self.project("v_proj", h, lora).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.project(("q_proj", "k_proj", "v_proj"), h, lora)
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
     def finish(self, x: jax.Array, attn: jax.Array, lora: LoraFn | None = None) -> jax.Array:
         """Residual output projection, then the residual SwiGLU MLP. attn: [..., T, H*hd]."""
-        h = x + self.project("o_proj", attn, lora)
-        m = self.mlp_norm(h)
-        act = nn.silu(self.project("gate_proj", m, lora)) * self.project("up_proj", m, lora)
-        return h + self.project("down_proj", act, lora)
+        (out,) = self.project(("o_proj",), attn, lora)
+        h = x + out
+        gate, up = self.project(("gate_proj", "up_proj"), self.mlp_norm(h), lora)
+        (down,) = self.project(("down_proj",), nn.silu(gate) * up, lora)
+        return h + down
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Used only to initialise parameters (attention replaced by q itself)."""
@@ -128,11 +156,16 @@ class Llama:
     """
 
     def __init__(
-        self, config: ModelConfig, dtype: Any = jnp.float32, lora: LoraBackend | None = None
+        self,
+        config: ModelConfig,
+        dtype: Any = jnp.float32,
+        lora: LoraBackend | None = None,
+        cpu_lora: CpuLora | None = None,
     ) -> None:
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.lora = lora  # the batched-LoRA backend; None serves the base model only
+        self.cpu_lora = cpu_lora  # the host side of CPU-assisted prefill, if any
         self.layer = DecoderLayer(config, self.dtype)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype)
 
@@ -193,25 +226,86 @@ class Llama:
         if self.lora is None:
             raise ValueError("LoRA weights were passed to a model built without a backend")
 
-        def lora(target: str, h: jax.Array, y: jax.Array) -> jax.Array:
-            if target not in weights:
-                return y
+        def lora(names, h, base) -> Projections:
             rows = h.reshape(-1, h.shape[-1])  # decode passes [S, 1, in] or [S, in]
-            return apply(weights, target, rows, y.reshape(rows.shape[0], -1)).reshape(y.shape)
+
+            def add(name: str, y: jax.Array) -> jax.Array:
+                if name not in weights:
+                    return y
+                return apply(weights, name, rows, y.reshape(rows.shape[0], -1)).reshape(y.shape)
+
+            return tuple(add(name, y) for name, y in zip(names, base(h), strict=True))
 
         return lora
 
-    def _scan_layers(self, params: Params, x: jax.Array, cache: KVCache, layer_fn):
-        """Run `layer_fn(layer_params, layer_index, x, cache) -> (x, cache)` over the stack."""
+    def _cpu_lora_fn(self, weights: LoraWeights, layer: jax.Array, length: jax.Array) -> LoraFn:
+        """The LoRA hook of a CPU-routed prefill layer: hand h to the CPU workers, run the
+        base projections on the device meanwhile, then add what the workers computed.
 
-        def body(carry, xs):
+        The two optimization barriers order the three: the base projections take h only
+        after the hand-off, and the collect waits for their outputs (CaraServe §4.2,
+        the sync-free operator: the device never waits on the CPU before it must).
+        """
+        cpu, shapes = self.cpu_lora, target_shapes(self.config)
+        assert cpu is not None
+
+        def lora(names, h, base) -> Projections:
+            held = [name for name in names if name in weights]
+            if not held:
+                return base(h)
+            group = INPUT_GROUPS.index(names)
+            width = sum(shapes[name][1] for name in held)
+            ticket = io_callback(
+                partial(cpu.submit, group),
+                jax.ShapeDtypeStruct((), jnp.int32),
+                layer,
+                h.astype(jnp.float32),
+                length,
+                ordered=True,
+            )
+            h, ticket = jax.lax.optimization_barrier((h, ticket))
+            ys, ticket = jax.lax.optimization_barrier((base(h), ticket))
+            deltas = io_callback(
+                partial(cpu.collect, group),
+                jax.ShapeDtypeStruct((h.shape[0], width), jnp.float32),
+                ticket,
+                ordered=True,
+            )
+            out, column = [], 0
+            for name, y in zip(names, ys, strict=True):
+                if name in weights:
+                    delta = deltas[:, column : column + y.shape[-1]]
+                    column += y.shape[-1]
+                    y = (y.astype(jnp.float32) + delta).astype(y.dtype)
+                out.append(y)
+            return tuple(out)
+
+        return lora
+
+    def _scan_layers(
+        self, params: Params, x: jax.Array, cache: KVCache, layer_fn, start=0, count=None
+    ):
+        """Run `layer_fn(layer_params, layer_index, step, x, cache) -> (x, cache)` over the
+        layers [start, start + count) of the stack (all by default); step counts from 0."""
+        count = self.config.num_layers if count is None else count
+
+        def body(carry, step):
             x, cache = carry
-            layer_params, index = xs
-            return layer_fn(layer_params, index, x, cache), None
+            index = start + step
+            layer_params = jax.tree.map(lambda p: p[index], params["layers"])
+            return layer_fn(layer_params, index, step, x, cache), None
 
-        indices = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], indices))
+        steps = jnp.arange(count, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), steps)
         return x, cache
+
+    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """tokens: i32[T] -> x [T, D]."""
+        return jnp.take(params["embed"]["embedding"], tokens, axis=0)
+
+    def last_logits(self, params: Params, x: jax.Array, length: jax.Array) -> jax.Array:
+        """fp32 logits [V] of a prefilled prompt's last real position."""
+        return self._logits(params, x[length - 1])
 
     def prefill(
         self,
@@ -231,18 +325,55 @@ class Llama:
         (both None, or both given when the model has a LoRA backend).
         Returns fp32 logits [V] at position length-1, and the updated cache.
         """
-        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        x = self.embed(params, tokens)
+        x, cache = self.prefill_layers(
+            params, cache, x, length, block_table, 0, self.config.num_layers, lora_weights, segments
+        )
+        return self.last_logits(params, x, length), cache
+
+    def prefill_layers(
+        self,
+        params: Params,
+        cache: KVCache,
+        x: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+        layer_start: jax.Array | int,
+        num_layers: int,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
+        route: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """The prefill of layers [layer_start, layer_start + num_layers): one segment.
+
+        x: [T, D], the hidden states entering the segment; num_layers is static.
+        route: i32[num_layers] or None: 1 computes that layer's LoRA on the CPU workers
+        (`cpu_lora`), 0 with the device backend and `segments`. Returns (x, cache).
+        """
+        positions = jnp.arange(x.shape[0], dtype=jnp.int32)
         blocks = jnp.where(
             positions < length, block_table[positions // cache.block_size], cache.num_blocks
         )
         offsets = positions % cache.block_size
-        x = jnp.take(params["embed"]["embedding"], tokens, axis=0)  # [T, D]
 
-        def layer_fn(layer_params, index, x, cache):
+        def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            lora = self._lora_fn(
+            device = self._lora_fn(
                 lora_weights, lambda w, t, h, y: self.lora.sgmv(w, t, index, h, y, segments)
             )
+            lora = device
+            if route is not None:
+                assert lora_weights is not None and device is not None
+                on_cpu = self._cpu_lora_fn(lora_weights, index, length)
+
+                def lora(names, h, base):
+                    return jax.lax.cond(
+                        route[step] > 0,
+                        lambda h: on_cpu(names, h, base),
+                        lambda h: device(names, h, base),
+                        h,
+                    )
+
             q, k, v = layer.qkv(x, positions, lora)
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k),
@@ -250,8 +381,7 @@ class Llama:
             )
             return layer.finish(x, causal_attention(q, k, v, length), lora), cache
 
-        x, cache = self._scan_layers(params, x, cache, layer_fn)
-        return self._logits(params, x[length - 1]), cache
+        return self._scan_layers(params, x, cache, layer_fn, layer_start, num_layers)
 
     def decode(
         self,
@@ -274,9 +404,9 @@ class Llama:
         rows = jnp.arange(tokens.shape[0])
         blocks = block_tables[rows, positions // cache.block_size]
         offsets = positions % cache.block_size
-        x = jnp.take(params["embed"]["embedding"], tokens, axis=0)  # [S, D]
+        x = self.embed(params, tokens)  # [S, D]
 
-        def layer_fn(layer_params, index, x, cache):
+        def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
             lora = self._lora_fn(
                 lora_weights, lambda w, t, h, y: self.lora.bgmv(w, t, index, h, y, lora_idx)

@@ -3,7 +3,14 @@ Pallas kernels (`pallas`: BGMV over stacked slots, MBGMV over a page pool)."""
 
 from __future__ import annotations
 
-from jlora.adapters.backends.base import HostTensors, LoraBackend, LoraWeights, Payload, Segments
+from jlora.adapters.backends.base import (
+    HostTensors,
+    LoraBackend,
+    LoraWeights,
+    Payload,
+    Segments,
+    layer_group,
+)
 from jlora.adapters.backends.pallas import BgmvBackend, MbgmvBackend
 from jlora.adapters.backends.reference import ReferenceBackend
 
@@ -14,6 +21,7 @@ __all__ = [
     "LoraWeights",
     "Payload",
     "Segments",
+    "layer_group",
     "make_backend",
 ]
 

@@ -23,12 +23,16 @@ import abc
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 LoraWeights = dict[str, dict[str, jax.Array]]  # target -> device arrays, layout by backend
 HostTensors = dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (A [L,in,r], B [L,r,out])
 Payload = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy or device)
+# The parts of a payload that hold one entry per layer (leading axis); every other part
+# (ranks, page tables) describes the whole slot.
+LAYER_PARTS = ("a", "b")
 
 
 @struct.dataclass
@@ -86,8 +90,15 @@ class LoraBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def install(self, weights: LoraWeights, slot: jax.Array, payload: Payload) -> LoraWeights:
-        """Write one packed adapter into slot `slot` (traceable; jit it with donation)."""
+    def install(
+        self, weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Payload
+    ) -> LoraWeights:
+        """Write a packed adapter's layers into slot `slot`, from layer `layer_start` on.
+
+        payload may hold all layers or a layer group (`layer_group`): its per-layer
+        parts have G <= L entries, written to layers [layer_start, layer_start + G).
+        Traceable; jit it with donation.
+        """
 
     @abc.abstractmethod
     def bgmv(
@@ -114,16 +125,32 @@ class LoraBackend(abc.ABC):
         """Prefill form. x: [T, in]; y: [T, out]; segments as in `Segments` -> y'."""
 
 
-def set_slot(weights: LoraWeights, slot: jax.Array, payload: Payload) -> LoraWeights:
-    """`install` for stacked layouts: every array of `payload` written into slot `slot`
-    of its counterpart in `weights`, on axis 1 of a per-layer array [L, N, ...] and on
-    axis 0 of a per-slot array [N]."""
+def layer_group(payload: Payload, start: int, stop: int) -> Payload:
+    """The layers [start, stop) of a packed adapter (the per-slot parts whole)."""
+    return {
+        target: {
+            part: value[start:stop] if part in LAYER_PARTS else value
+            for part, value in parts.items()
+        }
+        for target, parts in payload.items()
+    }
 
-    def put(stacked: jax.Array, value: Any) -> jax.Array:
-        at = stacked.at[slot] if stacked.ndim == 1 else stacked.at[:, slot]
-        return at.set(value)
+
+def set_slot(
+    weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Payload
+) -> LoraWeights:
+    """`install` for stacked layouts: every array of `payload` written into slot `slot`
+    of its counterpart in `weights`: a per-layer part [G, ...] into layers
+    [layer_start, layer_start + G) of [L, N, ...], a per-slot part into [N]."""
+
+    def put(part: str, stacked: jax.Array, value: Any) -> jax.Array:
+        if part not in LAYER_PARTS:
+            return stacked.at[slot].set(value)
+        value = jnp.asarray(value, stacked.dtype)[:, None]
+        start = (layer_start, slot) + (0,) * (stacked.ndim - 2)
+        return jax.lax.dynamic_update_slice(stacked, value, start)
 
     return {
-        target: {part: put(array, payload[target][part]) for part, array in parts.items()}
+        target: {part: put(part, array, payload[target][part]) for part, array in parts.items()}
         for target, parts in weights.items()
     }

@@ -86,8 +86,8 @@ class BgmvBackend(_PallasBackend):
     def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
         return rank_rows(tensors, shapes, rank_dim(max_rank), dtype)
 
-    def install(self, weights, slot, payload) -> LoraWeights:
-        return set_slot(weights, slot, payload)
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        return set_slot(weights, slot, layer_start, payload)
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         w = weights[target]
@@ -165,13 +165,15 @@ class MbgmvBackend(_PallasBackend):
             packed |= {"dest": dest, "pages": table}
         return payload
 
-    def install(self, weights, slot, payload) -> LoraWeights:
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
         installed: LoraWeights = {}
         for target, w in weights.items():
             p = payload[target]
+            layers = (layer_start + jnp.arange(p["a"].shape[0]))[:, None]  # [G, 1]
+            dest = p["dest"][None, :]  # [1, R]
             installed[target] = {
-                "a": w["a"].at[:, p["dest"]].set(p["a"], mode="drop"),
-                "b": w["b"].at[:, p["dest"]].set(p["b"], mode="drop"),
+                "a": w["a"].at[layers, dest].set(p["a"], mode="drop"),
+                "b": w["b"].at[layers, dest].set(p["b"], mode="drop"),
                 "pages": w["pages"].at[slot].set(p["pages"]),
                 "rank": w["rank"].at[slot].set(p["rank"]),
             }

@@ -62,8 +62,8 @@ class ReferenceBackend(LoraBackend):
             payload[target] = {"a": a, "b": b}
         return payload
 
-    def install(self, weights, slot, payload) -> LoraWeights:
-        return set_slot(weights, slot, payload)
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        return set_slot(weights, slot, layer_start, payload)
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         a_slots, b_slots = weights[target]["a"], weights[target]["b"]
