@@ -136,7 +136,9 @@ def test_mixed_batch_greedy_tokens_match_peft(peft_model, prompt_ids, reference_
     assert reference_tokens == theirs
 
 
-def _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend: str) -> list[list[int]]:
+def _serve_mixed_batch(
+    smollm2, peft_dirs, prompt_ids, backend: str, **overrides
+) -> list[list[int]]:
     """Four decode slots for six prompts and two device slots for three adapters: requests
     wait for slots, adapters are loaded on demand and evicted while others decode."""
     engine = make_engine(
@@ -146,9 +148,11 @@ def _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend: str) -> list[lis
         max_loras=2,
         max_lora_rank=32,
         lora_backend=backend,
+        **overrides,
     )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))
+    engine.warmup(prompt_lengths=[len(ids) for ids in prompt_ids], max_length=64)
     ours = run_to_completion(
         engine,
         prompt_ids,
@@ -156,6 +160,8 @@ def _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend: str) -> list[lis
         ROW_ADAPTERS,
     )
     assert engine.lora.slots.stats()["evictions"] >= 1
+    if engine.config.lora_mode == "cpu-assist":
+        assert engine.counters["assisted_prefills"] >= 3  # every adapter arrives cold
     engine.close()
     return [r["token_ids"] for r in ours]
 
@@ -171,6 +177,23 @@ def test_pallas_backends_give_the_reference_tokens(
 ):
     """SGMV prefill and BGMV / MBGMV decode (interpreted on CPU) in the same mixed batch."""
     assert _serve_mixed_batch(smollm2, peft_dirs, prompt_ids, backend) == reference_tokens
+
+
+def test_cpu_assisted_prefill_gives_the_reference_tokens(
+    smollm2, peft_dirs, prompt_ids, reference_tokens
+):
+    """Cold adapters over a throttled link (about 2 s each, in 4 layer groups): their
+    prompts prefill at once with the LoRA of layers still in flight on CPU workers."""
+    served = _serve_mixed_batch(
+        smollm2,
+        peft_dirs,
+        prompt_ids,
+        "reference",
+        lora_mode="cpu-assist",
+        emulated_link_gbps=0.02,
+        cpu_workers=1,
+    )
+    assert served == reference_tokens
 
 
 @pytest.mark.parametrize("backend", LORA_BACKENDS)

@@ -1,0 +1,251 @@
+"""CPU-assisted prefill on the tiny model: the same tokens and logits as the device path,
+routing that switches mid-prefill, a worker killed mid-prefill, the cost model, clean-up.
+
+The adapters are cold and the link is throttled (`emulated_link_gbps`), so each layer
+group lands while prefills run; every test builds its engines with real CPU workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.adapters.backends import Segments
+from jlora.adapters.peft import make_demo_adapters
+from jlora.engine import cost_model
+from jlora.engine.api import SamplingParams
+from jlora.model.kv_cache import KVCache
+from tests.engine_helpers import make_engine, run_to_completion
+from tests.tolerances import assert_close
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+# Three cold adapters: different ranks and target sets (one leaves the MLP alone, one
+# the attention; rank 12 is not a power of two).
+ADAPTERS = {
+    "qv-r4": (4, ("q_proj", "v_proj")),
+    "all-r12": (12, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "mlp-r32": (32, ("o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+# cpu-tiny's adapters weigh ~20-90 KB per layer group as packed; at 0.2 MB/s a group
+# takes about a tenth to half a second to land.
+SLOW_LINK_GBPS = 2e-4
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("cold")
+    paths = {}
+    for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
+        (path,) = make_demo_adapters(
+            tiny.config, out / name, n=1, ranks=[rank], targets=targets, seed=10 + i
+        )
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="module")
+def device_only(tiny, adapters):
+    """device_only(prompts, rows) -> the tokens of the ondemand (device-only) engine."""
+    engine = _engine(tiny, adapters, "ondemand")
+    yield lambda prompts, rows: run_to_completion(engine, prompts, GREEDY, rows)
+    engine.close()
+
+
+def _engine(tiny, adapters, mode, warm=True, **overrides):
+    config = {
+        "max_slots": 4,
+        "max_seq_len": 128,
+        "min_bucket": 16,
+        "max_loras": 3,
+        "max_lora_rank": 32,
+        "lora_mode": mode,
+        "lora_layer_groups": 3,  # one layer per group
+        "cpu_workers": 2,
+        **overrides,
+    }
+    engine = make_engine(tiny, **config)
+    for name, path in adapters.items():
+        engine.register_adapter(name, str(path))
+    if warm:  # so no compilation lets an adapter land before its prefill
+        engine.warmup(prompt_lengths=[16, 32], max_length=32 + GREEDY.max_tokens)
+    return engine
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n in lengths]
+
+
+def _shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
+
+
+def _route_switch(engine):
+    """Make every CPU-assisted prefill run its first layer group on the CPU and its last on
+    the device: the last segment waits until the adapter has landed (as a slow device
+    would), so the routing switches in the middle of the prefill whatever the timing."""
+    install_landed, groups = engine.lora.install_landed, len(engine.lora.groups)
+    calls = []
+
+    def patched(name):
+        calls.append(name)
+        if len(calls) % groups == 0:  # the last segment of this prefill
+            deadline = time.monotonic() + 30
+            while install_landed(name) < groups:
+                assert time.monotonic() < deadline, "the adapter never landed"
+                time.sleep(0.005)
+        return install_landed(name)
+
+    engine.lora.install_landed = patched
+
+
+def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefill(
+    tiny, adapters, device_only
+):
+    """A mixed batch of cold adapters (and base rows): CPU-assisted prefills give the
+    tokens of the device-only (ondemand) engine, and some of them ran CPU then device."""
+    names = list(ADAPTERS)
+    prompts = _prompts([5, 17, 9, 30, 12, 3])
+    rows = [names[0], names[1], None, names[2], names[1], names[0]]
+    expected = device_only(prompts, rows)
+    before = _shm_segments()
+    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    try:
+        _route_switch(engine)
+        got = run_to_completion(engine, prompts, GREEDY, rows)
+        counters = dict(engine.counters)
+    finally:
+        engine.close()
+    assert got == expected
+    assert counters["assisted_prefills"] >= 3  # one per cold adapter at least
+    assert counters["assisted_mixed_prefills"] >= 3
+    assert counters["cpu_layer_groups"] >= 3 and counters["device_layer_groups"] >= 3
+    assert _shm_segments() <= before  # the arena and the control block are unlinked
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_routed_layers_give_the_device_logits(tiny, adapters, dtype):
+    """Model level: the segmented prefill with any routing (all CPU, mixed, all device)
+    gives the logits of the one-call device prefill, within the tolerance policy."""
+    engine = _engine(tiny, adapters, "cpu-assist", warm=False, dtype=dtype)
+    try:
+        name = "all-r12"
+        engine.lora.slots.load_all([name])
+        slot = engine.lora.slots.slot_of(name)
+        model, params, weights = engine.model, engine.params, engine.lora.weights
+        tokens = np.zeros(32, np.int32)
+        tokens[:21] = _prompts([21], seed=4)[0]
+        table = jnp.arange(8, dtype=jnp.int32)
+        seg = Segments.single(slot, 32)
+
+        def cache():
+            return KVCache.zeros(
+                num_layers=tiny.config.num_layers,
+                num_blocks=16,
+                block_size=16,
+                num_kv_heads=tiny.config.num_kv_heads,
+                head_dim=tiny.config.head_dim,
+                dtype=model.dtype,
+            )
+
+        device = jax.jit(model.prefill)(params, cache(), tokens, 21, table, weights, seg)[0]
+
+        @jax.jit
+        def routed(route):
+            x = model.embed(params, tokens)
+            x, _ = model.prefill_layers(
+                params, cache(), x, np.int32(21), table, 0, 3, weights, seg, route
+            )
+            return model.last_logits(params, x, np.int32(21))
+
+        engine.cpu.begin(engine.lora.store.get(name))
+        try:
+            for route in ([1, 1, 1], [1, 0, 1], [0, 0, 0]):
+                logits = routed(np.array(route, np.int32))
+                assert_close(logits, device, dtype, "float32", scope="model")
+            handoffs = engine.cpu.handoffs
+        finally:
+            engine.cpu.end()
+        assert handoffs == 4 * 3 + 4 * 2  # 4 input groups in each CPU-routed layer
+    finally:
+        engine.close()
+
+
+def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapters, device_only):
+    """SIGKILL a CPU worker from inside a prefill's callbacks: the request still gets the
+    device-only tokens (its rows are recomputed in the engine's process), the watchdog
+    respawns the worker, and nothing is left in /dev/shm after close."""
+    prompts = _prompts([25])
+    expected = device_only(prompts, ["all-r12"])
+    before = _shm_segments()
+    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    try:
+        pool, submit = engine.cpu.pool, engine.cpu.pool.submit
+        killed = []
+
+        def submit_then_kill(x, jobs, **kwargs):
+            ticket = submit(x, jobs, **kwargs)
+            if not killed:
+                victim = pool._workers[ticket.shares[0].worker].process
+                os.kill(victim.pid, signal.SIGKILL)
+                killed.append(victim.pid)
+            return ticket
+
+        pool.submit = submit_then_kill
+        got = run_to_completion(engine, prompts, GREEDY, ["all-r12"])
+        deadline = time.monotonic() + 30
+        while pool.respawns < 1 or len(pool.ready_workers()) < pool.num_workers:
+            assert time.monotonic() < deadline, "the killed worker was not respawned"
+            time.sleep(0.05)
+        assert killed and engine.counters["assisted_prefills"] == 1
+        assert pool.respawns >= 1
+    finally:
+        engine.close()
+    assert got == expected
+    assert _shm_segments() <= before
+
+
+def test_auto_waits_on_a_fast_link_and_assists_on_a_slow_one(tiny, adapters, device_only, caplog):
+    """The cost model's choice follows the link: each decision is logged with both
+    estimates, and the tokens are the device-only ones either way."""
+    prompts = _prompts([20, 20])
+    rows = ["mlp-r32", "qv-r4"]
+    expected = device_only(prompts, rows)
+    for gbps, chosen in ((100.0, "auto_wait"), (SLOW_LINK_GBPS, "auto_assist")):
+        engine = _engine(tiny, adapters, "auto", emulated_link_gbps=gbps)
+        try:
+            with caplog.at_level("INFO", logger="jlora.engine.engine"):
+                got = run_to_completion(engine, prompts, GREEDY, rows)
+            counters = dict(engine.counters)
+        finally:
+            engine.close()
+        assert got == expected
+        assert counters.get(chosen, 0) >= 1, (gbps, counters)
+        assert "estimated TTFT: wait" in caplog.text
+
+
+def test_cost_model_walks_the_segments():
+    """Hand-made cases: load 4 s over 4 one-layer groups, prefill 1 s (0.25 s a layer)."""
+    slow_cpu = cost_model.ColdStart(4.0, 1.0, 2.0, 0.0, (1, 1, 1, 1))
+    # CPU layers take 2 s each: t = 2 (group 0, lands at 1: CPU), t = 2.25 (group 1 landed
+    # at 2: device), group 2 lands at 3 > 2.25: CPU, t = 4.25; group 3 landed at 4: 4.5.
+    assert cost_model.assist_seconds(slow_cpu) == pytest.approx(4.5)
+    assert cost_model.wait_seconds(slow_cpu) == 5.0
+    assert cost_model.decide(slow_cpu).assist
+    fast_link = cost_model.ColdStart(0.01, 1.0, 2.0, 0.0, (1, 1, 1, 1))
+    assert cost_model.assist_seconds(fast_link) == pytest.approx(2.75)
+    assert not cost_model.decide(fast_link).assist
+    # A CPU layer never beats the device's base projections it overlaps.
+    fast_cpu = cost_model.ColdStart(100.0, 1.0, 0.0, 0.0, (2, 2))
+    assert cost_model.assist_seconds(fast_cpu) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="ColdStart.prefill_s=-1"):
+        cost_model.ColdStart(1.0, -1, 0.0, 0.0, (1,))
+    with pytest.raises(ValueError, match="ColdStart.group_layers"):
+        cost_model.ColdStart(1.0, 1.0, 0.0, 0.0, ())
