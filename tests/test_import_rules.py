@@ -72,3 +72,21 @@ def test_light_packages_do_not_load_jax():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_api_stubs_import_only_grpc_and_protobuf():
+    allowed = STDLIB | {"grpc", "grpc_tools", "google", "jlora"}
+    assert _violations("jlora/api", lambda m: m in allowed) == []
+
+
+def test_api_server_and_mock_engine_do_not_load_jax():
+    """A router, a client or a server test with the mock engine never pays for jax."""
+    code = (
+        "import sys, jlora.api, jlora.server, jlora.engine.mock; "
+        "heavy = sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules); "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,1 @@
+"""Generated from jlora/api/protos/ by `make protos` (jlora/api/protoc.py)."""

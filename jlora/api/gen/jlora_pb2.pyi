@@ -1,0 +1,311 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class AdapterState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_STATE_UNSPECIFIED: _ClassVar[AdapterState]
+    ADAPTER_STATE_HOST: _ClassVar[AdapterState]
+    ADAPTER_STATE_LOADING: _ClassVar[AdapterState]
+    ADAPTER_STATE_DEVICE: _ClassVar[AdapterState]
+
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_BASE: _ClassVar[ModelKind]
+    MODEL_KIND_ADAPTER: _ClassVar[ModelKind]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+ADAPTER_STATE_UNSPECIFIED: AdapterState
+ADAPTER_STATE_HOST: AdapterState
+ADAPTER_STATE_LOADING: AdapterState
+ADAPTER_STATE_DEVICE: AdapterState
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_BASE: ModelKind
+MODEL_KIND_ADAPTER: ModelKind
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "chat", "adapter", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    chat: ChatMessages
+    adapter: str
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_id", "text", "timing", "finish_reason", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_id: int
+    text: str
+    timing: TokenTiming
+    finish_reason: FinishReason
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., timing: _Optional[_Union[TokenTiming, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class TokenTiming(_message.Message):
+    __slots__ = ("since_arrival_us", "since_previous_us")
+    SINCE_ARRIVAL_US_FIELD_NUMBER: _ClassVar[int]
+    SINCE_PREVIOUS_US_FIELD_NUMBER: _ClassVar[int]
+    since_arrival_us: int
+    since_previous_us: int
+    def __init__(self, since_arrival_us: _Optional[int] = ..., since_previous_us: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "alpha", "target_modules", "sha256", "size_bytes", "state", "slot", "pinned", "running_requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    sha256: str
+    size_bytes: int
+    state: AdapterState
+    slot: int
+    pinned: bool
+    running_requests: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., state: _Optional[_Union[AdapterState, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., running_requests: _Optional[int] = ...) -> None: ...
+
+class RegisterAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "load", "pin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    load: bool
+    pin: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., load: _Optional[bool] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class RegisterAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "pin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pin: bool
+    def __init__(self, name: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class UnregisterAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunningRequest(_message.Message):
+    __slots__ = ("request_id", "adapter", "rank", "slot", "prompt_tokens", "generated_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    adapter: str
+    rank: int
+    slot: int
+    prompt_tokens: int
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("running", "queued", "max_queue", "max_slots", "free_slots", "max_seq_len", "memory", "adapter_slots", "draining")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    queued: int
+    max_queue: int
+    max_slots: int
+    free_slots: int
+    max_seq_len: int
+    memory: Memory
+    adapter_slots: AdapterSlots
+    draining: bool
+    def __init__(self, running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory: _Optional[_Union[Memory, _Mapping]] = ..., adapter_slots: _Optional[_Union[AdapterSlots, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class Memory(_message.Message):
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "host_store_bytes_used", "host_store_bytes_capacity", "device_bytes_in_use", "device_bytes_limit")
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORE_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    host_store_bytes_used: int
+    host_store_bytes_capacity: int
+    device_bytes_in_use: int
+    device_bytes_limit: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., host_store_bytes_used: _Optional[int] = ..., host_store_bytes_capacity: _Optional[int] = ..., device_bytes_in_use: _Optional[int] = ..., device_bytes_limit: _Optional[int] = ...) -> None: ...
+
+class AdapterSlots(_message.Message):
+    __slots__ = ("total", "free", "loading", "loads", "evictions")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    total: int
+    free: int
+    loading: int
+    loads: int
+    evictions: int
+    def __init__(self, total: _Optional[int] = ..., free: _Optional[int] = ..., loading: _Optional[int] = ..., loads: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class ModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("id", "kind", "parent", "rank", "max_seq_len")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: ModelKind
+    parent: str
+    rank: int
+    max_seq_len: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., parent: _Optional[str] = ..., rank: _Optional[int] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
+class ModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,30 @@
+"""The worker server: the `jlora.v1` gRPC service around one engine.
+
+    server = serve(engine, port=50051, metrics_port=9090, tokenizer=tokenizer)
+    server.stop_on_signals(grace=30)   # SIGTERM/SIGINT drain
+    server.wait()
+    engine.close()
+
+`app.py` builds the server and tells how it stops; `servicer.py` tells a Generate
+call's life; `scheduler.py` the engine's thread; `metrics.py` lists the metrics;
+`engine_info.py` what the server asks of an engine beyond `Engine`.
+"""
+
+from jlora.server.app import WorkerServer, serve
+from jlora.server.engine_info import (
+    AdapterControl,
+    AdapterInfo,
+    EngineStats,
+    Introspectable,
+    RunningInfo,
+)
+
+__all__ = [
+    "AdapterControl",
+    "AdapterInfo",
+    "EngineStats",
+    "Introspectable",
+    "RunningInfo",
+    "WorkerServer",
+    "serve",
+]

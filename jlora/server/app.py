@@ -1,0 +1,244 @@
+"""`serve()`: a worker's gRPC server (plus health, reflection and /metrics) around an engine.
+
+Threads of a running worker:
+
+- the event loop thread (`jlora-grpc`) runs the grpc.aio server: the `jlora.v1.Jlora`
+  handlers (servicer.py), the standard health service and server reflection;
+- the scheduler thread (`jlora-scheduler`) owns the engine (scheduler.py);
+- the metrics HTTP server's thread, if `metrics_port` is given;
+- the caller's thread gets a `WorkerServer` back at once and may `wait()` on it.
+
+Stopping (`WorkerServer.stop(grace)`, or SIGTERM after `stop_on_signals`) drains:
+
+1. new Generate calls are refused (UNAVAILABLE) and the health service reports
+   NOT_SERVING, so a router stops sending work here;
+2. the Generate streams in flight get `grace` seconds to finish; then the gRPC server
+   stops, cancelling what is left (streams past their grace, health Watch calls), and
+   the cancelled handlers abort their engine requests;
+3. the scheduler thread runs those aborts and exits; the metrics server and the loop
+   stop. The engine is left open: its owner closes it.
+
+If the engine fails (step() raises) every stream ends with INTERNAL, health reports
+NOT_SERVING, and later calls get UNAVAILABLE; `WorkerServer.error` holds the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from types import FrameType
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jlora.api import SERVICE_NAME, jlora_pb2_grpc
+from jlora.engine.api import Engine
+from jlora.server.convert import TextEncoder
+from jlora.server.metrics import Metrics
+from jlora.server.scheduler import Scheduler
+from jlora.server.servicer import JloraServicer
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+_DRAIN_POLL = 0.01  # seconds between two looks at the streams in flight while draining
+_FINAL_GRACE = 0.25  # seconds the other calls get once the streams are done
+
+
+class WorkerServer:
+    """A running worker; build it with `serve()`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        host: str,
+        port: int,
+        metrics_port: int | None,
+        tokenizer: TextEncoder | None,
+        model_name: str,
+        max_queue: int,
+        adapters_dir: Path | None,
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue} must be non-negative")
+        self.engine = engine
+        self.host = host
+        self.metrics = Metrics()
+        self._loop = asyncio.new_event_loop()
+        self.scheduler = Scheduler(
+            engine,
+            deliver=self._deliver,
+            metrics=self.metrics,
+            on_failure=self._on_engine_failure,
+        )
+        self.servicer = JloraServicer(
+            engine,
+            self.scheduler,
+            self.metrics,
+            tokenizer=tokenizer,
+            model_name=model_name,
+            max_queue=max_queue,
+            adapters_dir=adapters_dir,
+        )
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._http: WSGIServer | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="jlora-grpc", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._start(port), self._loop).result()
+            self.metrics_port: int | None = None
+            if metrics_port is not None:
+                self._http, self.metrics_port = self.metrics.start_http(host, metrics_port)
+        except BaseException:
+            if self._server is not None:
+                asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
+        self.scheduler.start()
+        log.info("jlora worker on %s:%d (metrics: %s)", host, self.port, self.metrics_port)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine failed, if it did."""
+        return self.scheduler.error
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Drain (see the module docstring) and return once everything has stopped;
+        a second call waits for the first."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            try:
+                asyncio.run_coroutine_threadsafe(self._drain(grace), self._loop).result()
+            finally:
+                self.scheduler.stop()
+                if self._http is not None:
+                    self._http.shutdown()
+                    self._http.server_close()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
+                self._stopped.set()
+                log.info("jlora worker on %s stopped", self.address)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped (True) or `timeout` passed (False)."""
+        return self._stopped.wait(timeout)
+
+    def stop_on_signals(
+        self, grace: float = 30.0, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)
+    ) -> None:
+        """On the first of `signals`, drain with `grace` on a helper thread (call this on
+        the main thread, then `wait()`)."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %d: draining (grace %.0f s)", signum, grace)
+            threading.Thread(target=self.stop, args=(grace,), name="jlora-drain").start()
+
+        for signum in signals:
+            signal.signal(signum, handler)
+
+    def __enter__(self) -> WorkerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=0)
+
+    # -- on the event loop ------------------------------------------------------------
+
+    async def _start(self, port: int) -> int:
+        server = grpc.aio.server()
+        jlora_pb2_grpc.add_JloraServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        try:
+            bound = server.add_insecure_port(f"{self.host}:{port}")
+        except RuntimeError as err:  # grpc's way of saying the address is taken
+            raise OSError(f"cannot listen on {self.host}:{port}: {err}") from None
+        await server.start()
+        self._server = server
+        await self._set_health(SERVING)
+        return bound
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _drain(self, grace: float) -> None:
+        self.servicer.draining = True
+        await self._health.enter_graceful_shutdown()
+        # Still listening, so health checks see NOT_SERVING and new Generate calls get
+        # UNAVAILABLE, while the streams in flight finish (or `grace` runs out).
+        deadline = self._loop.time() + grace
+        while self.servicer.in_flight and self._loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL)
+        # Then close: unary calls and final statuses get a moment; long-lived calls
+        # (health Watch, streams past their grace) are cancelled.
+        if self._server is not None:
+            await self._server.stop(_FINAL_GRACE)
+
+    def _deliver(self, events: list, stamp: float) -> None:
+        """From the scheduler thread: hand one step's tokens to the loop."""
+        self._loop.call_soon_threadsafe(self.servicer.dispatch, events, stamp)
+
+    def _on_engine_failure(self, error: BaseException) -> None:
+        """From the scheduler thread, once, as it exits."""
+
+        def fail() -> None:
+            self.servicer.draining = True
+            self.servicer.fail_all(error)
+            self._loop.create_task(self._health.enter_graceful_shutdown())
+
+        self._loop.call_soon_threadsafe(fail)
+
+
+def serve(
+    engine: Engine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    metrics_port: int | None = None,
+    tokenizer: TextEncoder | None = None,
+    model_name: str = "base",
+    max_queue: int = 64,
+    adapters_dir: str | Path | None = None,
+) -> WorkerServer:
+    """Serve `engine` over gRPC and return once it listens.
+
+    port 0 picks a free port (`WorkerServer.port`); metrics_port None serves no /metrics,
+    0 picks a free port. `tokenizer` encodes text and chat prompts (None: token ids
+    only). `model_name` is the base model's id in Models (and as Generate's adapter, the
+    base model). At most max_slots + `max_queue` Generate calls are in flight; more get
+    RESOURCE_EXHAUSTED. With `adapters_dir`, RegisterAdapter paths resolve inside it and
+    may not leave it. The caller owns the engine: stop the server, then close it.
+    """
+    return WorkerServer(
+        engine,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        tokenizer=tokenizer,
+        model_name=model_name,
+        max_queue=max_queue,
+        adapters_dir=Path(adapters_dir) if adapters_dir is not None else None,
+    )

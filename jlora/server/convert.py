@@ -1,0 +1,163 @@
+"""Between the wire (`jlora.v1` messages) and the engine's types.
+
+`to_request` validates everything it can without the engine and raises `InvalidRequest`
+with a message that names the field (the engine checks the rest: the adapter, the prompt
+against the context and the vocabulary). Unset optional sampling fields take the
+`SamplingParams` defaults; explicit ones are validated as given.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from jlora.api import jlora_pb2 as pb
+from jlora.engine.api import InvalidRequest, Request, SamplingParams
+from jlora.server.engine_info import DEVICE, HOST, LOADING, AdapterInfo, EngineStats
+
+MAX_REQUEST_ID = 128
+CHAT_ROLES = ("system", "user", "assistant")
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+ADAPTER_STATES = {
+    HOST: pb.ADAPTER_STATE_HOST,
+    LOADING: pb.ADAPTER_STATE_LOADING,
+    DEVICE: pb.ADAPTER_STATE_DEVICE,
+}
+
+
+class TextEncoder(Protocol):
+    """What text and chat prompts need (`jlora.tokenizer.Tokenizer` is one)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+def to_request(
+    msg: pb.GenerateRequest,
+    *,
+    request_id: str,
+    tokenizer: TextEncoder | None,
+    max_seq_len: int,
+    base_model: str,
+    arrival_time: float,
+) -> Request:
+    if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
+        raise InvalidRequest(
+            f"request_id={request_id[: MAX_REQUEST_ID + 1]!r} must be at most {MAX_REQUEST_ID} "
+            "printable characters"
+        )
+    sampling = to_sampling(msg.sampling, max_seq_len=max_seq_len)
+    adapter = msg.adapter or None
+    if adapter == base_model:
+        adapter = None
+    return Request(
+        request_id,
+        _prompt_ids(msg, tokenizer),
+        sampling,
+        adapter=adapter,
+        arrival_time=arrival_time,
+    )
+
+
+def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[int]:
+    kind = msg.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt is empty: set prompt.text, prompt.token_ids or prompt.chat")
+    if kind == "token_ids":
+        ids = list(msg.token_ids.ids)
+    elif tokenizer is None:
+        raise InvalidRequest(
+            f"prompt.{kind} needs a tokenizer and this model has none; send prompt.token_ids"
+        )
+    elif kind == "text":
+        ids = tokenizer.encode(msg.text) if msg.text else []
+    else:
+        messages = []
+        for i, message in enumerate(msg.chat.messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequest(
+                    f"prompt.chat.messages[{i}].role={message.role!r} must be one of {CHAT_ROLES}"
+                )
+            messages.append({"role": message.role, "content": message.content})
+        if not messages:
+            raise InvalidRequest("prompt is empty: prompt.chat.messages has no message")
+        try:
+            ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        except ValueError as err:  # TokenizerError: no template, or the template refused
+            raise InvalidRequest(f"prompt.chat: {err}") from None
+    if not ids:
+        raise InvalidRequest(f"prompt is empty (prompt.{kind})")
+    return ids
+
+
+def to_sampling(msg: pb.SamplingParams, *, max_seq_len: int) -> SamplingParams:
+    defaults = SamplingParams()
+    if msg.HasField("max_tokens") and msg.max_tokens > max_seq_len:
+        raise InvalidRequest(
+            f"max_tokens={msg.max_tokens} exceeds the context: this model serves at most "
+            f"max_seq_len={max_seq_len} tokens per sequence"
+        )
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def adapter_message(info: AdapterInfo) -> pb.Adapter:
+    return pb.Adapter(
+        name=info.name,
+        path=info.path,
+        rank=info.rank,
+        alpha=info.alpha,
+        target_modules=list(info.target_modules),
+        sha256=info.sha256,
+        size_bytes=info.size_bytes,
+        state=ADAPTER_STATES.get(info.state, pb.ADAPTER_STATE_UNSPECIFIED),
+        slot=info.slot,
+        pinned=info.pinned,
+        running_requests=info.running_requests,
+    )
+
+
+def stats_message(stats: EngineStats, *, max_queue: int, draining: bool) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        running=[
+            pb.RunningRequest(
+                request_id=r.request_id,
+                adapter=r.adapter or "",
+                rank=r.rank,
+                slot=r.slot,
+                prompt_tokens=r.prompt_tokens,
+                generated_tokens=r.generated_tokens,
+            )
+            for r in stats.running
+        ],
+        queued=stats.waiting,
+        max_queue=max_queue,
+        max_slots=stats.max_slots,
+        free_slots=stats.max_slots - len(stats.running),
+        max_seq_len=stats.max_seq_len,
+        memory=pb.Memory(
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_free=stats.kv_blocks_free,
+            kv_block_size=stats.kv_block_size,
+            host_store_bytes_used=stats.host_store_bytes_used,
+            host_store_bytes_capacity=stats.host_store_bytes_capacity,
+            device_bytes_in_use=stats.device_bytes_in_use,
+            device_bytes_limit=stats.device_bytes_limit,
+        ),
+        adapter_slots=pb.AdapterSlots(
+            total=stats.adapter_slots_total,
+            free=stats.adapter_slots_free,
+            loading=stats.adapter_slots_loading,
+            loads=stats.adapter_loads,
+            evictions=stats.adapter_evictions,
+        ),
+        draining=draining,
+    )

@@ -1,0 +1,150 @@
+"""Every Prometheus metric the worker exports, defined in one place, on its own registry.
+
+Names follow Prometheus conventions (base units, `_total` added to counters by the
+client library). Who updates what:
+
+- the event loop (request bookkeeping): jlora_queued_requests, jlora_running_requests,
+  jlora_requests_total{outcome}, jlora_prompt_tokens_total, jlora_generated_tokens_total,
+  jlora_time_to_first_token_seconds, jlora_time_per_output_token_seconds,
+  jlora_request_latency_seconds;
+- the scheduler thread (per engine step): jlora_batch_size, jlora_step_seconds, and from
+  the engine's stats at most every `STATS_INTERVAL` seconds: jlora_adapter_loads_total,
+  jlora_adapter_evictions_total, jlora_kv_blocks_free, jlora_adapter_slots_free.
+
+prometheus_client's metrics are thread-safe. `serve(..., metrics_port=...)` exposes the
+registry at http://host:port/metrics.
+"""
+
+from __future__ import annotations
+
+import socketserver
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from jlora.server.engine_info import EngineStats
+
+STATS_INTERVAL = 0.5  # seconds between two engine-stats refreshes
+
+# Outcomes of a Generate call (the `outcome` label of jlora_requests_total).
+OUTCOMES = (
+    "stop",
+    "length",
+    "cancelled",  # client cancellation or deadline: aborted in the engine
+    "invalid",
+    "not_found",
+    "exhausted",
+    "unavailable",
+    "error",
+)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.queued = Gauge(
+            "jlora_queued_requests",
+            "Accepted Generate calls that have no token yet (waiting for a decode slot)",
+            registry=registry,
+        )
+        self.running = Gauge(
+            "jlora_running_requests",
+            "Generate calls that are producing tokens (the running batch)",
+            registry=registry,
+        )
+        self.requests = Counter(
+            "jlora_requests", "Generate calls, by outcome", ["outcome"], registry=registry
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter(
+            "jlora_prompt_tokens", "Prompt tokens of accepted requests", registry=registry
+        )
+        self.generated_tokens = Counter(
+            "jlora_generated_tokens", "Tokens streamed to clients", registry=registry
+        )
+        self.ttft = Histogram(
+            "jlora_time_to_first_token_seconds",
+            "From the server receiving a request to its first token (queueing included)",
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        self.tpt = Histogram(
+            "jlora_time_per_output_token_seconds",
+            "Between two consecutive tokens of one request",
+            buckets=_PER_TOKEN,
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "jlora_request_latency_seconds",
+            "From the server receiving a request to its last token",
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "jlora_batch_size",
+            "Requests that produced a token in one engine step",
+            buckets=_BATCH,
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "jlora_step_seconds",
+            "Duration of one engine step",
+            buckets=_PER_TOKEN,
+            registry=registry,
+        )
+        self.adapter_loads = Counter(
+            "jlora_adapter_loads", "Adapter loads onto the device", registry=registry
+        )
+        self.adapter_evictions = Counter(
+            "jlora_adapter_evictions", "Adapters evicted from a device slot", registry=registry
+        )
+        self.kv_blocks_free = Gauge(
+            "jlora_kv_blocks_free", "Free KV-cache blocks", registry=registry
+        )
+        self.adapter_slots_free = Gauge(
+            "jlora_adapter_slots_free", "Free device adapter slots", registry=registry
+        )
+        self._seen_loads = 0
+        self._seen_evictions = 0
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        """Fold an engine-stats snapshot in (the engine's counters are cumulative)."""
+        self.adapter_loads.inc(max(0, stats.adapter_loads - self._seen_loads))
+        self.adapter_evictions.inc(max(0, stats.adapter_evictions - self._seen_evictions))
+        self._seen_loads = max(self._seen_loads, stats.adapter_loads)
+        self._seen_evictions = max(self._seen_evictions, stats.adapter_evictions)
+        self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.adapter_slots_free.set(stats.adapter_slots_free)
+
+    def start_http(self, host: str, port: int) -> tuple[WSGIServer, int]:
+        """Serve /metrics on a daemon thread; returns the HTTP server (`shutdown()` takes at
+        most `_HTTP_POLL` seconds) and its bound port."""
+        httpd = make_server(
+            host, port, make_wsgi_app(self.registry), _ThreadingServer, _QuietHandler
+        )
+        threading.Thread(
+            target=httpd.serve_forever,
+            kwargs={"poll_interval": _HTTP_POLL},
+            name="jlora-metrics",
+            daemon=True,
+        ).start()
+        return httpd, httpd.server_port
+
+
+_HTTP_POLL = 0.05
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not news."""

@@ -1,0 +1,519 @@
+"""The global LoRA adapter registry: one SQLite file the router and the workers share.
+
+Toppings §6 ("Scheduler & global LoRA registry") keeps the adapters every server may
+serve in SQLite; jlora does the same. An entry says what an adapter is (name, base
+model, rank, target modules) and where its weights are: `path`, a PEFT directory
+relative to the adapters directory, and `sha256`/`size_bytes` of its
+`adapter_model.safetensors`, the definition `jlora.adapters.peft` uses for an adapter's
+identity (`inspect_peft_adapter` computes it when `entry_from_directory` describes one).
+
+The life of an adapter:
+
+1. Registration (router or a worker's RegisterAdapter): `entry_from_directory` resolves
+   the path inside the adapters directory (`resolve_path` refuses `..` and symlinks
+   that lead out of it), reads the adapter's rank, targets and hash; `register` stores
+   the entry, refusing a duplicate name (AdapterExists) or a bad field (InvalidEntry,
+   which names the field).
+2. Routing: the router reads `get(name)` for the adapter's rank (the rank-aware policy
+   needs it) and `list()` for `/v1/models`.
+3. Loading (a worker): `resolve_path(entry.path, adapters_dir)` again, then the weights'
+   hash is compared with the entry's (`verify_sha256`, or `check_sha256` with the hash
+   of the bytes actually loaded): a corrupt or replaced file raises ChecksumMismatch
+   naming the adapter and both hashes, and nothing is loaded.
+
+Several processes open the same file. The database runs in WAL mode (readers never
+block the writer, nor it them; WAL needs a local filesystem, not NFS) and every
+connection waits up to `timeout_s` for a lock instead of failing at once. A `Registry`
+serialises its own threads with a lock, so one object can serve a threaded gRPC server.
+
+The schema is versioned by `PRAGMA user_version` and built by `MIGRATIONS`, an
+append-only list: opening a file applies the steps it lacks, in one IMMEDIATE
+transaction that re-reads the version under the write lock (two processes opening a
+fresh file migrate it once). A file written by a newer jlora is refused (SchemaError).
+A step, once released, never changes.
+
+Every error is a RegistryError whose `grpc_status` names the status code the servers
+answer with, so they map errors without this module importing grpc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar, TypeGuard
+
+from jlora.adapters.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    canonical_targets,
+    inspect_peft_adapter,
+)
+
+# Names are what clients send as `model=`: letters, digits, '.', '_', '-', in segments
+# separated by single '/' ("org/sql-lora"); they never denote a path.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+MAX_NAME_LEN = 128
+MAX_TEXT_LEN = 4096
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+# Schema steps, applied in order; step i brings the file to user_version i + 1.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE adapters (
+            name TEXT PRIMARY KEY NOT NULL,
+            base_model TEXT NOT NULL,
+            rank INTEGER NOT NULL CHECK (rank > 0),
+            alpha REAL NOT NULL CHECK (alpha > 0),  -- lora_alpha
+            target_modules TEXT NOT NULL,  -- JSON list, in jlora's canonical order
+            path TEXT NOT NULL,            -- relative to the adapters directory
+            sha256 TEXT NOT NULL,          -- of adapter_model.safetensors
+            size_bytes INTEGER NOT NULL CHECK (size_bytes > 0),
+            created_at REAL NOT NULL       -- seconds since the epoch
+        )""",
+    ),
+    # The router lists the adapters of the base model its workers serve.
+    ("CREATE INDEX adapters_by_base_model ON adapters (base_model, name)",),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+_COLUMNS = (
+    "name",
+    "base_model",
+    "rank",
+    "alpha",
+    "target_modules",
+    "path",
+    "sha256",
+    "size_bytes",
+    "created_at",
+)
+
+
+class RegistryError(Exception):
+    """The registry cannot be used (I/O, a corrupt file); INTERNAL to a client."""
+
+    grpc_status: ClassVar[str] = "INTERNAL"
+
+
+class RegistryUnavailable(RegistryError):
+    """The database stayed locked past the timeout, or its file cannot be opened now."""
+
+    grpc_status = "UNAVAILABLE"
+
+
+class SchemaError(RegistryError):
+    """The file's schema is newer than this jlora, or not a registry at all."""
+
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class InvalidEntry(RegistryError, ValueError):
+    """A bad field of an entry or a bad adapter path; the message names the field."""
+
+    grpc_status = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"{field}={value!r}: {reason}")
+
+
+class AdapterNotFound(RegistryError, LookupError):
+    """No adapter of that name is registered."""
+
+    grpc_status = "NOT_FOUND"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"adapter {name!r} is not registered")
+
+
+class AdapterExists(RegistryError):
+    """An adapter of that name is already registered (names are unique)."""
+
+    grpc_status = "ALREADY_EXISTS"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"name={name!r}: an adapter of that name is already registered "
+            "(remove it first to replace it)"
+        )
+
+
+class ChecksumMismatch(RegistryError):
+    """An adapter's weights file does not hash to its registered sha256."""
+
+    grpc_status = "DATA_LOSS"
+
+    def __init__(self, name: str, source: str, expected: str, actual: str) -> None:
+        self.name, self.source, self.expected, self.actual = name, source, expected, actual
+        super().__init__(
+            f"adapter {name!r}: {source} has sha256 {actual}, the registry expects "
+            f"{expected}; the file is corrupt or was replaced (register it again)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterEntry:
+    """One registered adapter.
+
+    name: unique, `NAME_RE`, at most 128 characters. base_model: the base model it adapts
+    (a preset name or a model path, as the workers name theirs). rank: LoRA rank, > 0.
+    alpha: PEFT's lora_alpha, > 0 (the scaling also depends on use_rslora, which only
+    the worker reads, from adapter_config.json). target_modules: the adapted
+    projections, normalised to jlora's canonical order ("q_proj", ..., "down_proj";
+    "self_attn.q_proj" is accepted). path: the PEFT directory, relative to the adapters
+    directory (see `resolve_path`). sha256: hex digest of its adapter_model.safetensors
+    (lowercased); size_bytes: that file's size. created_at: registration time, seconds
+    since the epoch.
+    """
+
+    name: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    path: str
+    sha256: str
+    size_bytes: int
+    created_at: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        _check_text("base_model", self.base_model)
+        for field in ("rank", "size_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidEntry(field, value, "must be a positive integer")
+        if not _is_finite_number(self.alpha) or self.alpha <= 0:
+            raise InvalidEntry("alpha", self.alpha, "must be a positive finite number")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if isinstance(self.target_modules, str):
+            raise InvalidEntry("target_modules", self.target_modules, "must be a list of names")
+        try:
+            targets = canonical_targets(self.target_modules)
+        except AdapterError as err:
+            raise InvalidEntry("target_modules", self.target_modules, str(err)) from None
+        object.__setattr__(self, "target_modules", targets)
+        _check_text("path", self.path)
+        sha256 = self.sha256.lower() if isinstance(self.sha256, str) else self.sha256
+        if not isinstance(sha256, str) or not SHA256_RE.fullmatch(sha256):
+            raise InvalidEntry("sha256", self.sha256, "must be 64 hexadecimal digits")
+        object.__setattr__(self, "sha256", sha256)
+        if not _is_finite_number(self.created_at) or self.created_at < 0:
+            raise InvalidEntry("created_at", self.created_at, "must be finite seconds >= 0")
+        object.__setattr__(self, "created_at", float(self.created_at))
+
+
+class Registry:
+    """The adapters table of one SQLite file (`":memory:"` for a private, throwaway one).
+
+    Opening creates the file if needed and migrates it to `SCHEMA_VERSION`. Use it as a
+    context manager, or call `close()`. Thread-safe; many processes may open one file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = 10.0) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        try:
+            # isolation_level=None: no implicit transactions; each statement commits on
+            # its own, and the migration opens its own IMMEDIATE transaction.
+            self._conn: sqlite3.Connection | None = sqlite3.connect(
+                self.path, timeout=timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as err:
+            raise RegistryUnavailable(f"{self.path}: cannot open the registry ({err})") from err
+        try:
+            self._execute("PRAGMA journal_mode = WAL")
+            self._migrate()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def schema_version(self) -> int:
+        """The file's `PRAGMA user_version` (SCHEMA_VERSION once opened)."""
+        return int(self._execute("PRAGMA user_version")[0][0])
+
+    def register(self, entry: AdapterEntry) -> AdapterEntry:
+        """Store `entry`; AdapterExists if its name is taken (nothing changes then)."""
+        if not isinstance(entry, AdapterEntry):
+            raise InvalidEntry("entry", entry, "must be an AdapterEntry")
+        row = (
+            entry.name,
+            entry.base_model,
+            entry.rank,
+            entry.alpha,
+            json.dumps(list(entry.target_modules)),
+            entry.path,
+            entry.sha256,
+            entry.size_bytes,
+            entry.created_at,
+        )
+        placeholders = ", ".join("?" * len(_COLUMNS))
+        try:
+            self._execute(
+                f"INSERT INTO adapters ({', '.join(_COLUMNS)}) VALUES ({placeholders})", row
+            )
+        except sqlite3.IntegrityError as err:
+            if err.sqlite_errorname == "SQLITE_CONSTRAINT_PRIMARYKEY":
+                raise AdapterExists(entry.name) from None
+            raise
+        return entry
+
+    def get(self, name: str) -> AdapterEntry:
+        """The entry named `name`; AdapterNotFound if there is none."""
+        rows = self._execute(f"SELECT {', '.join(_COLUMNS)} FROM adapters WHERE name = ?", (name,))
+        if not rows:
+            raise AdapterNotFound(name)
+        return self._entry(rows[0])
+
+    def list(self, base_model: str | None = None) -> tuple[AdapterEntry, ...]:
+        """Every entry (of `base_model` only, if given), sorted by name."""
+        select = f"SELECT {', '.join(_COLUMNS)} FROM adapters"
+        if base_model is None:
+            rows = self._execute(f"{select} ORDER BY name")
+        else:
+            rows = self._execute(f"{select} WHERE base_model = ? ORDER BY name", (base_model,))
+        return tuple(self._entry(row) for row in rows)
+
+    def remove(self, name: str) -> None:
+        """Delete the entry named `name`; AdapterNotFound if there is none."""
+        if not self._execute("DELETE FROM adapters WHERE name = ? RETURNING name", (name,)):
+            raise AdapterNotFound(name)
+
+    def close(self) -> None:
+        """Close the connection (a second call does nothing)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _entry(self, row: Any) -> AdapterEntry:
+        """The entry a row of `_COLUMNS` stores; RegistryError if the row is corrupt."""
+        name, base_model, rank, alpha, targets, path, sha256, size_bytes, created_at = row
+        try:
+            return AdapterEntry(
+                name=name,
+                base_model=base_model,
+                rank=rank,
+                alpha=alpha,
+                target_modules=tuple(json.loads(targets)),
+                path=path,
+                sha256=sha256,
+                size_bytes=size_bytes,
+                created_at=created_at,
+            )
+        except (InvalidEntry, TypeError, ValueError) as err:
+            raise RegistryError(
+                f"{self.path}: the row of adapter {name!r} is corrupt ({err})"
+            ) from err
+
+    def _migrate(self) -> None:
+        """Bring the file to SCHEMA_VERSION; the write lock is taken only if needed."""
+        if self._checked_version() == SCHEMA_VERSION:
+            return
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                version = self._checked_version(conn)  # another process may have migrated
+                for step in MIGRATIONS[version:]:
+                    for statement in step:
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException as err:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                if isinstance(err, sqlite3.Error):
+                    raise _storage_error(self.path, err) from err
+                raise
+
+    def _checked_version(self, conn: sqlite3.Connection | None = None) -> int:
+        """The file's schema version; SchemaError if this jlora cannot read it."""
+        if conn is None:
+            version = self.schema_version
+        else:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise SchemaError(
+                f"{self.path}: registry schema version {version} was written by a newer "
+                f"jlora; this one reads versions up to {SCHEMA_VERSION} (upgrade jlora)"
+            )
+        if version < 0:
+            raise SchemaError(f"{self.path}: user_version {version} is not a registry version")
+        return version
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise RegistryError(f"{self.path}: the registry is closed")
+        return self._conn
+
+    def _execute(self, sql: str, parameters: Sequence[object] = ()) -> Sequence[Any]:
+        """Run one statement (its own transaction) under the object's lock; its rows, all
+        fetched before the lock is released (threads share the connection)."""
+        with self._lock:
+            try:
+                return self._connection().execute(sql, parameters).fetchall()
+            except sqlite3.IntegrityError:
+                raise  # the caller's: `register` turns a taken name into AdapterExists
+            except sqlite3.Error as err:
+                raise _storage_error(self.path, err) from err
+
+
+def resolve_path(path: str | os.PathLike[str], adapters_dir: str | os.PathLike[str]) -> Path:
+    """The real directory `path` names inside `adapters_dir`, or InvalidEntry("path").
+
+    `path` is relative to `adapters_dir` (an absolute path must lie inside it). Refused:
+    an empty path, a `..` component, a directory that does not exist, and anything that
+    resolves (through symlinks) outside `adapters_dir` or to the directory itself; the
+    adapter's adapter_config.json and adapter_model.safetensors, if present, must not be
+    symlinks out of it either. Symlinks that stay inside are followed.
+    """
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text or "\x00" in text:
+        raise InvalidEntry("path", text, "must be a non-empty path")
+    if ".." in Path(text).parts:
+        raise InvalidEntry("path", text, "must not contain '..'")
+    try:
+        root = Path(adapters_dir).resolve(strict=True)
+    except OSError as err:
+        raise InvalidEntry("adapters_dir", os.fspath(adapters_dir), f"unusable ({err})") from None
+    if not root.is_dir():
+        raise InvalidEntry("adapters_dir", os.fspath(adapters_dir), "is not a directory")
+    try:
+        real = (root / text).resolve(strict=True)
+        members = {member: (real / member).resolve() for member in (CONFIG_FILE, WEIGHTS_FILE)}
+    except FileNotFoundError:
+        raise InvalidEntry(
+            "path", text, f"does not exist in the adapters directory {root}"
+        ) from None
+    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise InvalidEntry("path", text, f"cannot be resolved ({err})") from None
+    if real == root or not real.is_relative_to(root):
+        raise InvalidEntry(
+            "path",
+            text,
+            f"resolves to {real}, not a directory inside the adapters directory {root}",
+        )
+    for member, target in members.items():
+        if not target.is_relative_to(root):
+            raise InvalidEntry(
+                "path", text, f"{member} links to {target}, outside the adapters directory {root}"
+            )
+    if not real.is_dir():
+        raise InvalidEntry("path", text, "is not a directory (expected a PEFT adapter directory)")
+    return real
+
+
+def entry_from_directory(
+    name: str,
+    path: str | os.PathLike[str],
+    *,
+    adapters_dir: str | os.PathLike[str],
+    base_model: str,
+) -> AdapterEntry:
+    """Describe the PEFT adapter at `path` (inside `adapters_dir`) as an entry to register.
+
+    Rank, targets, sha256 and size come from the directory (`inspect_peft_adapter`, which
+    checks the config and the tensor names; InvalidEntry("path") if they are wrong); the
+    stored path is relative to `adapters_dir`, so the registry survives a different mount
+    point on another machine.
+    """
+    directory = resolve_path(path, adapters_dir)
+    try:
+        summary = inspect_peft_adapter(directory)
+    except AdapterError as err:
+        raise InvalidEntry("path", os.fspath(path), str(err)) from None
+    return AdapterEntry(
+        name=name,
+        base_model=base_model,
+        rank=summary.spec.rank,
+        alpha=summary.spec.alpha,
+        target_modules=summary.spec.targets,
+        path=directory.relative_to(Path(adapters_dir).resolve()).as_posix(),
+        sha256=summary.sha256,
+        size_bytes=summary.nbytes,
+    )
+
+
+def file_sha256(file: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (the same digest as
+    `inspect_peft_adapter`'s, which hashes the whole file read at once)."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_sha256(entry: AdapterEntry, actual: str, source: str | os.PathLike[str]) -> None:
+    """ChecksumMismatch unless `actual` (the hash of the weights read from `source`) is the
+    entry's. A worker that loads with `load_peft_adapter` passes `PeftAdapter.sha256`: the
+    hash of the very bytes it loaded, so no file can change between check and load."""
+    if actual.lower() != entry.sha256:
+        raise ChecksumMismatch(entry.name, os.fspath(source), entry.sha256, actual.lower())
+
+
+def verify_sha256(entry: AdapterEntry, file: str | os.PathLike[str]) -> None:
+    """ChecksumMismatch unless `file` (the adapter's adapter_model.safetensors) hashes to
+    `entry.sha256`; InvalidEntry("path") if it cannot be read."""
+    try:
+        actual = file_sha256(file)
+    except OSError as err:
+        raise InvalidEntry("path", os.fspath(file), f"cannot read the weights ({err})") from None
+    check_sha256(entry, actual, file)
+
+
+def _is_finite_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
+        raise InvalidEntry(
+            "name",
+            name,
+            f"must be at most {MAX_NAME_LEN} letters, digits, '.', '_', '-', starting with a "
+            "letter or digit, in segments separated by single '/'",
+        )
+
+
+def _check_text(field: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidEntry(field, value, "must be a non-empty string")
+    if len(value) > MAX_TEXT_LEN or not value.isprintable():
+        raise InvalidEntry(field, value, f"must be printable and at most {MAX_TEXT_LEN} characters")
+
+
+def _storage_error(path: str, err: sqlite3.Error) -> RegistryError:
+    """The RegistryError for a failed SQLite call: a busy or unopenable file is worth a
+    retry (UNAVAILABLE); a file that is not a database is a SchemaError."""
+    name = getattr(err, "sqlite_errorname", "")
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CANTOPEN")):
+        return RegistryUnavailable(f"{path}: {err}")
+    if name.startswith("SQLITE_NOTADB"):
+        return SchemaError(f"{path}: not a jlora registry ({err})")
+    return RegistryError(f"{path}: {err}")

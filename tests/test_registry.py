@@ -1,0 +1,476 @@
+"""The global adapter registry (`router.registry`) on real SQLite files.
+
+Entries round-trip and survive reopening; every bad field is refused with an
+InvalidEntry naming it, and nothing is stored; an older file is migrated on open, a
+newer one refused untouched; connections in one process and in several processes see
+each other's writes (and two racing registrations of one name give one winner); adapter
+paths cannot leave the adapters directory by `..` or by symlinks; a weights file that
+does not hash to the registered sha256 is caught, naming the adapter and both hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from configs import load_preset
+from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
+from router.registry import (
+    SCHEMA_VERSION,
+    AdapterEntry,
+    AdapterExists,
+    AdapterNotFound,
+    ChecksumMismatch,
+    InvalidEntry,
+    Registry,
+    RegistryError,
+    RegistryUnavailable,
+    SchemaError,
+    check_sha256,
+    entry_from_directory,
+    resolve_path,
+    verify_sha256,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHA = "ab" * 32
+
+# Schema version 1 as released: a frozen copy, so that a change to MIGRATIONS[0] (which
+# must never change once released) fails test_migrates_a_version_1_file.
+V1_SCHEMA = """CREATE TABLE adapters (
+    name TEXT PRIMARY KEY NOT NULL,
+    base_model TEXT NOT NULL,
+    rank INTEGER NOT NULL CHECK (rank > 0),
+    alpha REAL NOT NULL CHECK (alpha > 0),
+    target_modules TEXT NOT NULL,
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL CHECK (size_bytes > 0),
+    created_at REAL NOT NULL
+)"""
+
+
+def _entry(name: str = "sql-lora", **changes) -> AdapterEntry:
+    fields = dict(
+        name=name,
+        base_model="smollm2-135m",
+        rank=16,
+        alpha=32.0,
+        target_modules=("q_proj", "v_proj"),
+        path=f"{name}-dir",
+        sha256=SHA,
+        size_bytes=1234,
+        created_at=1_700_000_000.5,
+    )
+    return AdapterEntry(**{**fields, **changes})
+
+
+@pytest.fixture
+def registry(tmp_path):
+    with Registry(tmp_path / "registry.db") as opened:
+        yield opened
+
+
+# -- entries and the table ------------------------------------------------------------
+
+
+def test_round_trip_list_remove_and_reopen(tmp_path):
+    file = tmp_path / "registry.db"
+    entries = [
+        _entry("b-lora", rank=64, target_modules=("down_proj", "self_attn.q_proj")),
+        _entry("a-lora"),
+        _entry("org/c-lora", base_model="llama2-7b"),
+    ]
+    with Registry(file) as registry:
+        assert registry.schema_version == SCHEMA_VERSION
+        for entry in entries:
+            assert registry.register(entry) == entry
+        got = registry.get("b-lora")
+        assert got == entries[0]
+        assert got.target_modules == ("q_proj", "down_proj")  # canonical order
+        assert [e.name for e in registry.list()] == ["a-lora", "b-lora", "org/c-lora"]
+        assert [e.name for e in registry.list("smollm2-135m")] == ["a-lora", "b-lora"]
+        assert registry.list("no-such-model") == ()
+        registry.remove("a-lora")
+        with pytest.raises(AdapterNotFound, match="'a-lora' is not registered"):
+            registry.get("a-lora")
+    with Registry(file) as reopened:
+        assert reopened.list() == (entries[0], entries[2])
+        assert reopened.get("org/c-lora").created_at == 1_700_000_000.5
+
+
+def test_in_memory_registry():
+    with Registry(":memory:") as registry:
+        assert registry.schema_version == SCHEMA_VERSION
+        registry.register(_entry())
+        assert registry.list() == (_entry(),)
+
+
+def test_unknown_names_are_not_found(registry):
+    for call in (registry.get, registry.remove):
+        with pytest.raises(AdapterNotFound) as err:
+            call("ghost")
+        assert err.value.name == "ghost" and "'ghost'" in str(err.value)
+        assert isinstance(err.value, LookupError)
+
+
+def test_duplicate_name_is_refused_and_the_first_kept(registry):
+    first = registry.register(_entry("dup", rank=8))
+    with pytest.raises(AdapterExists, match=r"name='dup'.*already registered") as err:
+        registry.register(_entry("dup", rank=32))
+    assert err.value.name == "dup"
+    assert registry.get("dup") == first
+    assert len(registry.list()) == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("name", ""),
+        ("name", "../etc"),
+        ("name", "has space"),
+        ("name", "a//b"),
+        ("name", "trailing/"),
+        ("name", "x" * 129),
+        ("name", 7),
+        ("base_model", ""),
+        ("base_model", "tab\tin"),
+        ("rank", 0),
+        ("rank", -8),
+        ("rank", True),
+        ("rank", 16.0),
+        ("alpha", 0),
+        ("alpha", math.inf),
+        ("target_modules", ()),
+        ("target_modules", ("lm_head",)),
+        ("target_modules", "q_proj"),
+        ("path", ""),
+        ("path", "nul\x00byte"),
+        ("sha256", "abc"),
+        ("sha256", "g" * 64),
+        ("sha256", None),
+        ("size_bytes", 0),
+        ("created_at", float("nan")),
+        ("created_at", -1.0),
+    ],
+)
+def test_bad_fields_are_named_and_nothing_is_stored(registry, field, value):
+    with pytest.raises(InvalidEntry) as err:
+        _entry(**{"name": "ok"} | {field: value})
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}=")
+    assert err.value.grpc_status == "INVALID_ARGUMENT"
+    assert registry.list() == ()
+
+
+def test_register_refuses_a_non_entry(registry):
+    with pytest.raises(InvalidEntry, match="entry="):
+        registry.register(dataclasses.asdict(_entry()))  # type: ignore[arg-type]
+
+
+def test_sha256_is_stored_lowercase(registry):
+    registry.register(_entry("upper", sha256="AB" * 32))
+    assert registry.get("upper").sha256 == SHA
+
+
+def test_exceptions_carry_their_grpc_status():
+    assert AdapterNotFound("x").grpc_status == "NOT_FOUND"
+    assert AdapterExists("x").grpc_status == "ALREADY_EXISTS"
+    assert InvalidEntry("rank", 0, "bad").grpc_status == "INVALID_ARGUMENT"
+    assert ChecksumMismatch("x", "f", SHA, "cd" * 32).grpc_status == "DATA_LOSS"
+    assert SchemaError("x").grpc_status == "FAILED_PRECONDITION"
+    assert RegistryUnavailable("x").grpc_status == "UNAVAILABLE"
+    assert RegistryError("x").grpc_status == "INTERNAL"
+
+
+def test_closed_registry_says_so(tmp_path):
+    registry = Registry(tmp_path / "r.db")
+    registry.close()
+    registry.close()  # a second close does nothing
+    with pytest.raises(RegistryError, match="closed"):
+        registry.list()
+
+
+# -- schema and migrations ------------------------------------------------------------
+
+
+def _objects(file: Path) -> set[tuple[str, str]]:
+    with sqlite3.connect(file) as conn:
+        return set(conn.execute("SELECT type, name FROM sqlite_master WHERE sql IS NOT NULL"))
+
+
+def _user_version(file: Path) -> int:
+    with sqlite3.connect(file) as conn:
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def test_new_file_gets_the_latest_schema_in_wal_mode(tmp_path):
+    file = tmp_path / "fresh.db"
+    Registry(file).close()
+    assert _user_version(file) == SCHEMA_VERSION == 2
+    assert ("index", "adapters_by_base_model") in _objects(file)
+    with sqlite3.connect(file) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_migrates_a_version_1_file(tmp_path):
+    file = tmp_path / "v1.db"
+    conn = sqlite3.connect(file)
+    conn.execute(V1_SCHEMA)
+    conn.execute(
+        "INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        ("old", "smollm2-135m", 8, 32.0, '["q_proj"]', "old-dir", SHA, 99, 1.0),
+    )
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    assert ("index", "adapters_by_base_model") not in _objects(file)
+
+    with Registry(file) as registry:
+        assert registry.schema_version == SCHEMA_VERSION
+        assert registry.get("old") == _entry(
+            "old", rank=8, target_modules=("q_proj",), path="old-dir", size_bytes=99, created_at=1.0
+        )
+        registry.register(_entry("new"))
+    assert ("index", "adapters_by_base_model") in _objects(file)
+    assert _user_version(file) == SCHEMA_VERSION
+
+
+def test_newer_schema_is_refused_untouched(tmp_path):
+    file = tmp_path / "future.db"
+    Registry(file).close()
+    with sqlite3.connect(file) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(SchemaError, match=rf"version {SCHEMA_VERSION + 1}.*newer jlora"):
+        Registry(file)
+    assert _user_version(file) == SCHEMA_VERSION + 1
+
+
+def test_a_file_that_is_not_a_database_is_refused(tmp_path):
+    file = tmp_path / "notes.db"
+    file.write_bytes(b"this is not sqlite, just some text that is long enough" * 40)
+    with pytest.raises(SchemaError, match="not a jlora registry"):
+        Registry(file)
+
+
+def test_missing_directory_is_unavailable(tmp_path):
+    with pytest.raises(RegistryUnavailable, match="no-such-dir"):
+        Registry(tmp_path / "no-such-dir" / "r.db")
+
+
+# -- sharing one file -----------------------------------------------------------------
+
+
+def test_two_connections_see_each_others_writes(tmp_path):
+    file = tmp_path / "shared.db"
+    with Registry(file) as router, Registry(file) as worker:
+        router.register(_entry("from-router"))
+        assert worker.get("from-router") == router.get("from-router")
+        worker.remove("from-router")
+        with pytest.raises(AdapterNotFound):
+            router.get("from-router")
+        with pytest.raises(AdapterExists):
+            worker.register(_entry("twice"))
+            router.register(_entry("twice"))
+
+
+def test_threads_share_one_registry(registry):
+    """A threaded server shares one Registry (so it must not be bound to the thread that
+    opened it): concurrent writes and reads from eight threads all land."""
+
+    def work(thread: int) -> list[str]:
+        names = []
+        for i in range(25):
+            entry = registry.register(_entry(f"t{thread}-{i}"))
+            names.append(registry.get(entry.name).name)
+            registry.list()
+        return names
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(work, range(8)))
+    assert results == [[f"t{t}-{i}" for i in range(25)] for t in range(8)]
+    assert len(registry.list()) == 200
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from router.registry import AdapterEntry, AdapterExists, Registry
+
+    file, tag = sys.argv[1], sys.argv[2]
+    with Registry(file) as registry:
+        for i in range(20):
+            registry.register(AdapterEntry(
+                name=f"{tag}-{i}", base_model="m", rank=8, alpha=16, target_modules=("q_proj",),
+                path=f"{tag}-{i}", sha256="ab" * 32, size_bytes=1,
+            ))
+            assert registry.get(f"{tag}-{i}").name == f"{tag}-{i}"
+        try:
+            registry.register(AdapterEntry(
+                name="contested", base_model="m", rank=8, alpha=16, target_modules=("q_proj",),
+                path=tag, sha256="ab" * 32, size_bytes=1,
+            ))
+            print("won")
+        except AdapterExists:
+            print("lost")
+    """
+)
+
+
+def test_processes_share_one_fresh_file(tmp_path):
+    """Four processes open a file that does not exist yet (so they race to create and
+    migrate it) and register concurrently; every entry lands, one wins the contested name."""
+    file = tmp_path / "multi.db"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(file), f"p{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(4)
+    ]
+    outcomes = []
+    for writer in writers:
+        out, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+        outcomes.append(out.strip())
+    assert sorted(outcomes) == ["lost", "lost", "lost", "won"]
+    with Registry(file) as registry:
+        names = {entry.name for entry in registry.list()}
+        assert names == {f"p{p}-{i}" for p in range(4) for i in range(20)} | {"contested"}
+        winner = outcomes.index("won")
+        assert registry.get("contested").path == f"p{winner}"
+
+
+# -- adapter paths ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def adapters_dir(tmp_path):
+    """adapters/{a,b} inside, outside/{evil,secret} next to it."""
+    root = tmp_path / "adapters"
+    for directory in (root / "a", root / "b", tmp_path / "outside" / "evil"):
+        directory.mkdir(parents=True)
+        (directory / "adapter_config.json").write_text("{}")
+    (tmp_path / "outside" / "secret").write_bytes(b"not yours")
+    (root / "a.txt").write_text("a file")
+    return root
+
+
+def test_resolve_path_accepts_directories_inside(adapters_dir):
+    real = adapters_dir.resolve()
+    assert resolve_path("a", adapters_dir) == real / "a"
+    assert resolve_path(str(real / "b"), adapters_dir) == real / "b"  # absolute, inside
+    (adapters_dir / "alias").symlink_to(adapters_dir / "a")  # a link that stays inside
+    assert resolve_path("alias", adapters_dir) == real / "a"
+
+
+@pytest.mark.parametrize(
+    "path, reason",
+    [
+        ("", "non-empty"),
+        ("../outside/evil", "'..'"),
+        ("a/../b", "'..'"),
+        ("missing", "does not exist"),
+        (".", "not a directory inside"),
+        ("a.txt", "is not a directory"),
+        ("{outside}/evil", "not a directory inside"),  # absolute, outside
+    ],
+)
+def test_resolve_path_refuses_escapes_and_non_directories(adapters_dir, path, reason):
+    path = path.format(outside=adapters_dir.parent / "outside")
+    with pytest.raises(InvalidEntry, match=reason) as err:
+        resolve_path(path, adapters_dir)
+    assert err.value.field == "path"
+
+
+def test_resolve_path_refuses_symlinks_out(adapters_dir):
+    outside = adapters_dir.parent / "outside"
+    (adapters_dir / "link").symlink_to(outside / "evil")
+    with pytest.raises(InvalidEntry, match="not a directory inside") as err:
+        resolve_path("link", adapters_dir)
+    assert err.value.field == "path"
+    (adapters_dir / "a" / WEIGHTS_FILE).symlink_to(outside / "secret")
+    with pytest.raises(InvalidEntry, match=f"{WEIGHTS_FILE} links to .*outside") as err:
+        resolve_path("a", adapters_dir)
+    assert err.value.field == "path"
+
+
+def test_resolve_path_names_a_bad_adapters_dir(tmp_path):
+    with pytest.raises(InvalidEntry) as err:
+        resolve_path("a", tmp_path / "nowhere")
+    assert err.value.field == "adapters_dir"
+
+
+# -- describing adapters and checking their weights -----------------------------------
+
+
+@pytest.fixture
+def demo_adapter(tmp_path):
+    """A real PEFT directory (cpu-tiny shapes, rank 4) inside tmp_path/adapters."""
+    root = tmp_path / "adapters"
+    (path,) = make_demo_adapters(
+        load_preset("cpu-tiny").config, root / "team", n=1, ranks=[4], targets=["q_proj", "o_proj"]
+    )
+    return root, path
+
+
+def test_entry_from_directory_reads_rank_targets_and_hash(demo_adapter, registry):
+    root, path = demo_adapter
+    entry = entry_from_directory("team/tiny", path, adapters_dir=root, base_model="cpu-tiny")
+    weights = (path / WEIGHTS_FILE).read_bytes()
+    assert (entry.rank, entry.alpha) == (4, 8.0)  # demo adapters have alpha = 2 * rank
+    assert entry.target_modules == ("q_proj", "o_proj")
+    assert entry.sha256 == hashlib.sha256(weights).hexdigest()
+    assert entry.size_bytes == len(weights)
+    assert entry.path == "team/demo-00-r4"  # relative to the adapters directory
+    registry.register(entry)
+    stored = registry.get("team/tiny")
+    assert resolve_path(stored.path, root) == path.resolve()
+    verify_sha256(stored, resolve_path(stored.path, root) / WEIGHTS_FILE)  # intact: no error
+
+
+def test_entry_from_directory_refuses_a_non_adapter(adapters_dir):
+    with pytest.raises(InvalidEntry, match="adapter_config.json|peft_type") as err:
+        entry_from_directory("x", "a", adapters_dir=adapters_dir, base_model="m")
+    assert err.value.field == "path"
+
+
+def test_corrupt_weights_are_caught_naming_adapter_and_both_hashes(demo_adapter):
+    root, path = demo_adapter
+    entry = entry_from_directory("tiny", path, adapters_dir=root, base_model="cpu-tiny")
+    file = path / WEIGHTS_FILE
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte in the last tensor
+    file.write_bytes(bytes(data))
+    actual = hashlib.sha256(bytes(data)).hexdigest()
+    with pytest.raises(ChecksumMismatch) as err:
+        verify_sha256(entry, file)
+    message = str(err.value)
+    assert "'tiny'" in message and entry.sha256 in message and actual in message
+    assert (err.value.expected, err.value.actual) == (entry.sha256, actual)
+    with pytest.raises(ChecksumMismatch, match=actual):
+        check_sha256(entry, actual.upper(), file)
+    check_sha256(entry, entry.sha256.upper(), file)  # the same digest in capitals: no error
+
+
+def test_unreadable_weights_name_the_path(demo_adapter):
+    root, path = demo_adapter
+    entry = entry_from_directory("tiny", path, adapters_dir=root, base_model="cpu-tiny")
+    (path / WEIGHTS_FILE).unlink()
+    with pytest.raises(InvalidEntry, match="cannot read the weights") as err:
+        verify_sha256(entry, path / WEIGHTS_FILE)
+    assert err.value.field == "path"
