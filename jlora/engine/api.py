@@ -90,6 +90,62 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
+# AdapterInfo.state
+HOST, LOADING, DEVICE = "host", "loading", "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    """One registered adapter and where it is."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]  # canonical order
+    sha256: str  # of adapter_model.safetensors ("" if unknown)
+    size_bytes: int  # of adapter_model.safetensors
+    state: str  # HOST | LOADING | DEVICE
+    slot: int  # the device slot, -1 when state is HOST
+    pinned: bool
+    running_requests: int  # running requests holding it (it cannot be evicted meanwhile)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningInfo:
+    """One request in the running batch."""
+
+    request_id: str
+    adapter: str | None
+    rank: int  # the adapter's rank; 0 for the base model
+    slot: int  # its decode slot
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot between two steps; counters (adapter_loads, adapter_evictions) are
+    cumulative since the engine started."""
+
+    running: tuple[RunningInfo, ...]
+    waiting: int  # queued, not yet admitted
+    max_slots: int
+    max_seq_len: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    adapter_slots_total: int
+    adapter_slots_free: int
+    adapter_slots_loading: int
+    adapter_loads: int
+    adapter_evictions: int
+    host_store_bytes_used: int = 0
+    host_store_bytes_capacity: int = 0
+    device_bytes_in_use: int = -1  # -1: unknown
+    device_bytes_limit: int = -1
+
+
 class Engine(abc.ABC):
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:

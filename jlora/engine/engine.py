@@ -41,7 +41,6 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -53,13 +52,12 @@ from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.manager import AdapterManager
 from jlora.adapters.peft import AdapterError
 from jlora.adapters.store import StoredAdapter
-from jlora.adapters.targets import INPUT_GROUPS
 from jlora.engine import cost_model
 from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent, UnknownAdapter
+from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.cpu_assist import CpuAssist, default_workers
 from jlora.engine.detokenizer import Detokenizer
-from jlora.engine.sampling import SamplingArrays
 from jlora.engine.steps import CompiledSteps, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
@@ -154,8 +152,10 @@ class LLMEngine(Engine):
             )
             self.model.cpu_lora = self.cpu
         self.counters: collections.Counter[str] = collections.Counter()
-        self._prefill_s: dict[int, float] = {}  # device prefill seconds per bucket (auto)
-        self._handoff_s = 0.0  # one CPU-routed input group's callback overhead (auto)
+        self.assisted: AssistedPrefill | None = None
+        if self.cpu is not None:
+            assert self.lora is not None
+            self.assisted = AssistedPrefill(self.steps, self.lora, self.cpu, cfg)
         log.info(
             "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
             cfg.max_slots,
@@ -302,8 +302,8 @@ class LLMEngine(Engine):
                     self._lora_weights,
                     sizes,
                 )
-        if cfg.lora_mode == "auto":
-            self._measure_for_cost_model(prefill)
+        if self.assisted is not None and cfg.lora_mode == "auto":
+            self.cache = self.assisted.measure(self.params, self.cache, prefill)
         for bucket in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
             self.steps.compile_decode(
                 self.params,
@@ -313,31 +313,6 @@ class LLMEngine(Engine):
                 self._lora_weights,
             )
         self.steps.warmed_up = True
-
-    def _measure_for_cost_model(self, buckets: Sequence[int]) -> None:
-        """Time one device prefill per bucket (KV writes dropped: an all-sentinel block
-        table) and one callback round trip, for `auto`'s cost model."""
-        assert self.cpu is not None
-        table = np.full(self.config.blocks_per_seq, self._sentinel, np.int32)
-        weights = self._lora_weights
-        for bucket in buckets:
-            tokens = np.zeros(bucket, np.int32)
-            segments = None if weights is None else Segments.single(-1, bucket)
-            for _ in range(2):  # the first call pays one-off costs
-                start = time.perf_counter()
-                token, self.cache = self.steps.prefill(
-                    self.params, self.cache, tokens, bucket, table, host_sampling(1),
-                    weights, segments,
-                )  # fmt: skip
-                int(token)
-            self._prefill_s[bucket] = time.perf_counter() - start
-        self._handoff_s = self.cpu.measure_handoff_s()
-        log.info(
-            "cost model: link %.2f GB/s, prefill %s ms, callback round trip %.2f ms",
-            self.lora.link_bytes_per_s / 1e9 if self.lora else 0.0,
-            {b: round(1e3 * t, 1) for b, t in self._prefill_s.items()},
-            1e3 * self._handoff_s,
-        )
 
     # -- the iteration ----------------------------------------------------------------
 
@@ -397,7 +372,10 @@ class LLMEngine(Engine):
         if self.config.lora_mode == "cpu-assist":
             return True
         if seq.assist is None:
-            decision = cost_model.decide(self._cold_start(seq))
+            assert self.assisted is not None
+            prompt = len(seq.request.prompt_ids)
+            bucket = self._bucket(self.config.prefill_buckets, prompt)
+            decision = cost_model.decide(self.assisted.cold_start(adapter, prompt, bucket))
             seq.assist = decision.assist
             self.counters["auto_assist" if decision.assist else "auto_wait"] += 1
             log.info(
@@ -408,27 +386,6 @@ class LLMEngine(Engine):
                 decision.describe(),
             )
         return seq.assist
-
-    def _cold_start(self, seq: _Sequence) -> cost_model.ColdStart:
-        """The cost model's inputs for `seq`, whose adapter is loading."""
-        assert self.lora is not None and self.cpu is not None and seq.request.adapter
-        adapter, lora = seq.request.adapter, self.lora
-        groups = lora.groups
-        landed = lora.install_landed(adapter)
-        layers_left = sum(stop - start for start, stop in groups[landed:])
-        prompt = len(seq.request.prompt_ids)
-        bucket = self._bucket(self.config.prefill_buckets, prompt)
-        stored = lora.store.get(adapter)
-        adapted = sum(
-            any(name in stored.target_offsets for name in names) for names in INPUT_GROUPS
-        )
-        return cost_model.ColdStart(
-            load_left_s=layers_left * lora.layer_bytes / lora.link_bytes_per_s,
-            prefill_s=self._prefill_s.get(bucket, 0.0),
-            cpu_layer_s=self.cpu.layer_seconds(prompt, stored),
-            callbacks_layer_s=adapted * self._handoff_s,
-            group_layers=tuple(stop - start for start, stop in groups),
-        )
 
     def _set_sampling_row(self, seq: _Sequence) -> None:
         params, row, arrays = seq.request.sampling, seq.slot, self._sampling
@@ -445,7 +402,29 @@ class LLMEngine(Engine):
         tokens[: len(prompt)] = prompt
         sampling = jax.tree.map(lambda a: a[seq.slot : seq.slot + 1], self._sampling)
         if assisted:
-            self._append(seq, self._prefill_assisted(seq, tokens, sampling), events)
+            assert self.assisted and self.lora and seq.request.adapter
+            first, self.cache, routes = self.assisted.run(
+                self.params,
+                self.cache,
+                tokens,
+                len(prompt),
+                self._tables[seq.slot],
+                self._lora_idx[seq.slot],
+                seq.request.adapter,
+                sampling,
+            )
+            seq.parked = not self.lora.slots.is_ready(seq.request.adapter)
+            self.counters["assisted_prefills"] += 1
+            self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
+            self.counters["cpu_layer_groups"] += routes.count("C")
+            self.counters["device_layer_groups"] += routes.count("D")
+            log.info(
+                "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
+                seq.request.request_id,
+                routes,
+                ", parked until its adapter lands" if seq.parked else "",
+            )
+            self._append(seq, first, events)
             return
         weights = self._lora_weights
         segments = None if weights is None else Segments.single(self._lora_idx[seq.slot], bucket)
@@ -464,59 +443,8 @@ class LLMEngine(Engine):
             segments,
         )
         self._append(seq, int(token), events)
-        if bucket in self._prefill_s:  # keep the cost model's estimate current
-            seconds = time.perf_counter() - start
-            self._prefill_s[bucket] = 0.8 * self._prefill_s[bucket] + 0.2 * seconds
-
-    def _prefill_assisted(
-        self, seq: _Sequence, tokens: np.ndarray, sampling: SamplingArrays
-    ) -> int:
-        """Prefill layer group by layer group while the adapter lands (Toppings §4.1):
-        before each segment, install the groups that have landed and route the layers
-        of the others to the CPU workers. Returns the first token."""
-        assert self.lora is not None and self.cpu is not None and seq.request.adapter
-        adapter, lora, cfg = seq.request.adapter, self.lora, self.config
-        bucket, length = tokens.shape[0], len(seq.request.prompt_ids)
-        segments = Segments.single(self._lora_idx[seq.slot], bucket)
-        sizes = sorted({stop - start for start, stop in lora.groups})
-        self.steps.compile_segmented(
-            self.params, self.cache, bucket, cfg.blocks_per_seq, lora.weights, sizes
-        )
-        routes = []
-        x = self.steps.embed(self.params, tokens)
-        self.cpu.begin(lora.store.get(adapter))
-        try:
-            for index, (start, stop) in enumerate(lora.groups):
-                jax.block_until_ready(x)  # route by what has landed by now
-                on_device = index < lora.install_landed(adapter)
-                routes.append("D" if on_device else "C")
-                route = np.full(stop - start, 0 if on_device else 1, np.int32)
-                x, self.cache = self.steps.prefill_segment(
-                    self.params,
-                    self.cache,
-                    x,
-                    length,
-                    self._tables[seq.slot],
-                    start,
-                    route,
-                    lora.weights,
-                    segments,
-                )
-            token = int(self.steps.prefill_head(self.params, x, length, sampling))
-        finally:
-            self.cpu.end()
-        seq.parked = not lora.slots.is_ready(adapter)
-        self.counters["assisted_prefills"] += 1
-        self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
-        self.counters["cpu_layer_groups"] += routes.count("C")
-        self.counters["device_layer_groups"] += routes.count("D")
-        log.info(
-            "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
-            seq.request.request_id,
-            "".join(routes),
-            ", parked until its adapter lands" if seq.parked else "",
-        )
-        return token
+        if self.assisted is not None:  # keep the cost model's estimate current
+            self.assisted.observe_prefill(bucket, time.perf_counter() - start)
 
     def _decode(self, events: list[TokenEvent]) -> None:
         running = self._decoding()

@@ -39,9 +39,19 @@ from typing import cast
 
 from jlora.adapters.peft import AdapterError, read_lora_spec
 from jlora.adapters.store import NAME_PATTERN
-from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent, UnknownAdapter
+from jlora.engine.api import (
+    DEVICE,
+    HOST,
+    AdapterInfo,
+    Engine,
+    EngineStats,
+    InvalidRequest,
+    Request,
+    RunningInfo,
+    TokenEvent,
+    UnknownAdapter,
+)
 from jlora.engine.detokenizer import Detokenizer
-from jlora.server.engine_info import DEVICE, HOST, AdapterInfo, EngineStats, RunningInfo
 from jlora.tokenizer import Tokenizer
 
 

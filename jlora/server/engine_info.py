@@ -7,70 +7,34 @@ the slots and memory. Engines that can do so implement the `AdapterControl` and
 for a method the engine lacks. Every method here is called on the scheduler thread,
 between two `step()` calls, like `add_request` and `abort`.
 
-The dataclasses are plain host state with no dependency on the server, so that they can
-move next to `Engine` in `jlora/engine/api.py`.
+The dataclasses they return are plain host state, defined next to `Engine` in
+`jlora/engine/api.py` and re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-# AdapterInfo.state
-HOST, LOADING, DEVICE = "host", "loading", "device"
+from jlora.engine.api import (
+    DEVICE,
+    HOST,
+    LOADING,
+    AdapterInfo,
+    EngineStats,
+    RunningInfo,
+)
 
-
-@dataclasses.dataclass(frozen=True)
-class AdapterInfo:
-    """One registered adapter and where it is."""
-
-    name: str
-    path: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]  # canonical order
-    sha256: str  # of adapter_model.safetensors ("" if unknown)
-    size_bytes: int  # of adapter_model.safetensors
-    state: str  # HOST | LOADING | DEVICE
-    slot: int  # the device slot, -1 when state is HOST
-    pinned: bool
-    running_requests: int  # running requests holding it (it cannot be evicted meanwhile)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunningInfo:
-    """One request in the running batch."""
-
-    request_id: str
-    adapter: str | None
-    rank: int  # the adapter's rank; 0 for the base model
-    slot: int  # its decode slot
-    prompt_tokens: int
-    generated_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot between two steps; counters (adapter_loads, adapter_evictions) are
-    cumulative since the engine started."""
-
-    running: tuple[RunningInfo, ...]
-    waiting: int  # queued, not yet admitted
-    max_slots: int
-    max_seq_len: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_block_size: int
-    adapter_slots_total: int
-    adapter_slots_free: int
-    adapter_slots_loading: int
-    adapter_loads: int
-    adapter_evictions: int
-    host_store_bytes_used: int = 0
-    host_store_bytes_capacity: int = 0
-    device_bytes_in_use: int = -1  # -1: unknown
-    device_bytes_limit: int = -1
+__all__ = [
+    "DEVICE",
+    "HOST",
+    "LOADING",
+    "AdapterControl",
+    "AdapterInfo",
+    "EngineStats",
+    "Introspectable",
+    "RunningInfo",
+]
 
 
 @runtime_checkable

@@ -1,0 +1,293 @@
+"""Cold starts: time to first token for cached, ondemand, cpu-assist and auto, and the
+host-callback overhead a CPU-routed layer pays.
+
+Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G]`
+(`make bench-cold-start`; a few minutes on a 2-core CPU).
+
+1. Callback overhead per layer: a jitted scan over the model's layers in which each
+   layer makes the four submit/collect pairs of a CPU-routed layer (one per input
+   group: q/k/v, o, gate/up, down; f32[T, in] out, f32[T, out] back) with no CPU work
+   behind them, against the same scan without callbacks. The difference divided by
+   the number of layers is what routing a layer to the CPU costs beyond its products.
+2. Time to first token on a trace: seeded Poisson arrivals, adapters drawn from a
+   Zipf(1.2) popularity over `--adapters` demo adapters of mixed ranks, prompts of
+   40-200 tokens, 8 new tokens each. `max_loras` device slots hold fewer adapters than
+   the trace uses, so adapters are evicted and come back cold; transfers are throttled
+   to `--link-gbps` (`emulated_link_gbps`; a CPU has no host-to-device link). `cached`
+   pins every adapter before the trace (as many slots as adapters): the lower bound.
+   TTFT runs from a request's arrival to its first token; "cold" requests are those
+   whose adapter was not resident when they arrived. Every engine is warmed up first.
+
+The modes run one after another in one process, on the same trace; the table records
+the 1-minute load average. Results are ratios on this machine, not absolute claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from bench.report import machine_facts, write_report
+from configs import EngineConfig
+from jlora.adapters.peft import make_demo_adapters
+from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+from jlora.engine.api import Request, SamplingParams
+from jlora.engine.engine import LLMEngine
+from jlora.model.loading import load_model
+
+MODES = ("cached", "ondemand", "cpu-assist", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str = "smollm2-135m"
+    requests: int = 24
+    rate_per_s: float = 1.0
+    adapters: int = 6
+    ranks: tuple[int, ...] = (16, 32, 64)
+    max_loras: int = 2
+    link_gbps: float = 0.05
+    new_tokens: int = 8
+    seed: int = 0
+
+
+# -- 1. callback overhead ------------------------------------------------------------
+
+
+def callback_overhead(model: str, tokens: int, iters: int) -> dict:
+    """Median seconds per layer of the four callback pairs of a CPU-routed layer."""
+    config = load_model(model).config
+    shapes = target_shapes(config)
+    groups = [(shapes[names[0]][0], sum(shapes[n][1] for n in names)) for names in INPUT_GROUPS]
+
+    def submit(h: np.ndarray) -> np.ndarray:
+        return np.int32(1)
+
+    def collect(width: int, ticket: np.ndarray) -> np.ndarray:
+        return np.zeros((tokens, width), np.float32)
+
+    def run(with_callbacks: bool):
+        def layer(x, _):
+            for fan_in, width in groups:
+                h = jnp.broadcast_to(x[:, :1], (tokens, fan_in))  # the group's input
+                if with_callbacks:
+                    ticket = io_callback(
+                        submit, jax.ShapeDtypeStruct((), jnp.int32), h, ordered=True
+                    )
+                    out = io_callback(
+                        functools.partial(collect, width),
+                        jax.ShapeDtypeStruct((tokens, width), jnp.float32),
+                        ticket,
+                        ordered=True,
+                    )
+                    x = x + out[:, :1]
+                else:
+                    x = x + 0 * h[:, :1]
+            return x, None
+
+        return jax.jit(lambda x: jax.lax.scan(layer, x, None, length=config.num_layers)[0])
+
+    x = jnp.ones((tokens, config.hidden_size), jnp.float32)
+    timings = {}
+    for flag in (False, True):
+        fn = run(flag)
+        jax.block_until_ready(fn(x))
+        samples = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            samples.append(time.perf_counter() - start)
+        timings[flag] = statistics.median(samples)
+    per_layer = (timings[True] - timings[False]) / config.num_layers
+    return {
+        "model": model,
+        "tokens": tokens,
+        "layers": config.num_layers,
+        "scan_without_callbacks_ms": 1e3 * timings[False],
+        "scan_with_callbacks_ms": 1e3 * timings[True],
+        "overhead_per_layer_us": 1e6 * per_layer,
+        "overhead_per_pair_us": 1e6 * per_layer / len(INPUT_GROUPS),
+    }
+
+
+# -- 2. time to first token on a trace ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    adapter: str
+    prompt: list[int]
+
+
+def make_trace(plan: Plan, names: list[str], vocab: int) -> list[Arrival]:
+    rng = np.random.default_rng(plan.seed)
+    weights = 1.0 / np.arange(1, len(names) + 1) ** 1.2
+    picks = rng.choice(len(names), plan.requests, p=weights / weights.sum())
+    gaps = rng.exponential(1.0 / plan.rate_per_s, plan.requests)
+    lengths = rng.integers(40, 201, plan.requests)
+    return [
+        Arrival(float(t), names[i], rng.integers(0, vocab, n).tolist())
+        for t, i, n in zip(np.cumsum(gaps), picks, lengths, strict=True)
+    ]
+
+
+def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> LLMEngine:
+    config = EngineConfig(
+        max_slots=4,
+        max_seq_len=256,
+        max_loras=len(adapters) if mode == "cached" else plan.max_loras,
+        max_lora_rank=max(plan.ranks),
+        lora_mode=mode,
+        emulated_link_gbps=0.0 if mode == "cached" else plan.link_gbps,
+    )
+    engine = LLMEngine(
+        model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
+    )
+    for name, path in adapters.items():
+        engine.register_adapter(name, str(path))
+    engine.warmup(prompt_lengths=list(range(40, 201)), max_length=200 + plan.new_tokens)
+    return engine
+
+
+def replay(engine: LLMEngine, trace: list[Arrival], new_tokens: int) -> list[dict]:
+    """Feed the trace in real time; per request: TTFT and whether it arrived cold."""
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    results: dict[str, dict] = {}
+    start, pending = time.perf_counter(), list(enumerate(trace))
+    while pending or engine.has_unfinished:
+        now = time.perf_counter() - start
+        while pending and pending[0][1].at_s <= now:
+            index, arrival = pending.pop(0)
+            rid = f"r{index}"
+            assert engine.lora is not None
+            cold = not engine.lora.slots.is_ready(arrival.adapter)
+            results[rid] = {"adapter": arrival.adapter, "cold": cold, "arrived": now}
+            engine.add_request(Request(rid, arrival.prompt, sampling, adapter=arrival.adapter))
+        if not engine.has_unfinished:
+            time.sleep(max(0.0, min(pending[0][1].at_s - now, 0.05)))
+            continue
+        for event in engine.step():
+            result = results[event.request_id]
+            if "ttft_s" not in result:
+                result["ttft_s"] = time.perf_counter() - start - result["arrived"]
+    return list(results.values())
+
+
+def summarize(mode: str, results: list[dict], counters: dict) -> dict:
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {"n": 0}
+        return {
+            "n": len(values),
+            "median_ms": 1e3 * statistics.median(values),
+            "p90_ms": 1e3 * float(np.percentile(values, 90)),
+            "mean_ms": 1e3 * statistics.fmean(values),
+        }
+
+    cold = [r["ttft_s"] for r in results if r["cold"]]
+    return {
+        "mode": mode,
+        "all": stats([r["ttft_s"] for r in results]),
+        "cold": stats(cold),
+        "counters": counters,
+    }
+
+
+def render(facts: dict, plan: Plan, overhead: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# Cold starts: {facts['cpu_count']} x {facts['cpu_model']}, device {facts['device']}",
+        "",
+        f"jax {facts['jax']}, {facts['date']}, 1-minute load average "
+        f"{facts['load_avg_1min_start']:.2f} at the start, {facts['load_avg_1min_end']:.2f} "
+        "at the end",
+        "",
+        "## Host-callback overhead of a CPU-routed layer",
+        "",
+        f"{overhead['model']}, {overhead['tokens']} tokens, {overhead['layers']} layers: "
+        f"scan {overhead['scan_without_callbacks_ms']:.2f} ms without callbacks, "
+        f"{overhead['scan_with_callbacks_ms']:.2f} ms with 4 pairs per layer: "
+        f"**{overhead['overhead_per_layer_us']:.0f} µs per layer** "
+        f"({overhead['overhead_per_pair_us']:.0f} µs per submit/collect pair).",
+        "",
+        f"## Time to first token, {plan.model}, {plan.requests} requests at "
+        f"{plan.rate_per_s}/s, {plan.adapters} adapters (ranks {plan.ranks}), "
+        f"{plan.max_loras} device slots, link {plan.link_gbps} GB/s",
+        "",
+        "| mode | cold n | cold median ms | cold p90 ms | all median ms | all p90 ms "
+        "| vs cached (cold median) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cached = next((r for r in rows if r["mode"] == "cached"), None)
+    for row in rows:
+        cold, every = row["cold"], row["all"]
+        ratio = ""
+        if cached and cold.get("n") and cached["all"].get("n"):
+            ratio = f"{cold['median_ms'] / cached['all']['median_ms']:.2f}x"
+        lines.append(
+            f"| {row['mode']} | {cold.get('n', 0)} | {cold.get('median_ms', 0):.0f} "
+            f"| {cold.get('p90_ms', 0):.0f} | {every['median_ms']:.0f} | {every['p90_ms']:.0f} "
+            f"| {ratio} |"
+        )
+    lines += ["", "Counters: " + "; ".join(f"{r['mode']}: {r['counters']}" for r in rows)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 requests, cpu-tiny")
+    parser.add_argument("--model", default=Plan.model)
+    parser.add_argument("--link-gbps", type=float, default=Plan.link_gbps)
+    parser.add_argument("--requests", type=int, default=Plan.requests)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--markdown", type=Path, metavar="PATH")
+    args = parser.parse_args(argv)
+    plan = Plan(model=args.model, link_gbps=args.link_gbps, requests=args.requests)
+    if args.quick:
+        plan = dataclasses.replace(plan, model="cpu-tiny", requests=8, link_gbps=0.0005)
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"--modes: {sorted(unknown)} not in {list(MODES)}")
+    facts = machine_facts()
+    print("callback overhead...", file=sys.stderr, flush=True)
+    overhead = callback_overhead(plan.model, 128, iters=5 if args.quick else 20)
+    loaded = load_model(plan.model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_demo_adapters(
+            loaded.config, tmp, n=plan.adapters, ranks=list(plan.ranks), seed=plan.seed
+        )
+        adapters = {path.name: path for path in paths}
+        trace = make_trace(plan, list(adapters), loaded.config.vocab_size)
+        for mode in modes:
+            print(f"{mode}: warming up, then {len(trace)} requests", file=sys.stderr, flush=True)
+            engine = make_engine(loaded, plan, mode, adapters)
+            try:
+                results = replay(engine, trace, plan.new_tokens)
+                rows.append(summarize(mode, results, dict(engine.counters)))
+            finally:
+                engine.close()
+    facts["load_avg_1min_end"] = os.getloadavg()[0]
+    text = render(facts, plan, overhead, rows)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        write_report(args.json, facts, plan, rows, callback_overhead=overhead)
+
+
+if __name__ == "__main__":
+    main()

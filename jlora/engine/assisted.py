@@ -1,0 +1,131 @@
+"""The CPU-assisted prefill of one request, and the numbers `auto`'s cost model needs.
+
+`AssistedPrefill.run` is Toppings §4.1's pipelined loading seen from the scheduler:
+
+1. The prompt is embedded (`CompiledSteps.embed`).
+2. Before each layer-group segment, the host waits for the previous segment to finish
+   (so the routing reflects what has landed by the time the segment runs), installs the
+   adapter's layer groups that have landed (`AdapterManager.install_landed`), and
+   routes the segment's layers: to the device slot if their group is installed, to the
+   CPU workers otherwise (`CpuAssist`, through the model's host callbacks).
+3. The last hidden state gives the logits and the first token (`prefill_head`).
+
+The route of each group is returned as a string ("CCDD": CPU, CPU, device, device).
+`measure` (at warm-up) and `observe_prefill` (per device prefill) keep the device
+prefill time per bucket; `cold_start` assembles the cost model's inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from configs import EngineConfig
+from jlora.adapters.backends import Segments
+from jlora.adapters.manager import AdapterManager
+from jlora.adapters.targets import INPUT_GROUPS
+from jlora.engine import cost_model
+from jlora.engine.cpu_assist import CpuAssist
+from jlora.engine.sampling import SamplingArrays
+from jlora.engine.steps import CompiledSteps, host_sampling
+from jlora.model.kv_cache import KVCache
+from jlora.model.llama import Params
+
+log = logging.getLogger(__name__)
+
+
+class AssistedPrefill:
+    def __init__(
+        self, steps: CompiledSteps, lora: AdapterManager, cpu: CpuAssist, config: EngineConfig
+    ) -> None:
+        self.steps, self.lora, self.cpu, self.config = steps, lora, cpu, config
+        self.group_sizes = sorted({stop - start for start, stop in lora.groups})
+        self.prefill_s: dict[int, float] = {}  # device prefill seconds per bucket
+        self.handoff_s = 0.0  # one CPU-routed input group's callback round trip
+
+    def run(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: np.ndarray,
+        length: int,
+        block_table: np.ndarray,
+        slot: int,
+        adapter: str,
+        sampling: SamplingArrays,
+    ) -> tuple[int, KVCache, str]:
+        """Prefill `tokens` (a bucket, `length` real) for `adapter`, still landing in
+        device slot `slot`; returns the first token, the cache and the routes."""
+        lora, bucket = self.lora, tokens.shape[0]
+        segments = Segments.single(slot, bucket)
+        self.steps.compile_segmented(
+            params, cache, bucket, self.config.blocks_per_seq, lora.weights, self.group_sizes
+        )
+        routes = ""
+        x = self.steps.embed(params, tokens)
+        self.cpu.begin(lora.store.get(adapter))
+        try:
+            for index, (start, stop) in enumerate(lora.groups):
+                jax.block_until_ready(x)  # route by what has landed by now
+                on_device = index < lora.install_landed(adapter)
+                routes += "D" if on_device else "C"
+                route = np.full(stop - start, 0 if on_device else 1, np.int32)
+                x, cache = self.steps.prefill_segment(
+                    params, cache, x, length, block_table, start, route, lora.weights, segments
+                )
+            token = int(self.steps.prefill_head(params, x, length, sampling))
+        finally:
+            self.cpu.end()
+        return token, cache, routes
+
+    # -- the cost model's inputs ---------------------------------------------------
+
+    def measure(self, params: Params, cache: KVCache, buckets: Sequence[int]) -> KVCache:
+        """Time one device prefill per bucket (its KV writes dropped: an all-sentinel
+        block table) and one callback round trip; returns the cache."""
+        sentinel = np.full(self.config.blocks_per_seq, self.config.num_blocks, np.int32)
+        for bucket in buckets:
+            tokens = np.zeros(bucket, np.int32)
+            segments = Segments.single(-1, bucket)
+            for _ in range(2):  # the first call pays one-off costs
+                start = time.perf_counter()
+                token, cache = self.steps.prefill(
+                    params, cache, tokens, bucket, sentinel, host_sampling(1),
+                    self.lora.weights, segments,
+                )  # fmt: skip
+                int(token)
+            self.prefill_s[bucket] = time.perf_counter() - start
+        self.handoff_s = self.cpu.measure_handoff_s()
+        log.info(
+            "cost model: link %.3f GB/s, device prefill %s ms, callback round trip %.2f ms",
+            self.lora.link_bytes_per_s / 1e9,
+            {b: round(1e3 * t, 1) for b, t in self.prefill_s.items()},
+            1e3 * self.handoff_s,
+        )
+        return cache
+
+    def observe_prefill(self, bucket: int, seconds: float) -> None:
+        """Fold a measured device prefill of `bucket` into the estimate."""
+        if bucket in self.prefill_s:
+            self.prefill_s[bucket] = 0.8 * self.prefill_s[bucket] + 0.2 * seconds
+
+    def cold_start(self, adapter: str, prompt_len: int, bucket: int) -> cost_model.ColdStart:
+        """The cost model's inputs for a prompt whose adapter is loading."""
+        lora = self.lora
+        landed = lora.install_landed(adapter)
+        layers_left = sum(stop - start for start, stop in lora.groups[landed:])
+        stored = lora.store.get(adapter)
+        adapted = sum(
+            any(name in stored.target_offsets for name in names) for names in INPUT_GROUPS
+        )
+        return cost_model.ColdStart(
+            load_left_s=layers_left * lora.layer_bytes / lora.link_bytes_per_s,
+            prefill_s=self.prefill_s.get(bucket, 0.0),
+            cpu_layer_s=self.cpu.layer_seconds(prompt_len, stored),
+            callbacks_layer_s=adapted * self.handoff_s,
+            group_layers=tuple(stop - start for start, stop in lora.groups),
+        )
