@@ -54,11 +54,11 @@ MODES = ("cached", "ondemand", "cpu-assist", "auto")
 class Plan:
     model: str = "smollm2-135m"
     requests: int = 24
-    rate_per_s: float = 1.0
+    rate_per_s: float = 0.5
     adapters: int = 6
     ranks: tuple[int, ...] = (16, 32, 64)
     max_loras: int = 2
-    link_gbps: float = 0.05
+    link_gbps: float = 0.1
     new_tokens: int = 8
     seed: int = 0
 

@@ -33,3 +33,51 @@ def resolve_dtype(name: str) -> str:
     import jax
 
     return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+
+
+def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
+    """How an engine serves adapters: --lora-mode, --lora-backend, --max-loras,
+    --emulated-link-gbps, --cpu-workers (read back with `lora_engine_config`)."""
+    from configs.engine import LORA_BACKENDS, LORA_MODES
+
+    group.add_argument(
+        "--lora-mode",
+        choices=LORA_MODES,
+        default="ondemand",
+        help="ondemand: load an adapter when a request needs it, prefill once it has "
+        "landed (default); cached: load all before serving; cpu-assist: prefill at once, "
+        "the LoRA of layers still in flight on CPU workers; auto: a cost model picks "
+        "cpu-assist or waiting per request",
+    )
+    group.add_argument(
+        "--lora-backend",
+        choices=LORA_BACKENDS,
+        default="reference",
+        help="batched-LoRA kernels: plain jnp (default), BGMV (stacked slots) or MBGMV "
+        "(a page pool); the Pallas ones run compiled on a GPU, interpreted elsewhere",
+    )
+    group.add_argument("--max-loras", type=int, help="device adapter slots")
+    group.add_argument(
+        "--emulated-link-gbps",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="throttle adapter transfers to G GB/s (a CPU-only machine has no real "
+        "host-to-device link; off by default)",
+    )
+    group.add_argument(
+        "--cpu-workers",
+        type=int,
+        default=0,
+        help="CPU LoRA worker processes for cpu-assist/auto (default: one per core, less one)",
+    )
+
+
+def lora_engine_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of `add_lora_engine_args` (max_loras is the caller's)."""
+    return {
+        "lora_mode": args.lora_mode,
+        "lora_backend": args.lora_backend,
+        "emulated_link_gbps": args.emulated_link_gbps,
+        "cpu_workers": args.cpu_workers,
+    }

@@ -23,9 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from configs.engine import LORA_BACKENDS, LORA_MODES
 from jlora.adapters.store import NAME_PATTERN
-from jlora.cli.common import UsageError, add_model_args, resolve_dtype
+from jlora.cli.common import (
+    UsageError,
+    add_lora_engine_args,
+    add_model_args,
+    lora_engine_config,
+    resolve_dtype,
+)
 from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, TokenEvent
 
 
@@ -83,41 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     lora.add_argument(
         "--adapters-dir", type=Path, metavar="DIR", help="where adapter names are looked up"
     )
-    lora.add_argument(
-        "--lora-mode",
-        choices=LORA_MODES,
-        default="ondemand",
-        help="ondemand: load an adapter when a request needs it, prefill once it has "
-        "landed (default); cached: load all before serving; cpu-assist: prefill at once, "
-        "the LoRA of layers still in flight on CPU workers; auto: a cost model picks "
-        "cpu-assist or waiting per request",
-    )
-    lora.add_argument(
-        "--emulated-link-gbps",
-        type=float,
-        default=0.0,
-        metavar="G",
-        help="throttle adapter transfers to G GB/s (a CPU-only machine has no real "
-        "host-to-device link; off by default)",
-    )
-    lora.add_argument(
-        "--cpu-workers",
-        type=int,
-        default=0,
-        help="CPU LoRA worker processes for cpu-assist/auto (default: one per core, less one)",
-    )
-    lora.add_argument(
-        "--lora-backend",
-        choices=LORA_BACKENDS,
-        default="reference",
-        help="batched-LoRA kernels: plain jnp (default), BGMV (stacked slots) or MBGMV "
-        "(a page pool); the Pallas ones run compiled on a GPU, interpreted elsewhere",
-    )
-    lora.add_argument(
-        "--max-loras",
-        type=int,
-        help="device adapter slots (default: one per distinct adapter)",
-    )
+    add_lora_engine_args(lora)
     parser.set_defaults(run=run)
 
 
@@ -252,10 +223,7 @@ def _load(
             "max_loras": args.max_loras or len(specs),
             "max_lora_rank": max(spec.rank for spec in specs),
             "lora_targets": tuple({t for spec in specs for t in spec.targets}),
-            "lora_mode": args.lora_mode,
-            "lora_backend": args.lora_backend,
-            "emulated_link_gbps": args.emulated_link_gbps,
-            "cpu_workers": args.cpu_workers,
+            **lora_engine_config(args),
         }
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     tokenizer = loaded.tokenizer

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jlora.cli import adapters, convert, generate
+from jlora.cli import adapters, convert, generate, serve
 from jlora.cli.common import UsageError
 
 
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     commands = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(commands)
+    serve.add_parser(commands)
     convert.add_parser(commands)
     adapters.add_parser(commands)
     return parser

@@ -53,7 +53,19 @@ from jlora.adapters.manager import AdapterManager
 from jlora.adapters.peft import AdapterError
 from jlora.adapters.store import StoredAdapter
 from jlora.engine import cost_model
-from jlora.engine.api import Engine, InvalidRequest, Request, TokenEvent, UnknownAdapter
+from jlora.engine.api import (
+    DEVICE,
+    HOST,
+    LOADING,
+    AdapterInfo,
+    Engine,
+    EngineStats,
+    InvalidRequest,
+    Request,
+    RunningInfo,
+    TokenEvent,
+    UnknownAdapter,
+)
 from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.cpu_assist import CpuAssist, default_workers
@@ -211,6 +223,99 @@ class LLMEngine(Engine):
     def adapters(self) -> list[StoredAdapter]:
         return (
             [] if self.lora is None else [self.lora.store.get(n) for n in self.lora.store.names()]
+        )
+
+    def _registered(self, name: str) -> AdapterManager:
+        if self.lora is None or name not in self.lora.store:
+            raise AdapterError(f"adapter name={name!r} is not registered")
+        return self.lora
+
+    def load_adapter(self, name: str, *, pin: bool = False) -> None:
+        """Start copying a registered adapter into a device slot and return at once (a
+        no-op if it is there or on its way); `pin` keeps it there until unloaded."""
+        slots = self._registered(name).slots
+        if pin:
+            try:
+                slots.pin(name)
+            except ValueError as err:
+                raise AdapterError(f"adapter {name!r}: {err}") from None
+        elif slots.request(name) is None and not slots.is_loading(name):
+            raise AdapterError(
+                f"adapter {name!r}: no device slot can be had; all max_loras="
+                f"{slots.num_slots} slots are held by running requests or pinned"
+            )
+
+    def unload_adapter(self, name: str) -> None:
+        """Unpin an adapter and free its device slot; it stays registered."""
+        slots = self._registered(name).slots
+        if slots.in_use(name):
+            raise AdapterError(f"adapter {name!r} is used by {slots.in_use(name)} running requests")
+        slots.discard(name)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        """Every registered adapter and where it is, in registration order."""
+        infos = []
+        for stored in self.adapters():
+            assert self.lora is not None
+            slots, name = self.lora.slots, stored.name
+            state, slot = HOST, -1
+            if slots.is_ready(name):
+                state, slot = DEVICE, slots.slot_of(name) or 0
+            elif name in slots.loading():
+                state, slot = LOADING, slots.loading()[name]
+            infos.append(
+                AdapterInfo(
+                    name=name,
+                    path=str(stored.path),
+                    rank=stored.spec.rank,
+                    alpha=stored.spec.alpha,
+                    target_modules=stored.spec.targets,
+                    sha256=stored.sha256,
+                    size_bytes=stored.file_bytes,
+                    state=state,
+                    slot=slot,
+                    pinned=name in slots.pinned,
+                    running_requests=slots.in_use(name),
+                )
+            )
+        return infos
+
+    def stats(self) -> EngineStats:
+        """The running batch, the queue, the slots and memory, now."""
+        running = tuple(
+            RunningInfo(
+                request_id=seq.request.request_id,
+                adapter=seq.request.adapter,
+                rank=self.lora.store.get(seq.request.adapter).spec.rank
+                if self.lora is not None and seq.request.adapter
+                else 0,
+                slot=seq.slot,
+                prompt_tokens=len(seq.request.prompt_ids),
+                generated_tokens=len(seq.generated),
+            )
+            for seq in self._slots
+            if seq is not None
+        )
+        lora, cfg = self.lora, self.config
+        counts = lora.slots.stats() if lora is not None else {}
+        memory = jax.devices()[0].memory_stats() or {}
+        return EngineStats(
+            running=running,
+            waiting=len(self._waiting),
+            max_slots=cfg.max_slots,
+            max_seq_len=cfg.max_seq_len,
+            kv_blocks_total=cfg.num_blocks,
+            kv_blocks_free=self.allocator.num_free,
+            kv_block_size=cfg.block_size,
+            adapter_slots_total=cfg.max_loras,
+            adapter_slots_free=lora.slots.num_free if lora is not None else 0,
+            adapter_slots_loading=len(lora.slots.loading()) if lora is not None else 0,
+            adapter_loads=counts.get("loads", 0),
+            adapter_evictions=counts.get("evictions", 0),
+            host_store_bytes_used=lora.store.arena.bytes_used if lora is not None else 0,
+            host_store_bytes_capacity=lora.store.arena.capacity if lora is not None else 0,
+            device_bytes_in_use=memory.get("bytes_in_use", -1),
+            device_bytes_limit=memory.get("bytes_limit", -1),
         )
 
     @property

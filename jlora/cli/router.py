@@ -1,0 +1,202 @@
+"""`jlora router`: the front door in front of workers: the jlora.v1 gRPC API and the
+OpenAI-compatible HTTP API, with a routing policy, health checks and an adapter registry.
+
+    jlora router --workers 10.0.0.1:50051,10.0.0.2:50051 --policy rank-aware \\
+        --profile perf.json --adapters-dir /srv/adapters
+
+Policies (`--policy`): most-idle (default), first-fit, random, and the two that read a
+performance profile, rank-aware (the papers' Algorithm 1) and shortest-pending (dLoRA);
+those need `--profile FILE`, the JSON file `jlora profile` fits on the workers' hardware.
+Adapters registered through the router are validated inside `--adapters-dir`, recorded
+in the `--registry` SQLite file and registered on every worker, by their path relative
+to that directory: start the workers with the same `--adapters-dir`.
+
+SIGTERM or SIGINT drains: new requests are refused, those in flight get `--drain-grace`
+seconds. Where it listens is printed on stderr. This module needs no jax (also runnable
+as `python -m jlora.cli.router`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from jlora.cli.common import UsageError
+
+
+def default_registry() -> Path:
+    """$JLORA_STATE_DIR/registry.sqlite, else under $XDG_STATE_HOME (~/.local/state)/jlora."""
+    state = os.environ.get("JLORA_STATE_DIR")
+    if not state:
+        xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(
+            os.path.expanduser("~"), ".local", "state"
+        )
+        state = os.path.join(xdg, "jlora")
+    return Path(state) / "registry.sqlite"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "router",
+        help="route requests to workers (gRPC + OpenAI HTTP)",
+        description=__doc__.splitlines()[0],
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from router.policies import POLICIES
+
+    parser.add_argument(
+        "--workers",
+        required=True,
+        metavar="HOST:PORT,...",
+        help="the workers' gRPC addresses, comma-separated",
+    )
+    listen = parser.add_argument_group("listening")
+    listen.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    listen.add_argument("--port", type=int, default=50050, help="gRPC port (0: a free one)")
+    listen.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI HTTP, /metrics, /health (0: free)"
+    )
+    routing = parser.add_argument_group("routing")
+    routing.add_argument("--policy", choices=list(POLICIES), default="most-idle")
+    routing.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="performance profile (`jlora profile`), required by rank-aware and shortest-pending",
+    )
+    routing.add_argument(
+        "--slo-ms",
+        type=float,
+        help="rank-aware: decode-time SLO in ms (default: 1.5 x the profile's time without "
+        "adapters)",
+    )
+    routing.add_argument(
+        "--avg-resp-len",
+        type=float,
+        default=128.0,
+        help="rank-aware, shortest-pending: average response length in tokens (default 128)",
+    )
+    routing.add_argument(
+        "--adapter-load-ms",
+        type=float,
+        default=0.0,
+        help="shortest-pending: time to load an adapter that is not on the device",
+    )
+    routing.add_argument("--seed", type=int, default=0, help="random: the generator's seed")
+    routing.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait in the router for a worker with room (more: 429)",
+    )
+    routing.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="deadline of an HTTP request (gRPC callers set their own)",
+    )
+    adapters = parser.add_argument_group("adapters")
+    adapters.add_argument(
+        "--registry",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"the adapter registry, SQLite (default: {default_registry()})",
+    )
+    adapters.add_argument(
+        "--adapters-dir",
+        type=Path,
+        metavar="DIR",
+        help="adapter paths resolve inside it and may not leave it (needed to register)",
+    )
+    adapters.add_argument(
+        "--model-name", help="the base model's id (default: the one the workers report)"
+    )
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may take to finish",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.app import start_router
+    from router.perf_model import ProfileError
+    from router.policies import PolicyError
+    from router.registry import RegistryError
+
+    for flag, value in (("--port", args.port), ("--http-port", args.http_port)):
+        if not 0 <= value < 65536:
+            raise UsageError(f"{flag} {value}: must be a port number (0 picks a free one)")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue {args.max_queue}: must be >= 0")
+    if args.adapters_dir is not None and not args.adapters_dir.is_dir():
+        raise UsageError(f"--adapters-dir {args.adapters_dir}: no such directory")
+    if args.profile is not None and not args.profile.is_file():
+        raise UsageError(f"--profile {args.profile}: no such file")
+    try:
+        handle = start_router(
+            args.workers,
+            host=args.host,
+            port=args.port,
+            http_port=args.http_port,
+            policy=args.policy,
+            profile=args.profile,
+            slo_ms=args.slo_ms,
+            avg_resp_len=args.avg_resp_len,
+            adapter_load_ms=args.adapter_load_ms,
+            seed=args.seed,
+            registry=args.registry or default_registry(),
+            adapters_dir=args.adapters_dir,
+            model_name=args.model_name,
+            max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
+        )
+    except (PolicyError, ProfileError, RegistryError) as err:
+        raise UsageError(str(err)) from None
+    except ValueError as err:  # a bad --workers address
+        raise UsageError(f"--{err}") from None
+    down = [f"{w.address} ({w.reason})" for w in handle.workers if not w.up]
+    print(
+        f"jlora router: gRPC on {handle.address}, OpenAI HTTP on "
+        f"http://{args.host}:{handle.http_port}/v1 (/metrics, /health), policy {args.policy}, "
+        f"{len(handle.workers) - len(down)}/{len(handle.workers)} workers up"
+        + (f"; down: {', '.join(down)}" if down else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    handle.stop_on_signals(grace=args.drain_grace)
+    handle.wait()
+    print("jlora router: drained and stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jlora.cli.router ...`: the subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="jlora router", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return run(args)
+    except (UsageError, OSError) as err:
+        print(f"jlora: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""`jlora serve`: one worker, an engine in one JAX process behind the jlora.v1 gRPC API.
+
+1. Load the model, build the engine (`--lora-mode`, `--max-loras`, ...), register the
+   adapters given by `--adapter NAME=PATH` and every adapter directory under
+   `--adapters-dir`, and compile every step shape (warm-up).
+2. Serve (`jlora.server.serve`) and say on stderr where it listens (and write the
+   port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
+3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
+   `--grace` seconds), then close the engine (CPU workers, shared memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jlora.cli.common import (
+    UsageError,
+    add_lora_engine_args,
+    add_model_args,
+    lora_engine_config,
+    resolve_dtype,
+)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "serve", help="serve the model over gRPC (one worker)", description=__doc__.splitlines()[0]
+    )
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
+    parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting, at most")
+    parser.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM (s)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-seq-len", type=int, default=2048)
+    engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
+    lora = parser.add_argument_group("adapters")
+    lora.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a PEFT adapter directory under NAME (repeatable)",
+    )
+    lora.add_argument(
+        "--adapters-dir",
+        type=Path,
+        metavar="DIR",
+        help="register every adapter directory in DIR; RegisterAdapter paths must stay in it",
+    )
+    lora.add_argument("--max-lora-rank", type=int, default=64)
+    add_lora_engine_args(lora)
+    parser.set_defaults(run=run)
+
+
+def adapters_to_register(pairs: list[str], adapters_dir: Path | None) -> dict[str, Path]:
+    """NAME -> PEFT directory, from `--adapter NAME=PATH` and the subdirectories of
+    `--adapters-dir` holding an adapter_config.json (named after the directory)."""
+    found: dict[str, Path] = {}
+    if adapters_dir is not None:
+        if not adapters_dir.is_dir():
+            raise UsageError(f"--adapters-dir {adapters_dir}: not a directory")
+        for path in sorted(adapters_dir.iterdir()):
+            if (path / "adapter_config.json").is_file():
+                found[path.name] = path
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--adapter {pair!r}: expected NAME=PATH")
+        found[name] = Path(path).expanduser()
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    from configs import EngineConfig
+    from jlora.engine.engine import LLMEngine
+    from jlora.model.loading import load_model
+    from jlora.server import serve
+
+    for flag, value, low in (
+        ("--max-seq-len", args.max_seq_len, 16),
+        ("--max-slots", args.max_slots, 1),
+        ("--max-loras", args.max_loras, 1),
+        ("--max-queue", args.max_queue, 0),
+    ):
+        if value is not None and value < low:
+            raise UsageError(f"{flag} {value}: must be at least {low}")
+    adapters = adapters_to_register(args.adapter, args.adapters_dir)
+    loaded = load_model(args.model, resolve_dtype(args.dtype))
+    max_seq_len = min(args.max_seq_len, loaded.config.max_context)
+    config = EngineConfig(
+        dtype=resolve_dtype(args.dtype),
+        max_slots=args.max_slots,
+        max_seq_len=max_seq_len - max_seq_len % 16,
+        max_loras=args.max_loras or 8,
+        max_lora_rank=args.max_lora_rank,
+        **lora_engine_config(args),
+    )
+    engine = LLMEngine(
+        model_config=loaded.config,
+        params=loaded.params,
+        tokenizer=loaded.tokenizer,
+        engine_config=config,
+    )
+    try:
+        for name, path in adapters.items():
+            engine.register_adapter(name, path)
+        print("jlora serve: compiling...", file=sys.stderr, flush=True)
+        engine.warmup()
+        server = serve(
+            engine,
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            tokenizer=loaded.tokenizer,
+            model_name=Path(args.model).name,
+            max_queue=args.max_queue,
+            adapters_dir=args.adapters_dir,
+        )
+        metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        print(
+            f"jlora serve: listening on {server.address} ({len(adapters)} adapters{metrics})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.port_file is not None:
+            args.port_file.write_text(f"{server.port}\n")
+        server.stop_on_signals(args.grace)
+        server.wait()
+        return 1 if server.error is not None else 0
+    finally:
+        engine.close()
