@@ -336,3 +336,22 @@ def test_help_exits_0(tmp_path, cli_env, args, expected):
     assert result.stderr == ""
     for fragment in expected:
         assert fragment in result.stdout
+
+
+def test_profile_writes_a_profile_the_router_loads(tmp_path, cli_env):
+    """`jlora profile` on cpu-tiny: both models fitted over every profiled batch, printed
+    with R², and saved in the format `router.perf_model.PerfProfile.load` reads."""
+    from router.perf_model import PerfProfile
+
+    out = tmp_path / "profile.json"
+    result = _jlora(
+        cli_env, "profile", "--model", "cpu-tiny", "--out", str(out), "--batches", "1,3",
+        "--ranks", "4,16", "--prompt-lens", "16,32", "--repeats", "2",
+        "--lora-backend", "mbgmv", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    profile = PerfProfile.load(out)
+    assert profile.decode.kind == profile.prefill.kind == "mbgmv"
+    assert profile.decode.n_samples == 2 * 3  # 2 sizes x (2 uniform ranks + 1 mix)
+    assert profile.prefill.n_samples == 2 * 2  # 2 lengths x 2 ranks
+    assert "R² =" in result.stdout and profile.base_model == "cpu-tiny"
