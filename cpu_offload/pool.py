@@ -272,7 +272,13 @@ class CpuLoraPool:
 
     def workers_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
         """How many workers a product of this shape needs to finish in ~target_ms."""
-        return self._workers_for_flops(rows, 2 * rank * (in_features + out_features))
+        return self.workers_for_flops(rows, 2 * rank * (in_features + out_features))
+
+    def workers_for_flops(self, rows: int, flops_per_token: int) -> int:
+        """How many workers `rows` tokens of `flops_per_token` need for ~target_ms."""
+        per_ms = self.profile.tokens_per_ms * self.profile.flops_per_token / flops_per_token
+        wanted = math.ceil(rows / max(per_ms * self.target_ms, 1e-9))
+        return max(1, min(wanted, self.num_workers))
 
     def submit(
         self, x: np.ndarray, jobs: Sequence[LoraJob], *, workers: int | None = None
@@ -293,7 +299,7 @@ class CpuLoraPool:
         if self._inflight is not None:
             raise RuntimeError("submit: the previous ticket has not been collected")
         flops = sum(2 * job.rank * (in_features + job.out_features) for job in jobs)
-        wanted = workers if workers is not None else self._workers_for_flops(rows, flops)
+        wanted = workers if workers is not None else self.workers_for_flops(rows, flops)
         self._block.x(rows, in_features)[...] = x
         shares = []
         with self._lock:
@@ -344,11 +350,6 @@ class CpuLoraPool:
         self.close()
 
     # -- internals -----------------------------------------------------------
-
-    def _workers_for_flops(self, rows: int, flops_per_token: int) -> int:
-        per_ms = self.profile.tokens_per_ms * self.profile.flops_per_token / flops_per_token
-        wanted = math.ceil(rows / max(per_ms * self.target_ms, 1e-9))
-        return max(1, min(wanted, self.num_workers))
 
     def _check_input(self, x: object) -> tuple[int, int]:
         if not isinstance(x, np.ndarray) or x.dtype != np.float32:

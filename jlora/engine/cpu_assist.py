@@ -160,7 +160,7 @@ class CpuAssist:
 
     def layer_seconds(self, rows: int, adapter: StoredAdapter) -> float:
         """Estimated CPU time of one layer's LoRA products for `rows` tokens, split
-        across the workers `workers_for` would give each group (start-up profile)."""
+        across the workers `submit` would give each group (the start-up profile)."""
         profile, total = self.pool.profile, 0.0
         for names in INPUT_GROUPS:
             adapted = [n for n in names if n in self.shapes and n in adapter.target_offsets]
@@ -169,10 +169,7 @@ class CpuAssist:
             fan_in = self.shapes[adapted[0]][0]
             flops = sum(2 * adapter.spec.rank * (fan_in + self.shapes[n][1]) for n in adapted)
             per_core_ms = rows * flops / (profile.tokens_per_ms * profile.flops_per_token)
-            workers = self.pool.workers_for(
-                rows, fan_in, adapter.spec.rank, sum(self.shapes[n][1] for n in adapted)
-            )
-            total += per_core_ms / workers / 1e3
+            total += per_core_ms / self.pool.workers_for_flops(rows, flops) / 1e3
         return total
 
     def measure_handoff_s(self, repeats: int = 20) -> float:
