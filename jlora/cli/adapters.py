@@ -11,7 +11,6 @@ import argparse
 import json
 from pathlib import Path
 
-from configs import ModelConfig, list_presets, load_preset
 from configs.model import DEFAULT_MODEL
 from jlora.adapters.peft import (
     AdapterError,
@@ -24,6 +23,7 @@ from jlora.adapters.peft import (
     make_demo_adapters,
 )
 from jlora.adapters.targets import TARGETS
+from jlora.cli.common import model_config
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -73,7 +73,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_make_demo(args: argparse.Namespace) -> int:
     paths = make_demo_adapters(
-        _model_config(args.model),
+        model_config(args.model),
         args.out,
         n=args.n,
         ranks=args.ranks,
@@ -90,7 +90,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     info: AdapterSummary | PeftAdapter = (
         inspect_peft_adapter(args.path)
         if args.model is None
-        else load_peft_adapter(args.path, _model_config(args.model))
+        else load_peft_adapter(args.path, model_config(args.model))
     )
     spec = info.spec
     fields = {
@@ -115,16 +115,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.model is not None:
         print(f"compatible with {args.model}")
     return 0
-
-
-def _model_config(spec: str) -> ModelConfig:
-    """The base model's shapes: a preset's config loads no weights; anything else is
-    loaded (GGUF, Hugging Face directory, orbax checkpoint)."""
-    if spec in list_presets():
-        return load_preset(spec).config
-    from jlora.model.loading import load_model
-
-    return load_model(spec).config
 
 
 def _ranks(text: str) -> tuple[int, ...]:

@@ -81,3 +81,15 @@ def lora_engine_config(args: argparse.Namespace) -> dict:
         "emulated_link_gbps": args.emulated_link_gbps,
         "cpu_workers": args.cpu_workers,
     }
+
+
+def model_config(spec: str):
+    """The base model's shapes (a ModelConfig): a preset's config loads no weights;
+    anything else is loaded (GGUF, Hugging Face directory, orbax checkpoint)."""
+    from configs.model import list_presets, load_preset
+
+    if spec in list_presets():
+        return load_preset(spec).config
+    from jlora.model.loading import load_model
+
+    return load_model(spec).config

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jlora.cli import adapters, convert, generate, profile, serve
+from jlora.cli import adapters, convert, generate, profile, serve, up
 from jlora.cli.common import UsageError
 
 
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     serve.add_parser(commands)
     profile.add_parser(commands)
+    up.add_parser(commands)
     convert.add_parser(commands)
     adapters.add_parser(commands)
     return parser

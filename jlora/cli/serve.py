@@ -64,9 +64,9 @@ def adapters_to_register(pairs: list[str], adapters_dir: Path | None) -> dict[st
     if adapters_dir is not None:
         if not adapters_dir.is_dir():
             raise UsageError(f"--adapters-dir {adapters_dir}: not a directory")
-        for path in sorted(adapters_dir.iterdir()):
-            if (path / "adapter_config.json").is_file():
-                found[path.name] = path
+        for directory in sorted(adapters_dir.iterdir()):
+            if (directory / "adapter_config.json").is_file():
+                found[directory.name] = directory
     for pair in pairs:
         name, sep, path = pair.partition("=")
         if not sep or not name or not path:

@@ -1,0 +1,168 @@
+"""`jlora up`: a router and N local workers, the whole service on one machine.
+
+1. Adapters: those given (`--adapter NAME=PATH`, `--adapters-dir DIR`), else demo
+   adapters (random weights, ranks 8/16/32) written once under `--state-dir`.
+2. N workers: `jlora serve` processes on free ports, each registering every adapter;
+   their logs go to this process's stderr.
+3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
+   `--port`, OpenAI-compatible HTTP on `--http-port`, the registry in `--state-dir`.
+   Where it listens is printed on stderr once every worker is warm.
+4. SIGTERM or SIGINT: the router drains, then the workers (SIGTERM: each finishes its
+   running requests), then this process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from jlora.cli.common import UsageError, add_lora_engine_args, add_model_args, model_config
+from jlora.cli.serve import adapters_to_register
+
+DEMO_RANKS = (8, 16, 32)
+START_TIMEOUT_S = 900.0  # a cold worker compiles every step shape first
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "up", help="start a router and N local workers", description=__doc__.splitlines()[0]
+    )
+    add_model_args(parser)
+    parser.add_argument("--workers", type=int, default=1, help="local workers (default 1)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50050, help="the router's gRPC port")
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP")
+    parser.add_argument("--policy", default="most-idle", help="routing policy")
+    parser.add_argument("--profile", type=Path, help="`jlora profile` JSON (rank-aware)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "jlora" / "up",
+        help="the registry and the demo adapters (default: %(default)s)",
+    )
+    parser.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM (s)")
+    engine = parser.add_argument_group("workers")
+    engine.add_argument("--max-seq-len", type=int, default=2048)
+    engine.add_argument("--max-slots", type=int, default=8)
+    engine.add_argument("--max-lora-rank", type=int, default=64)
+    engine.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    engine.add_argument("--adapters-dir", type=Path, metavar="DIR")
+    add_lora_engine_args(engine)
+    parser.set_defaults(run=run)
+
+
+def _demo_adapters(model: str, state_dir: Path) -> Path:
+    """The demo adapters' directory, written on first use."""
+    from jlora.adapters.peft import make_demo_adapters
+
+    directory = state_dir / "demo-adapters" / Path(model).name
+    if not any(directory.glob("*/adapter_config.json")):
+        directory.mkdir(parents=True, exist_ok=True)
+        make_demo_adapters(model_config(model), directory, n=len(DEMO_RANKS), ranks=DEMO_RANKS)
+    return directory
+
+
+def _worker_command(args: argparse.Namespace, port_file: Path, adapters_dir: Path | None):
+    command = [
+        sys.executable, "-m", "jlora.cli.main", *(["-v"] if args.verbose else []), "serve",
+        "--model", args.model, "--dtype", args.dtype, "--host", args.host, "--port", "0",
+        "--port-file", str(port_file), "--grace", str(args.grace),
+        "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
+        "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
+        "--lora-backend", args.lora_backend, "--cpu-workers", str(args.cpu_workers),
+        "--emulated-link-gbps", str(args.emulated_link_gbps),
+    ]  # fmt: skip
+    if args.max_loras is not None:
+        command += ["--max-loras", str(args.max_loras)]
+    if adapters_dir is not None:
+        command += ["--adapters-dir", str(adapters_dir)]
+    for pair in args.adapter:
+        command += ["--adapter", pair]
+    return command
+
+
+def _wait_for_ports(processes: list[subprocess.Popen], port_files: list[Path]) -> list[int]:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        for index, process in enumerate(processes):
+            if process.poll() is not None:
+                raise UsageError(f"worker {index} exited with code {process.returncode}")
+        texts = [f.read_text().strip() if f.exists() else "" for f in port_files]
+        if all(texts):
+            return [int(text) for text in texts]
+        if time.monotonic() > deadline:
+            raise UsageError(f"workers not listening after {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from router.app import start_router
+
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1")
+    adapters_dir = args.adapters_dir
+    if not args.adapter and adapters_dir is None:
+        adapters_dir = _demo_adapters(args.model, args.state_dir)
+    names = sorted(adapters_to_register(args.adapter, adapters_dir))
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    processes: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="jlora-up-") as tmp:
+        port_files = [Path(tmp) / f"worker-{index}.port" for index in range(args.workers)]
+        try:
+            for port_file in port_files:
+                processes.append(
+                    subprocess.Popen(
+                        _worker_command(args, port_file, adapters_dir), start_new_session=True
+                    )
+                )
+            print(
+                f"jlora up: starting {args.workers} worker(s) of {args.model} "
+                f"(adapters: {', '.join(names) or 'none'})...",
+                file=sys.stderr,
+                flush=True,
+            )
+            ports = _wait_for_ports(processes, port_files)
+            args.state_dir.mkdir(parents=True, exist_ok=True)
+            router = start_router(
+                [f"{args.host}:{port}" for port in ports],
+                host=args.host,
+                port=args.port,
+                http_port=args.http_port,
+                policy=args.policy,
+                profile=args.profile,
+                registry=args.state_dir / "registry.sqlite",
+                adapters_dir=adapters_dir,
+                model_name=Path(args.model).name,
+            )
+            print(
+                f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
+                f"on http://{args.host}:{router.http_port}/v1 (models: "
+                f"{', '.join([Path(args.model).name, *names])}); Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            while not stop.wait(0.5):
+                if any(p.poll() is not None for p in processes):
+                    print("jlora up: a worker exited; the router serves the others",
+                          file=sys.stderr)  # fmt: skip
+                    break
+            stop.wait()
+            router.stop(args.grace)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in processes:
+                try:
+                    process.wait(timeout=args.grace + 30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    return 0
