@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/jlora generate --chat
+	$(BIN)/jlora up
 
 test: $(STAMP)
 	$(BIN)/pytest -q

@@ -90,3 +90,16 @@ def test_api_server_and_mock_engine_do_not_load_jax():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_router_and_its_cli_do_not_load_jax():
+    """The router runs on a small CPU box: starting it (gRPC, HTTP, registry) needs no jax."""
+    code = (
+        "import sys, router.app, router.http, jlora.cli.router; "
+        "heavy = sorted(m for m in ('jax', 'flax', 'torch', 'numba') if m in sys.modules); "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

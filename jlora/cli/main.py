@@ -11,16 +11,18 @@ import logging
 import os
 import sys
 
-from jlora.cli import adapters, convert, generate, profile, serve, up
+from jlora.cli import adapters, convert, generate, profile, router, serve, up
 from jlora.cli.common import UsageError
 
 
-def _configure_runtime(verbose: bool) -> None:
+def _configure_runtime(verbose: bool, command: str) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if command in ("router", "up"):  # no JAX in this process: the router runs anywhere
+        return
     # Compiled executables persist across runs (XLA's own cache, keyed by program).
     cache_dir = os.environ.get(
         "JLORA_COMPILATION_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jlora", "xla")
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(commands)
     profile.add_parser(commands)
     up.add_parser(commands)
+    router.add_parser(commands)
     convert.add_parser(commands)
     adapters.add_parser(commands)
     return parser
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_runtime(args.verbose)
+    _configure_runtime(args.verbose, args.command)
     from configs import ConfigError
     from jlora.adapters.peft import AdapterError
     from jlora.engine.api import InvalidRequest

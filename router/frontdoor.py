@@ -1,0 +1,383 @@
+"""The front door: the router's logic behind both its gRPC service and its OpenAI HTTP API.
+
+A Generate call's life (`FrontDoor.generate`, an async generator of the workers'
+GenerateResponse messages, on the router's event loop):
+
+1. Refused at once: UNAVAILABLE while the router drains; ALREADY_EXISTS for a request id
+   in flight; NOT_FOUND for an adapter no worker serves (after asking the workers
+   again), or, for one the registry has but no worker took, the reason (DATA_LOSS for
+   weights whose sha256 no longer matches the registry).
+2. Placement: the policy picks among the workers that serve the adapter, from their
+   fresh views (workers.py). If every such worker is up but full, the request waits in
+   the router's FIFO queue (at most `max_queue` requests; one more gets
+   RESOURCE_EXHAUSTED) until one has room; if none is up: UNAVAILABLE.
+3. Forwarding: the request goes to the worker with the router's request id and the
+   time left before the caller's deadline; each token is passed through as is.
+4. Failures before the first token: a worker that is unreachable, draining or stopped
+   (UNAVAILABLE, or CANCELLED that the router did not ask for) is taken out of routing
+   and the request placed again on another worker (a re-route); one whose queue is
+   full (RESOURCE_EXHAUSTED) is skipped until its next poll. Any other error is the
+   caller's, passed through unchanged (status and message).
+5. Failures after the first token cannot be retried without repeating tokens: the call
+   ends with UNAVAILABLE naming the worker and how many tokens arrived.
+6. The caller cancelling, or its deadline passing, cancels the worker's call (which
+   aborts the request in the worker's engine and frees its slot).
+
+The adapter RPCs are `FrontDoor.adapters` (adapters.py). Models lists the base model
+and the adapters the workers serve; Stats is the router's view of all workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+import grpc
+
+from jlora.api import jlora_pb2 as pb
+from router import registry as reg
+from router.adapters import AdapterCatalog
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.policies import NoHealthyWorker, Policy, RouteRequest
+from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+Code = grpc.StatusCode
+
+# Prompt tokens of a text prompt, for routing only (the worker's tokenizer counts).
+BYTES_PER_TOKEN = 4
+# Errors before the first token after which the request goes to another worker.
+_WORKER_GONE = (Code.UNAVAILABLE, Code.CANCELLED)
+_OUTCOMES = {
+    Code.INVALID_ARGUMENT: "invalid",
+    Code.ALREADY_EXISTS: "invalid",
+    Code.NOT_FOUND: "not_found",
+    Code.RESOURCE_EXHAUSTED: "exhausted",
+    Code.UNAVAILABLE: "unavailable",
+    Code.DEADLINE_EXCEEDED: "deadline",
+    Code.CANCELLED: "cancelled",
+}
+
+
+def estimate_prompt_tokens(request: pb.GenerateRequest) -> int:
+    """The prompt's length in tokens as far as routing needs it: exact for token ids,
+    UTF-8 bytes / BYTES_PER_TOKEN for text, and for chat the same per message plus 4 for
+    the template's markup (the router has no tokenizer)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        count = len(request.token_ids.ids)
+    elif kind == "text":
+        count = math.ceil(len(request.text.encode()) / BYTES_PER_TOKEN)
+    elif kind == "chat":
+        count = sum(
+            math.ceil(len(m.content.encode()) / BYTES_PER_TOKEN) + 4 for m in request.chat.messages
+        )
+    else:
+        count = 0
+    return max(1, count)
+
+
+class FrontDoor:
+    """See the module docstring. Build it and call every method on the router's loop."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: Policy,
+        registry: reg.Registry,
+        *,
+        metrics: RouterMetrics,
+        adapters_dir: Path | None,
+        model_name: str | None,
+        max_queue: int,
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue} must be non-negative")
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self._model_name = model_name
+        self.max_queue = max_queue
+        self.draining = False
+        self._calls: dict[str, str | None] = {}  # request id -> adapter, of calls in flight
+        self._waiting = 0  # calls in the router's queue
+        self._queue = asyncio.Lock()  # FIFO: the head of the queue holds it
+        self._room = asyncio.Event()  # set when a worker may have room
+        self.adapters = AdapterCatalog(
+            pool,
+            registry,
+            adapters_dir=adapters_dir,
+            base_model=lambda: self.base_model,
+            users=lambda name: sum(adapter == name for adapter in self._calls.values()),
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Generate calls in progress (queued or streaming)."""
+        return len(self._calls)
+
+    @property
+    def base_model(self) -> str | None:
+        """The base model's id: as configured, else the first worker's (remembered)."""
+        if self._model_name is None:
+            self._model_name = self.pool.base_model()
+        return self._model_name
+
+    def workers_changed(self) -> None:
+        """After every poll (`WorkerPool(on_change=...)`): a worker may have room."""
+        self._room.set()
+
+    # -- Generate -------------------------------------------------------------------
+
+    async def generate(
+        self, request: pb.GenerateRequest, *, deadline: float | None = None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Route and forward one Generate call (see the module docstring); RouterError
+        for a status. `deadline` is in `loop.time()` seconds. Close the iterator when
+        done with it (`contextlib.aclosing`), so an abandoned call is cancelled."""
+        arrival = time.monotonic()
+        outcome = "cancelled"  # unless the call ends another way
+        if self.draining:
+            self.metrics.requests.labels("unavailable").inc()
+            raise RouterError(Code.UNAVAILABLE, "the router is draining; send it elsewhere")
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._calls:
+            self.metrics.requests.labels("invalid").inc()
+            raise RouterError(
+                Code.ALREADY_EXISTS, f"request_id={request_id!r} is already in flight"
+            )
+        self._calls[request_id] = None
+        try:
+            adapter, rank = await self._resolve_adapter(request.adapter)
+            self._calls[request_id] = adapter
+            route = RouteRequest(rank, estimate_prompt_tokens(request), adapter)
+            forwarded = pb.GenerateRequest()
+            forwarded.CopyFrom(request)
+            forwarded.request_id = request_id
+            forwarded.adapter = adapter or ""
+            tried: dict[str, str] = {}  # worker -> why it failed this request
+            admitted = False  # past the router's queue-size check
+            while True:
+                worker = await self._place(route, tried, deadline, admitted=admitted)
+                admitted = True
+                tokens = 0
+                last = arrival
+                try:
+                    stream = self._forward(worker, forwarded, route, deadline)
+                    async with contextlib.aclosing(stream):
+                        async for response in stream:
+                            now = time.monotonic()
+                            histogram = self.metrics.tpt if tokens else self.metrics.ttft
+                            histogram.observe(now - last)
+                            last = now
+                            tokens += 1
+                            if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                                outcome = pb.FinishReason.Name(response.finish_reason)
+                                outcome = outcome.removeprefix("FINISH_REASON_").lower()
+                                self.metrics.latency.observe(now - arrival)
+                            yield response
+                    return
+                except grpc.aio.AioRpcError as err:
+                    code, details = err.code(), err.details() or ""
+                    if tokens == 0 and code == Code.RESOURCE_EXHAUSTED:
+                        worker.full = True  # until its next poll; wait for room elsewhere
+                        continue
+                    if tokens == 0 and code in _WORKER_GONE:
+                        worker.mark_down(f"{code.name}: {details}")
+                        self.pool.poke()
+                        tried[worker.address] = f"{code.name}: {details}"
+                        self.metrics.reroutes.inc()
+                        log.warning(
+                            "request %s: worker %s failed before its first token (%s: %s); "
+                            "placing it again",
+                            request_id,
+                            worker.address,
+                            code.name,
+                            details,
+                        )
+                        continue
+                    if tokens and code in _WORKER_GONE:
+                        raise RouterError(
+                            Code.UNAVAILABLE,
+                            f"worker {worker.address} failed after {tokens} tokens of request "
+                            f"{request_id!r} ({code.name}: {details}); the completion is "
+                            "incomplete: send the request again",
+                        ) from None
+                    raise RouterError(code, details) from None
+        except RouterError as err:
+            outcome = _OUTCOMES.get(err.code, "error")
+            raise
+        finally:
+            del self._calls[request_id]
+            self.metrics.requests.labels(outcome).inc()
+
+    async def _forward(
+        self,
+        worker: Worker,
+        request: pb.GenerateRequest,
+        route: RouteRequest,
+        deadline: float | None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        timeout = self._time_left(deadline)
+        dispatch = worker.dispatch(request.request_id, route.rank, route.prompt_tokens)
+        self.metrics.in_flight.inc()
+        call = worker.stub.Generate(request, timeout=timeout)
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                dispatch.started = True
+                yield response
+        finally:
+            call.cancel()  # a no-op once the call has ended
+            worker.release(dispatch)
+            self.metrics.in_flight.dec()
+            self._room.set()
+
+    def _time_left(self, deadline: float | None) -> float | None:
+        if deadline is None:
+            return None
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RouterError(Code.DEADLINE_EXCEEDED, "the deadline passed before a worker took it")
+        return left
+
+    async def _resolve_adapter(self, name: str) -> tuple[str | None, int]:
+        """(adapter, rank): (None, 0) for the base model; RouterError if no worker has it."""
+        if not name or name == self.base_model:
+            return None, 0
+        rank = self.pool.adapter_rank(name)
+        if rank is None:
+            await self.pool.refresh_adapters()
+            rank = self.pool.adapter_rank(name)
+        if rank is not None:
+            return name, rank
+        error = self.adapters.sync_error(name)
+        if error is not None:
+            raise error
+        if not await self.adapters.registered(name):
+            raise RouterError(Code.NOT_FOUND, f"adapter={name!r} is not registered")
+        raise RouterError(
+            Code.UNAVAILABLE, f"adapter={name!r} is registered but no worker that is up has it"
+        )
+
+    async def _place(
+        self, route: RouteRequest, tried: dict[str, str], deadline: float | None, admitted: bool
+    ) -> Worker:
+        """A worker with room for `route`, waiting in the router's queue while all are
+        full. `tried`: workers that failed this request already (left out)."""
+        worker = self._choose(route, tried)
+        if worker is not None and not self._waiting:
+            return worker
+        if not admitted and self._waiting >= self.max_queue:
+            raise RouterError(
+                Code.RESOURCE_EXHAUSTED,
+                f"the router's queue is full: {self._waiting} requests wait for a worker with "
+                f"room (max_queue={self.max_queue})",
+            )
+        self._waiting += 1
+        self.metrics.queued.inc()
+        try:
+            async with asyncio.timeout_at(deadline), self._queue:
+                while (worker := self._choose(route, tried)) is None:
+                    self._room.clear()
+                    self.pool.poke()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._room.wait(), self.pool.poll_interval)
+                return worker
+        except TimeoutError:
+            raise RouterError(
+                Code.DEADLINE_EXCEEDED, "the deadline passed while the request waited for a worker"
+            ) from None
+        finally:
+            self._waiting -= 1
+            self.metrics.queued.dec()
+
+    def _choose(self, route: RouteRequest, tried: dict[str, str]) -> Worker | None:
+        """The policy's pick among the candidates with room; None if all are full;
+        RouterError(UNAVAILABLE) if none is up."""
+        base = self.base_model
+        candidates = [
+            worker
+            for worker in self.pool.workers
+            if worker.address not in tried
+            and (route.adapter is None or route.adapter in worker.adapters)
+        ]
+        if not any(worker.up for worker in candidates):
+            down = [f"{address} ({why})" for address, why in tried.items()]
+            down += [f"{w.address} ({w.reason})" for w in candidates]
+            serving = f" serving adapter {route.adapter!r}" if route.adapter else ""
+            raise RouterError(
+                Code.UNAVAILABLE,
+                f"no healthy worker{serving}: {'; '.join(down) or 'none has it'}",
+            )
+        try:
+            chosen = self.policy.choose(route, [worker.view(base) for worker in candidates])
+        except NoHealthyWorker:
+            return None
+        return self.pool.get(chosen.worker_id)
+
+    # -- stats and models -------------------------------------------------------------
+
+    def models(self) -> list[pb.Model]:
+        base = self.base_model
+        contexts = [w.max_seq_len for w in self.pool.workers if w.max_seq_len]
+        context = min(contexts, default=0)
+        models = [pb.Model(id=base, kind=pb.MODEL_KIND_BASE, max_seq_len=context)] if base else []
+        ranks: dict[str, int] = {}
+        for worker in self.pool.workers:
+            ranks.update({a.name: a.rank for a in worker.adapters.values()})
+        models += [
+            pb.Model(
+                id=name,
+                kind=pb.MODEL_KIND_ADAPTER,
+                parent=base or "",
+                rank=rank,
+                max_seq_len=context,
+            )
+            for name, rank in sorted(ranks.items())
+        ]
+        return models
+
+    def stats(self) -> pb.StatsResponse:
+        """The router's view: the workers' last snapshots summed (the running batches
+        concatenated), the router's own queue added to the workers' queues."""
+        reply = pb.StatsResponse(
+            queued=self._waiting, max_queue=self.max_queue, draining=self.draining
+        )
+        contexts = []
+        for worker in self.pool.workers:
+            stats = worker.stats
+            if stats is None:
+                continue
+            reply.running.extend(stats.running)
+            reply.queued += stats.queued
+            contexts.append(stats.max_seq_len)
+            if worker.up:
+                reply.max_slots += stats.max_slots
+                reply.free_slots += stats.free_slots
+            for field in (
+                "kv_blocks_total",
+                "kv_blocks_free",
+                "host_store_bytes_used",
+                "host_store_bytes_capacity",
+            ):
+                setattr(
+                    reply.memory, field, getattr(reply.memory, field) + getattr(stats.memory, field)
+                )
+            reply.memory.kv_block_size = stats.memory.kv_block_size
+            for field in ("total", "free", "loading", "loads", "evictions"):
+                setattr(
+                    reply.adapter_slots,
+                    field,
+                    getattr(reply.adapter_slots, field) + getattr(stats.adapter_slots, field),
+                )
+        reply.memory.device_bytes_in_use = reply.memory.device_bytes_limit = -1
+        reply.max_seq_len = min(contexts, default=0)
+        return reply

@@ -1,0 +1,493 @@
+"""OpenAI-compatible HTTP on the router (aiohttp), plus /metrics and /health.
+
+Routes: GET /v1/models; POST /v1/completions and /v1/chat/completions, one JSON answer
+or, with `"stream": true`, server-sent events (`data: {chunk}` ... `data: [DONE]`);
+GET /metrics (Prometheus text); GET /health (200 while the router serves and a worker
+is up, else 503).
+
+The handlers call the front door in-process, on the router's event loop (no second
+gRPC hop): a request body becomes a `jlora.v1` GenerateRequest, its stream the
+OpenAI answer. `model` is an adapter's name or the base model's id.
+
+Semantics beside OpenAI's: one prompt and one choice per request (`n`, `best_of` > 1 and
+batched prompts are refused); unset sampling fields take jlora's defaults (greedy,
+`temperature` 0), except that /v1/completions' `max_tokens` defaults to 16 as OpenAI's
+does; `top_k` and `ignore_eos` are accepted as extensions; logprobs, echo, penalties,
+logit bias, tools and non-text content are refused, naming the field. The deadline is
+the router's `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for
+bad input (`param` names the field, also for what the worker refuses), 404 for an
+unknown model, 409 for a duplicate, 429 when the queue is full, 503 when no worker can
+take the request or the router drains, 504 past the deadline, 500 otherwise; `code` is
+the gRPC status in lower case. A stream that fails after its first chunk ends with one
+`data: {"error": ...}` event and no [DONE] (the `openai` client raises APIError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jlora.api import jlora_pb2 as pb
+from router.errors import RouterError
+from router.frontdoor import FrontDoor
+
+Code = grpc.StatusCode
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+INT32_MAX = 2**31 - 1
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+# gRPC status -> (HTTP status, OpenAI error type)
+_HTTP_STATUS = {
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Code.NOT_FOUND: (404, "invalid_request_error"),
+    Code.ALREADY_EXISTS: (409, "invalid_request_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.CANCELLED: (499, "cancelled"),
+    Code.UNIMPLEMENTED: (501, "server_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# Fields OpenAI defines that jlora does not implement: accepted only at these values.
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+# The field a worker's or the router's message starts with: "max_tokens=0 must ...",
+# "prompt.chat.messages[0].role='x' ...", "prompt has 100 tokens ...".
+_FIELD_RE = re.compile(r"[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*")
+_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+
+
+class HttpError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def from_router_error(err: RouterError, *, chat: bool = False) -> HttpError:
+    """The HTTP error for a front-door status; `param` is the field its message names."""
+    status, kind = _HTTP_STATUS.get(err.code, (500, "server_error"))
+    code = err.code.name.lower()
+    param = _param(err.message, chat=chat) if status in (400, 409) else None
+    if err.code == Code.NOT_FOUND and err.message.startswith("adapter"):
+        param, code = "model", "model_not_found"
+    return HttpError(status, err.message, param=param, kind=kind, code=code)
+
+
+def _param(message: str, *, chat: bool) -> str | None:
+    match = _FIELD_RE.match(message)
+    field = match.group(0) if match else ""
+    if field.startswith("prompt.chat."):
+        return field.removeprefix("prompt.chat.")
+    if field.startswith(("prompt", "prompt_ids")):
+        return "messages" if chat else "prompt"
+    if field == "adapter":
+        return "model"
+    return field if field in _PARAMS else None
+
+
+class OpenAIApi:
+    """The aiohttp application's handlers, bound to one front door."""
+
+    def __init__(self, front: FrontDoor, *, request_timeout: float | None) -> None:
+        self._front = front
+        self._request_timeout = request_timeout
+        self.app = web.Application(middlewares=[self._errors])
+        self.app.add_routes(
+            [
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/metrics", self.metrics),
+                web.get("/health", self.health),
+            ]
+        )
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HttpError as err:
+            return web.json_response(err.body(), status=err.status)
+        except web.HTTPException as err:  # aiohttp's own 404/405
+            error = HttpError(err.status, f"{request.method} {request.path}: {err.reason}")
+            return web.json_response(error.body(), status=err.status)
+
+    # -- routes -----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": model.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "jlora",
+                "root": model.parent or model.id,
+                "parent": model.parent or None,
+                "max_model_len": model.max_seq_len,
+                "lora_rank": model.rank,
+            }
+            for model in self._front.models()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._front.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        workers = {
+            w.address: "up" if w.up else f"down: {w.reason}" for w in self._front.pool.workers
+        }
+        serving = not self._front.draining and any(w.up for w in self._front.pool.workers)
+        status = "ok" if serving else "draining" if self._front.draining else "no worker is up"
+        return web.json_response(
+            {"status": status, "workers": workers}, status=200 if serving else 503
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        message = _base_request(body, chat=False)
+        _prompt(body, message)
+        return await self._generate(request, body, message, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        message = _base_request(body, chat=True)
+        _messages(body, message)
+        return await self._generate(request, body, message, chat=True)
+
+    # -- Generate ---------------------------------------------------------------------
+
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool
+    ) -> web.StreamResponse:
+        stream_flag = _typed(body, "stream", bool, default=False)
+        options = _typed(body, "stream_options", dict, default=None) or {}
+        include_usage = _typed(
+            options, "include_usage", bool, default=False, prefix="stream_options."
+        )
+        deadline = self._deadline(request)
+        message.request_id = uuid.uuid4().hex
+        shape = _Shape(chat=chat, model=body["model"], request_id=message.request_id)
+        stream = self._front.generate(message, deadline=deadline)
+        async with contextlib.aclosing(stream):
+            try:
+                first = await anext(stream)  # errors before any token are plain HTTP errors
+            except RouterError as err:
+                raise from_router_error(err, chat=chat) from None
+            if not stream_flag:
+                responses = [first]
+                try:
+                    responses += [response async for response in stream]
+                except RouterError as err:
+                    raise from_router_error(err, chat=chat) from None
+                return web.json_response(shape.whole(responses))
+            sse = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await sse.prepare(request)
+            if chat:
+                await _event(sse, shape.chunk(role=True, usage=include_usage))
+            await _event(sse, shape.chunk(first, usage=include_usage))
+            last = first
+            try:
+                async for response in stream:
+                    await _event(sse, shape.chunk(response, usage=include_usage))
+                    last = response
+            except RouterError as err:
+                await _event(sse, from_router_error(err, chat=chat).body())
+                return sse
+            if include_usage:
+                await _event(sse, shape.usage_chunk(last))
+            await sse.write(b"data: [DONE]\n\n")
+            await sse.write_eof()
+            return sse
+
+    def _deadline(self, request: web.Request) -> float | None:
+        timeouts = [self._request_timeout] if self._request_timeout is not None else []
+        header = request.headers.get("X-Request-Timeout")
+        if header is not None:
+            try:
+                seconds = float(header)
+            except ValueError:
+                seconds = math.nan
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise HttpError(
+                    400, f"X-Request-Timeout={header!r} must be a positive number of seconds"
+                )
+            timeouts.append(seconds)
+        if not timeouts:
+            return None
+        return asyncio.get_running_loop().time() + min(timeouts)
+
+
+class _Shape:
+    """OpenAI's objects for one request: whole answers, stream chunks, usage."""
+
+    def __init__(self, *, chat: bool, model: str, request_id: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def whole(self, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
+        text = "".join(response.text for response in responses)
+        last = responses[-1]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        answer = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        answer["usage"] = _usage(last)
+        return answer
+
+    def chunk(
+        self, response: pb.GenerateResponse | None = None, *, role: bool = False, usage: bool
+    ) -> dict[str, Any]:
+        text = response.text if response is not None else ""
+        finish = _finish(response) if response is not None else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": text}
+        else:
+            choice["text"] = text
+        chunk = self._envelope(
+            "chat.completion.chunk" if self.chat else "text_completion", [choice]
+        )
+        if usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        chunk["usage"] = _usage(last)
+        return chunk
+
+
+def _finish(response: pb.GenerateResponse) -> str | None:
+    return FINISH_REASONS.get(response.finish_reason)
+
+
+def _usage(last: pb.GenerateResponse) -> dict[str, int]:
+    prompt, completion = last.usage.prompt_tokens, last.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _event(sse: web.StreamResponse, data: dict[str, Any]) -> None:
+    await sse.write(f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode())
+
+
+# -- request bodies --------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HttpError(
+            400, f"the request body is not valid JSON ({err})", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise HttpError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _base_request(body: dict[str, Any], *, chat: bool) -> pb.GenerateRequest:
+    """The adapter and sampling fields; the prompt is the caller's."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise HttpError(400, f"model={model!r} must be a model id (see /v1/models)", param="model")
+    for field, accepted in _UNSUPPORTED.items():
+        if body.get(field) not in accepted:
+            raise HttpError(
+                400,
+                f"{field}={body[field]!r} is not supported (accepted: "
+                f"{', '.join(repr(value) for value in accepted)})",
+                param=field,
+            )
+    message = pb.GenerateRequest(adapter=model)
+    sampling = message.sampling
+    max_field = (
+        "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    )
+    max_tokens = _integer(body, max_field, low=-INT32_MAX, high=INT32_MAX)
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_MAX_TOKENS
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    for field in ("temperature", "top_p"):
+        value = body.get(field)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise HttpError(400, f"{field}={value!r} must be a number", param=field)
+            setattr(sampling, field, value)
+    top_k = _integer(body, "top_k", low=-INT32_MAX, high=INT32_MAX)
+    if top_k is not None:
+        sampling.top_k = top_k
+    seed = _integer(body, "seed", low=0, high=2**64 - 1)
+    if seed is not None:
+        sampling.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise HttpError(
+                400, f"stop={stop!r} must be a string or a list of strings", param="stop"
+            )
+        sampling.stop.extend(stop)
+    sampling.ignore_eos = _typed(body, "ignore_eos", bool, default=False)
+    return message
+
+
+def _prompt(body: dict[str, Any], message: pb.GenerateRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        message.text = prompt
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and -INT32_MAX <= t <= INT32_MAX
+        for t in prompt
+    ):
+        message.token_ids.SetInParent()
+        message.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise HttpError(
+            400,
+            f"prompt: a batch of {len(prompt)} prompts; send one prompt per request",
+            param="prompt",
+        )
+    else:
+        raise HttpError(
+            400, f"prompt={prompt!r} must be a string or a list of token ids", param="prompt"
+        )
+
+
+def _messages(body: dict[str, Any], message: pb.GenerateRequest) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise HttpError(400, f"messages={messages!r} must be a list of messages", param="messages")
+    message.chat.SetInParent()
+    for i, item in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise HttpError(400, f"{where}={item!r} must be an object", param=where)
+        role = item.get("role")
+        if not isinstance(role, str):
+            raise HttpError(400, f"{where}.role={role!r} must be a string", param=f"{where}.role")
+        content = item.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            content = "".join(
+                _text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
+            )
+        if not isinstance(content, str):
+            raise HttpError(
+                400,
+                f"{where}.content={content!r} must be a string or text parts",
+                param=f"{where}.content",
+            )
+        message.chat.messages.add(role="system" if role == "developer" else role, content=content)
+
+
+def _text_part(part: object, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise HttpError(400, f"{where}={part!r}: only text parts are supported", param=where)
+
+
+def _integer(body: dict[str, Any], field: str, *, low: int, high: int) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HttpError(400, f"{field}={value!r} must be an integer", param=field)
+    if not low <= value <= high:
+        raise HttpError(400, f"{field}={value} is out of range [{low}, {high}]", param=field)
+    return value
+
+
+def _typed(body: dict[str, Any], field: str, kind: type, *, default: Any, prefix: str = "") -> Any:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise HttpError(
+            400, f"{prefix}{field}={value!r} must be a {kind.__name__}", param=prefix + field
+        )
+    return value
+
+
+async def start_http(api: OpenAIApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `api` on host:port (0: a free port); the runner and the bound port.
+
+    A client that disconnects cancels its handler (and so its worker call)."""
+    runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    return runner, bound

@@ -1,0 +1,131 @@
+"""Every Prometheus metric the router exports, on its own registry, served at /metrics on
+the HTTP port.
+
+Updated on the event loop by the front door (times are as the router sees them, so they
+include the hop to the worker):
+
+- jlora_router_queued_requests: Generate calls waiting in the router's queue for a
+  worker with room; jlora_router_in_flight_requests: calls forwarded to a worker;
+- jlora_router_requests_total{outcome}; jlora_router_reroutes_total (a worker failed
+  before the first token and another took the request);
+- jlora_router_time_to_first_token_seconds, jlora_router_time_per_output_token_seconds,
+  jlora_router_request_latency_seconds.
+
+Read from the workers' last snapshots at scrape time (labelled {worker="host:port"}):
+jlora_router_worker_up, jlora_router_worker_running_requests (the running batch),
+jlora_router_worker_queued_requests, jlora_router_worker_adapter_loads_total,
+jlora_router_worker_adapter_evictions_total (the worker's own counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.workers import Worker
+
+# Outcomes of a Generate call (the `outcome` label of jlora_router_requests_total).
+OUTCOMES = (
+    "stop",
+    "length",
+    "cancelled",
+    "deadline",
+    "invalid",
+    "not_found",
+    "exhausted",
+    "unavailable",
+    "error",
+)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], Sequence[Worker]]) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.queued = Gauge(
+            "jlora_router_queued_requests",
+            "Generate calls waiting in the router's queue for a worker with room",
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "jlora_router_in_flight_requests",
+            "Generate calls forwarded to a worker and not yet ended",
+            registry=registry,
+        )
+        self.requests = Counter(
+            "jlora_router_requests", "Generate calls, by outcome", ["outcome"], registry=registry
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.reroutes = Counter(
+            "jlora_router_reroutes",
+            "Requests sent to another worker after one failed before their first token",
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "jlora_router_time_to_first_token_seconds",
+            "From the router receiving a request to its first token",
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        self.tpt = Histogram(
+            "jlora_router_time_per_output_token_seconds",
+            "Between two consecutive tokens of one request, at the router",
+            buckets=_PER_TOKEN,
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "jlora_router_request_latency_seconds",
+            "From the router receiving a request to its last token",
+            buckets=_LATENCY,
+            registry=registry,
+        )
+        registry.register(_WorkerCollector(workers))
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, workers: Callable[[], Sequence[Worker]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker"]
+        up = GaugeMetricFamily(
+            "jlora_router_worker_up", "1 if the worker takes requests", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "jlora_router_worker_running_requests",
+            "The worker's running batch at its last poll",
+            labels=labels,
+        )
+        queued = GaugeMetricFamily(
+            "jlora_router_worker_queued_requests",
+            "Requests queued on the worker at its last poll",
+            labels=labels,
+        )
+        loads = CounterMetricFamily(
+            "jlora_router_worker_adapter_loads",
+            "Adapter loads onto the worker's device since the worker started",
+            labels=labels,
+        )
+        evictions = CounterMetricFamily(
+            "jlora_router_worker_adapter_evictions",
+            "Adapters evicted from the worker's device slots since the worker started",
+            labels=labels,
+        )
+        for worker in self._workers():
+            address = [worker.address]
+            up.add_metric(address, float(worker.up))
+            stats = worker.stats
+            if stats is None:
+                continue
+            running.add_metric(address, len(stats.running))
+            queued.add_metric(address, stats.queued)
+            loads.add_metric(address, stats.adapter_slots.loads)
+            evictions.add_metric(address, stats.adapter_slots.evictions)
+        yield from (up, running, queued, loads, evictions)

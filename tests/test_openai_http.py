@@ -1,0 +1,371 @@
+"""The router's OpenAI-compatible HTTP API, driven by the official `openai` package (and by
+raw HTTP where the client would hide the status or the body), in front of MockEngine
+workers on loopback. MockTokenizer decodes token t as " t<t>", so each completion's
+text is known exactly from `mock_completion`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jlora.api import jlora_pb2 as pb
+from jlora.api import jlora_pb2_grpc as pb_grpc
+from jlora.engine.mock import MockEngine, MockTokenizer, mock_completion
+from jlora.server import serve
+from router.app import start_router
+
+VOCAB = 1000
+TOKENIZER = MockTokenizer()
+
+
+def expected_text(prompt_ids: list[int], adapter: str | None, n: int) -> str:
+    return TOKENIZER.decode(mock_completion(prompt_ids, adapter, n, VOCAB))
+
+
+def chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    return TOKENIZER.encode(TOKENIZER.apply_chat_template(messages))
+
+
+class Deployment:
+    """Two in-process workers (base model "smol", adapters a and b) behind a router."""
+
+    def __init__(self, *, max_seq_len: int = 64, max_slots: int = 4, **router_options) -> None:
+        self.engines = [
+            MockEngine(
+                max_slots=max_slots,
+                max_seq_len=max_seq_len,
+                step_latency=0.002,
+                adapters={"a": 8, "b": 16},
+            )
+            for _ in range(2)
+        ]
+        self.workers = [
+            serve(engine, tokenizer=engine.tokenizer, model_name="smol", max_queue=0)
+            for engine in self.engines
+        ]
+        self.router = start_router([w.address for w in self.workers], **router_options)
+        self.url = f"http://127.0.0.1:{self.router.http_port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None):
+        """(status, JSON body) of a raw POST."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        message = urllib.request.Request(
+            self.url + path,
+            data=data,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(message, timeout=10) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def idle(self) -> bool:
+        return not any(engine.has_unfinished for engine in self.engines) and not (
+            self.router.front.in_flight
+        )
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.stop(grace=0)
+        for worker in self.workers:
+            worker.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    deployment = Deployment(poll_interval=0.1)
+    yield deployment
+    deployment.close()
+
+
+def wait_for(condition, timeout: float = 10, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# -- the openai client -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, adapter", [("smol", None), ("a", "a"), ("b", "b")])
+def test_completions(deployment, model, adapter):
+    reply = deployment.client.completions.create(model=model, prompt="Hello", max_tokens=7)
+    assert reply.object == "text_completion" and reply.model == model
+    (choice,) = reply.choices
+    assert choice.text == expected_text(list(b"Hello"), adapter, 7)
+    assert choice.finish_reason == "length"
+    usage = reply.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (5, 7, 12)
+
+
+@pytest.mark.parametrize("model, adapter", [("smol", None), ("b", "b")])
+def test_completions_stream(deployment, model, adapter):
+    chunks = list(
+        deployment.client.completions.create(
+            model=model,
+            prompt=[3, 4, 5],  # token ids
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *tokens, usage_chunk = chunks
+    assert len(tokens) == 6  # one chunk per token
+    assert "".join(c.choices[0].text for c in tokens) == expected_text([3, 4, 5], adapter, 6)
+    assert [c.choices[0].finish_reason for c in tokens] == [None] * 5 + ["length"]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 6
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("model, adapter", [("smol", None), ("a", "a")])
+def test_chat(deployment, model, adapter):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    reply = deployment.client.chat.completions.create(model=model, messages=messages, max_tokens=5)
+    assert reply.object == "chat.completion"
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text(chat_ids(messages), adapter, 5)
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(chat_ids(messages))
+
+
+@pytest.mark.parametrize("model, adapter", [("smol", None), ("a", "a")])
+def test_chat_stream(deployment, model, adapter):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    chunks = list(
+        deployment.client.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=4, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    flat = [{"role": "user", "content": "Hi there"}]
+    assert text == expected_text(chat_ids(flat), adapter, 4)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models(deployment):
+    models = deployment.client.models.list()
+    assert [(m.id, m.root) for m in models.data] == [("smol", "smol"), ("a", "smol"), ("b", "smol")]
+
+
+def test_errors_reach_the_client_as_exceptions(deployment):
+    client = deployment.client
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert caught.value.body["param"] == "model" and "nope" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="a", messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert caught.value.body["param"] == "temperature"
+    stream = client.completions.create(model="a", prompt="x", max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected_text([ord("x")], "a", 3)
+
+
+# -- bad input, raw ------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_INPUTS = [
+    # (route, body, HTTP status, param, what the message must name)
+    (COMPLETIONS, dict(model="nope", prompt="x"), 404, "model", "adapter='nope'"),
+    (COMPLETIONS, dict(prompt="x"), 400, "model", "model"),
+    (COMPLETIONS, dict(model="a", prompt=""), 400, "prompt", "prompt is empty"),
+    (COMPLETIONS, dict(model="a"), 400, "prompt", "prompt"),
+    (COMPLETIONS, dict(model="a", prompt=["x", "y"]), 400, "prompt", "one prompt per request"),
+    (COMPLETIONS, dict(model="a", prompt=[1, 5000]), 400, "prompt", "prompt_ids[1]"),
+    (COMPLETIONS, dict(model="a", prompt="x" * 100), 400, "prompt", "max_seq_len"),
+    (COMPLETIONS, dict(model="a", prompt="x", max_tokens=0), 400, "max_tokens", "max_tokens"),
+    (COMPLETIONS, dict(model="a", prompt="x", max_tokens=-5), 400, "max_tokens", "max_tokens"),
+    (COMPLETIONS, dict(model="a", prompt="x", max_tokens=10**12), 400, "max_tokens", "range"),
+    (COMPLETIONS, dict(model="a", prompt="x", max_tokens=1000), 400, "max_tokens", "context"),
+    (COMPLETIONS, dict(model="a", prompt="x", max_tokens="9"), 400, "max_tokens", "integer"),
+    (COMPLETIONS, dict(model="a", prompt="x", temperature=-0.5), 400, "temperature", "[0, 100]"),
+    (COMPLETIONS, dict(model="a", prompt="x", temperature=1e30), 400, "temperature", "[0, 100]"),
+    (COMPLETIONS, dict(model="a", prompt="x", top_p=0), 400, "top_p", "(0, 1]"),
+    (COMPLETIONS, dict(model="a", prompt="x", top_p=1.5), 400, "top_p", "(0, 1]"),
+    (COMPLETIONS, dict(model="a", prompt="x", seed=-1), 400, "seed", "seed"),
+    (COMPLETIONS, dict(model="a", prompt="x", stop=5), 400, "stop", "stop"),
+    (COMPLETIONS, dict(model="a", prompt="x", n=2), 400, "n", "n=2"),
+    (COMPLETIONS, dict(model="a", prompt="x", echo=True), 400, "echo", "echo"),
+    (COMPLETIONS, dict(model="a", prompt="x", stream="yes"), 400, "stream", "stream"),
+    (CHAT, dict(model="a", messages=[]), 400, "messages", "no message"),
+    (CHAT, dict(model="a", messages="hi"), 400, "messages", "messages"),
+    (CHAT, dict(model="a", messages=[{"role": "robot", "content": "x"}]), 400,
+     "messages[0].role", "role"),
+    (CHAT, dict(model="a", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     400, "messages[0].content[0]", "text"),
+    (CHAT, dict(model="a", messages=USER, max_completion_tokens=0), 400, "max_tokens",
+     "max_tokens"),
+    (CHAT, dict(model="nope", messages=USER), 404, "model", "nope"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "route, body, status, param, names",
+    BAD_INPUTS,
+    ids=[f"{i}-{case[3]}" for i, case in enumerate(BAD_INPUTS)],
+)
+def test_bad_input_gets_its_status_and_names_the_field(
+    deployment, route, body, status, param, names
+):
+    code, reply = deployment.post(route, body)
+    assert code == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and names in error["message"]
+    assert error["type"] == ("invalid_request_error" if status in (400, 404) else error["type"])
+    wait_for(deployment.idle, what="idle")
+    ok = deployment.client.completions.create(model="a", prompt="ok", max_tokens=2)
+    assert ok.choices[0].text == expected_text(list(b"ok"), "a", 2)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"", b'{"model": "a", "prompt": "x"', b"\xff\xfe", b"[1, 2]", b'"text"'],
+)
+def test_malformed_json_is_a_400(deployment, body):
+    code, reply = deployment.post(COMPLETIONS, body)
+    assert code == 400
+    assert "JSON" in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_routes_answer_in_openai_shape(deployment):
+    code, body = deployment.get("/v1/engines")
+    assert code == 404 and "error" in json.loads(body)
+
+
+# -- queue, deadline, availability, disconnects --------------------------------------------
+
+
+def long_running(deployment: Deployment, count: int) -> list:
+    """`count` base-model streams that hold their slots, each past its first token."""
+    calls = []
+    for i in range(count):
+        channel = grpc.insecure_channel(deployment.router.address)
+        message = pb.GenerateRequest(adapter="smol")
+        message.token_ids.ids.append(i + 1)
+        message.sampling.max_tokens = 60
+        call = pb_grpc.JloraStub(channel).Generate(message)
+        next(call)
+        calls.append(call)
+    return calls
+
+
+def test_full_queue_is_429_deadline_is_504_no_worker_is_503():
+    deployment = Deployment(max_slots=1, max_queue=0, poll_interval=0.1)
+    try:
+        for engine in deployment.engines:
+            engine.step_latency = 0.02
+        calls = long_running(deployment, 2)  # both workers' only slots
+        code, reply = deployment.post(COMPLETIONS, dict(model="a", prompt="x", max_tokens=2))
+        assert code == 429 and reply["error"]["type"] == "rate_limit_error"
+        assert "max_queue=0" in reply["error"]["message"]
+        with pytest.raises(openai.RateLimitError):
+            deployment.client.completions.create(model="a", prompt="x", max_tokens=2)
+        for call in calls:
+            call.cancel()
+        wait_for(deployment.idle, what="idle")
+        code, reply = deployment.post(
+            COMPLETIONS,
+            dict(model="a", prompt="x", max_tokens=50),
+            headers={"X-Request-Timeout": "0.2"},
+        )
+        assert code == 504 and reply["error"]["code"] == "deadline_exceeded"
+        wait_for(deployment.idle, what="the worker to abort the request")
+        for worker in deployment.workers:
+            worker.stop(grace=0)
+        wait_for(lambda: not any(w.up for w in deployment.router.workers), what="workers down")
+        code, reply = deployment.post(COMPLETIONS, dict(model="a", prompt="x", max_tokens=2))
+        assert code == 503 and "no healthy worker" in reply["error"]["message"]
+        assert deployment.get("/health")[0] == 503
+    finally:
+        deployment.close()
+
+
+def test_a_stream_whose_worker_stops_ends_with_an_error_event():
+    deployment = Deployment(poll_interval=0.1)
+    try:
+        for engine in deployment.engines:
+            engine.step_latency = 0.01
+        stream = deployment.client.completions.create(
+            model="a", prompt="x", max_tokens=60, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)
+        for worker in deployment.workers:
+            worker.stop(grace=0)  # cancels the streams it runs
+        with pytest.raises(openai.APIError) as caught:
+            list(chunks)
+        assert "failed after" in caught.value.message
+        assert caught.value.body["code"] == "unavailable"
+    finally:
+        deployment.close()
+
+
+def test_a_client_that_disconnects_frees_the_worker(deployment):
+    engine_steps = [engine.steps for engine in deployment.engines]
+    for engine in deployment.engines:
+        engine.step_latency = 0.01
+    try:
+        stream = deployment.client.completions.create(
+            model="a", prompt="x", max_tokens=60, stream=True
+        )
+        next(iter(stream))
+        stream.close()
+        wait_for(deployment.idle, timeout=5, what="the request to be aborted")
+        steps = sum(e.steps for e in deployment.engines) - sum(engine_steps)
+        assert steps < 40  # not run to its 60 tokens
+    finally:
+        for engine in deployment.engines:
+            engine.step_latency = 0.002
+
+
+# -- /metrics, /health -----------------------------------------------------------------
+
+
+def test_metrics_and_health(deployment):
+    deployment.client.completions.create(model="b", prompt="m", max_tokens=3)
+    code, body = deployment.get("/metrics")
+    assert code == 200
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+    assert samples[("jlora_router_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("jlora_router_time_per_output_token_seconds_count", ())] >= 2
+    assert samples[("jlora_router_requests_total", (("outcome", "length"),))] >= 1
+    assert samples[("jlora_router_queued_requests", ())] == 0
+    for worker in deployment.workers:
+        label = (("worker", worker.address),)
+        assert samples[("jlora_router_worker_up", label)] == 1
+        assert ("jlora_router_worker_adapter_loads_total", label) in samples
+        assert ("jlora_router_worker_running_requests", label) in samples
+    code, body = deployment.get("/health")
+    health = json.loads(body)
+    assert code == 200 and health["status"] == "ok"
+    assert set(health["workers"].values()) == {"up"}
