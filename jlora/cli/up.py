@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
                 f"on http://{args.host}:{router.http_port}/v1 (models: "
-                f"{', '.join([Path(args.model).name, *names])}); Ctrl-C stops",
+                f"{', '.join([Path(args.model).name, *names])}; workers: "
+                f"{', '.join(f'{args.host}:{port}' for port in ports)}); Ctrl-C stops",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,0 +1,140 @@
+"""`jlora up` end to end: real worker processes with the real engine behind the router.
+
+cpu-tiny: two workers, concurrent mixed-adapter streams through the router equal what
+one worker gives directly. SmolLM2 (slow): one worker and the official `openai` client,
+chat and completions, streaming and not, on the base model and a demo adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from jlora.api import jlora_pb2 as pb
+from jlora.api import jlora_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(
+    r"router gRPC on ([\d.]+:\d+), OpenAI-compatible HTTP on (\S+/v1) .*workers: ([^)]*)\)"
+)
+
+
+class Up:
+    """A `jlora up` process; `.grpc` and `.http` are where its router listens."""
+
+    def __init__(self, state_dir: Path, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jlora.cli.main", "up", "--port", "0", "--http-port", "0",
+             "--state-dir", str(state_dir), *args],
+            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        self.log: list[str] = []
+        found = threading.Event()
+        self.grpc = self.http = ""
+        self.workers: list[str] = []
+
+        def read() -> None:
+            assert self.process.stderr is not None
+            for line in self.process.stderr:
+                self.log.append(line)
+                if match := LISTENING.search(line):
+                    self.grpc, self.http, workers = match.groups()
+                    self.workers = workers.split(", ")
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + 600
+        while not found.wait(0.2):
+            assert self.process.poll() is None, "".join(self.log)
+            assert time.monotonic() < deadline, "jlora up did not start:\n" + "".join(self.log)
+
+    def stop(self) -> int:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise
+
+
+def _generate(address: str, ids: list[int], adapter: str) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.JloraStub(channel)
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            adapter=adapter,
+            sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True),
+        )
+        return [r.token_id for r in stub.Generate(request, timeout=120)]
+
+
+def test_two_real_workers_behind_the_router_give_the_direct_tokens(tmp_path):
+    up = Up(tmp_path, "--model", "cpu-tiny", "--workers", "2", "--max-seq-len", "64",
+            "--max-slots", "4")  # fmt: skip
+    try:
+        assert len(up.workers) == 2
+        with grpc.insecure_channel(up.grpc) as channel:
+            models = [m.id for m in pb_grpc.JloraStub(channel).Models(pb.ModelsRequest()).models]
+        adapters = [m for m in models if m.startswith("demo-")]
+        assert len(adapters) == 3
+        jobs = [([3, 1, 4, 1, 5, 9][: 2 + i % 5], ["", *adapters][i % 4]) for i in range(8)]
+        routed: dict[int, list[int]] = {}
+
+        def call(i: int) -> None:
+            routed[i] = _generate(up.grpc, *jobs[i])
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        worker = up.workers[0]  # one worker, asked directly
+        for i, (ids, adapter) in enumerate(jobs):
+            assert routed[i] == _generate(worker, ids, adapter), (ids, adapter)
+        assert len({tuple(tokens) for tokens in routed.values()}) > 1  # adapters matter
+    finally:
+        assert up.stop() == 0
+
+
+@pytest.mark.slow
+def test_smollm2_through_the_openai_client(tmp_path):
+    up = Up(tmp_path, "--max-seq-len", "256", "--max-slots", "2")
+    try:
+        client = openai.OpenAI(base_url=up.http, api_key="unused", max_retries=0)
+        names = [model.id for model in client.models.list().data]
+        assert names[0] == "smollm2-135m" and len(names) == 4
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(
+            model="smollm2-135m", messages=question, max_tokens=20
+        )
+        assert "Paris" in answer.choices[0].message.content
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model="smollm2-135m", messages=question, max_tokens=20, stream=True
+            )
+            if chunk.choices
+        )
+        assert streamed == answer.choices[0].message.content
+        adapted = client.completions.create(
+            model=names[1], prompt="The capital of France is", max_tokens=12
+        )
+        base = client.completions.create(
+            model="smollm2-135m", prompt="The capital of France is", max_tokens=12
+        )
+        assert adapted.usage.completion_tokens == 12
+        assert adapted.choices[0].text != base.choices[0].text  # the adapter changes it
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=4)
+    finally:
+        assert up.stop() == 0
