@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 SEGMENT_PREFIX = "jlora_cpu_"  # control segments: /dev/shm/jlora_cpu_<pid>_<random>
 LOCAL = -1  # Share.worker for rows computed in the calling process
 REFERENCE_SHAPE = (128, 576, 16, 576)  # rows, in, rank, out: SmolLM2's q_proj at rank 16
+# A worker spins this long after its last task before it starts sleeping: a prefill
+# hands off every few hundred microseconds, and a sleeping worker wakes late.
+WORKER_SPIN_S = 2e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +115,7 @@ def _worker_main(
     slot[READY] = generation
     served = start_seq
     while True:
-        backoff = Backoff()
+        backoff = Backoff(spin_s=WORKER_SPIN_S)
         while (request := int(slot[REQUEST])) == served:
             backoff.pause()
             if backoff.sleep_s >= backoff.max_sleep_s and os.getppid() != parent:
