@@ -99,7 +99,7 @@ class AdapterCatalog:
             if not workers:
                 raise RouterError(Code.UNAVAILABLE, "no worker is up to register the adapter on")
             message = pb.RegisterAdapterRequest(
-                name=name, path=entry.path, load=request.load, pin=request.pin
+                name=name, path=entry.path, load=request.load, pin=request.pin, sha256=entry.sha256
             )
             done: list[Worker] = []
             try:
@@ -194,7 +194,7 @@ class AdapterCatalog:
             directory = await asyncio.to_thread(reg.resolve_path, entry.path, adapters_dir)
             await asyncio.to_thread(reg.verify_sha256, entry, directory / WEIGHTS_FILE)
             reply = await worker.stub.RegisterAdapter(
-                pb.RegisterAdapterRequest(name=entry.name, path=entry.path),
+                pb.RegisterAdapterRequest(name=entry.name, path=entry.path, sha256=entry.sha256),
                 timeout=ADMIN_TIMEOUT,
             )
         except reg.RegistryError as err:

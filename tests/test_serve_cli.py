@@ -4,6 +4,7 @@ unloaded over gRPC, Stats reports the running batch with ranks, and SIGTERM drai
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -111,8 +112,7 @@ def test_adapter_lifecycle_and_stats_over_grpc(demo, worker):
         listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
         if listed[name].state == pb.ADAPTER_STATE_DEVICE:
             break
-        assert time.monotonic() < deadline
-        stub.Stats(pb.StatsRequest())  # the scheduler installs landed loads between steps
+        assert time.monotonic() < deadline, "the pinned adapter never landed"
         time.sleep(0.05)
     assert listed[name].pinned
     with pytest.raises(grpc.RpcError) as caught:
@@ -139,6 +139,26 @@ def test_adapter_lifecycle_and_stats_over_grpc(demo, worker):
         time.sleep(0.05)
     listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
     assert listed[name].state == pb.ADAPTER_STATE_HOST and not listed[name].pinned
+
+
+def test_register_checks_the_registrys_sha256_against_the_loaded_bytes(tiny, demo, worker):
+    """The router passes the registry's sha256: a worker refuses (DATA_LOSS, nothing
+    registered) a file whose bytes differ, and registers it when they match."""
+    adapters_dir, _ = demo
+    stub, _ = worker
+    (path,) = make_demo_adapters(tiny.config, adapters_dir / "late", n=1, ranks=[8], seed=9)
+    relative = str(path.relative_to(adapters_dir))
+    actual = hashlib.sha256((path / "adapter_model.safetensors").read_bytes()).hexdigest()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.RegisterAdapter(pb.RegisterAdapterRequest(name="late", path=relative, sha256="0" * 64))
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    assert actual in caught.value.details() and "0" * 64 in caught.value.details()
+    names = {a.name for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    assert "late" not in names
+    reply = stub.RegisterAdapter(
+        pb.RegisterAdapterRequest(name="late", path=relative, sha256=actual.upper())
+    )
+    assert reply.adapter.name == "late" and reply.adapter.sha256 == actual
 
 
 def test_sigterm_drains_and_exits(worker):

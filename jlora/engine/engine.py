@@ -253,7 +253,10 @@ class LLMEngine(Engine):
         slots.discard(name)
 
     def adapter_infos(self) -> list[AdapterInfo]:
-        """Every registered adapter and where it is, in registration order."""
+        """Every registered adapter and where it is, in registration order (loads that
+        have landed are installed first, so an idle engine reports them ready)."""
+        if self.lora is not None:
+            self.lora.slots.poll()
         infos = []
         for stored in self.adapters():
             assert self.lora is not None
@@ -282,6 +285,8 @@ class LLMEngine(Engine):
 
     def stats(self) -> EngineStats:
         """The running batch, the queue, the slots and memory, now."""
+        if self.lora is not None:
+            self.lora.slots.poll()  # an idle engine installs landed loads here
         running = tuple(
             RunningInfo(
                 request_id=seq.request.request_id,

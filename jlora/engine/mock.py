@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import math
 import time
 import zlib
@@ -100,6 +101,8 @@ class _Adapter:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    sha256: str  # of adapter_model.safetensors, "" if the directory has none
+    size_bytes: int
 
 
 @dataclasses.dataclass
@@ -162,7 +165,9 @@ class MockEngine(Engine):
         self.adapter_loads = 0
         self.adapter_evictions = 0
         for name, rank in (adapters or {}).items():
-            self._adapters[name] = _Adapter(name, "", rank, float(rank), ("q_proj", "v_proj"))
+            self._adapters[name] = _Adapter(
+                name, "", rank, float(rank), ("q_proj", "v_proj"), "", 0
+            )
 
     # -- Engine interface ------------------------------------------------------------
 
@@ -264,7 +269,12 @@ class MockEngine(Engine):
         if name in self._adapters:
             raise AdapterError(f"adapter name={name!r} is already registered")
         spec = read_lora_spec(path)
-        self._adapters[name] = _Adapter(name, str(path), spec.rank, spec.alpha, spec.targets)
+        weights = Path(path) / "adapter_model.safetensors"
+        data = weights.read_bytes() if weights.is_file() else b""
+        digest = hashlib.sha256(data).hexdigest() if data else ""
+        self._adapters[name] = _Adapter(
+            name, str(path), spec.rank, spec.alpha, spec.targets, digest, len(data)
+        )
         return self._info(name)
 
     def unregister_adapter(self, name: str) -> None:
@@ -387,8 +397,8 @@ class MockEngine(Engine):
             rank=adapter.rank,
             alpha=adapter.alpha,
             target_modules=adapter.targets,
-            sha256="",
-            size_bytes=0,
+            sha256=adapter.sha256,
+            size_bytes=adapter.size_bytes,
             state=DEVICE if slot >= 0 else HOST,
             slot=slot,
             pinned=name in self._pinned,

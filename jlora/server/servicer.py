@@ -260,6 +260,14 @@ class JloraServicer(pb_grpc.JloraServicer):
             if _find(engine, name) is not None:
                 raise _Status(Code.ALREADY_EXISTS, f"adapter name={name!r} is already registered")
             engine.register_adapter(name, path)
+            loaded = _get(engine, name).sha256
+            if request.sha256 and loaded != request.sha256.lower():
+                engine.unregister_adapter(name)
+                raise _Status(
+                    Code.DATA_LOSS,
+                    f"adapter {name!r}: adapter_model.safetensors has sha256 {loaded}, but "
+                    f"sha256={request.sha256!r} was expected (the registry's); not registered",
+                )
             if load:
                 try:
                     engine.load_adapter(name, pin=pin)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14jlora/v1/jlora.proto\x12\x08jlora.v1\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.jlora.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.jlora.v1.ChatMessagesH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.jlora.v1.SamplingParamsB\x08\n\x06promptJ\x04\x08\x07\x10\x08R\x06stream\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jlora.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdc\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.jlora.v1.TokenTiming\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.jlora.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.jlora.v1.Usage\"B\n\x0bTokenTiming\x12\x18\n\x10since_arrival_us\x18\x01 \x01(\x03\x12\x19\n\x11since_previous_us\x18\x02 \x01(\x03\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xdd\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.jlora.v1.AdapterState\x12\x0c\n\x04slot\x18\t \x01(\x05\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\x18\n\x10running_requests\x18\x0b \x01(\x05\"O\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04load\x18\x03 \x01(\x08\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"=\n\x17RegisterAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"/\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"9\n\x13LoadAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x15UnloadAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"(\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnregisterAdapterResponse\"\x15\n\x13ListAdaptersRequest\";\n\x14ListAdaptersResponse\x12#\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x11.jlora.v1.Adapter\"\x0e\n\x0cStatsRequest\"\x82\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x05\"\xfc\x01\n\rStatsResponse\x12)\n\x07running\x18\x01 \x03(\x0b\x32\x18.jlora.v1.RunningRequest\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x11\n\tmax_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\x05\x12 \n\x06memory\x18\x07 \x01(\x0b\x32\x10.jlora.v1.Memory\x12-\n\radapter_slots\x18\x08 \x01(\x0b\x32\x16.jlora.v1.AdapterSlots\x12\x10\n\x08\x64raining\x18\t \x01(\x08\"\xcb\x01\n\x06Memory\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x05\x12\x15\n\rkv_block_size\x18\x03 \x01(\x05\x12\x1d\n\x15host_store_bytes_used\x18\x04 \x01(\x03\x12!\n\x19host_store_bytes_capacity\x18\x05 \x01(\x03\x12\x1b\n\x13\x64\x65vice_bytes_in_use\x18\x06 \x01(\x03\x12\x1a\n\x12\x64\x65vice_bytes_limit\x18\x07 \x01(\x03\"^\n\x0c\x41\x64\x61pterSlots\x12\r\n\x05total\x18\x01 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x02 \x01(\x05\x12\x0f\n\x07loading\x18\x03 \x01(\x05\x12\r\n\x05loads\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\"\x0f\n\rModelsRequest\"i\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.jlora.v1.ModelKind\x12\x0e\n\x06parent\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x05\"1\n\x0eModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.jlora.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*z\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x44\x41PTER_STATE_HOST\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_STATE_LOADING\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_STATE_DEVICE\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe6\x04\n\x05Jlora\x12\x43\n\x08Generate\x12\x19.jlora.v1.GenerateRequest\x1a\x1a.jlora.v1.GenerateResponse0\x01\x12V\n\x0fRegisterAdapter\x12 .jlora.v1.RegisterAdapterRequest\x1a!.jlora.v1.RegisterAdapterResponse\x12J\n\x0bLoadAdapter\x12\x1c.jlora.v1.LoadAdapterRequest\x1a\x1d.jlora.v1.LoadAdapterResponse\x12P\n\rUnloadAdapter\x12\x1e.jlora.v1.UnloadAdapterRequest\x1a\x1f.jlora.v1.UnloadAdapterResponse\x12\\\n\x11UnregisterAdapter\x12\".jlora.v1.UnregisterAdapterRequest\x1a#.jlora.v1.UnregisterAdapterResponse\x12M\n\x0cListAdapters\x12\x1d.jlora.v1.ListAdaptersRequest\x1a\x1e.jlora.v1.ListAdaptersResponse\x12\x38\n\x05Stats\x12\x16.jlora.v1.StatsRequest\x1a\x17.jlora.v1.StatsResponse\x12;\n\x06Models\x12\x17.jlora.v1.ModelsRequest\x1a\x18.jlora.v1.ModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14jlora/v1/jlora.proto\x12\x08jlora.v1\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.jlora.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.jlora.v1.ChatMessagesH\x00\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.jlora.v1.SamplingParamsB\x08\n\x06promptJ\x04\x08\x07\x10\x08R\x06stream\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jlora.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdc\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xbc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x06timing\x18\x04 \x01(\x0b\x32\x15.jlora.v1.TokenTiming\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.jlora.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.jlora.v1.Usage\"B\n\x0bTokenTiming\x12\x18\n\x10since_arrival_us\x18\x01 \x01(\x03\x12\x19\n\x11since_previous_us\x18\x02 \x01(\x03\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xdd\x01\n\x07\x41\x64\x61pter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.jlora.v1.AdapterState\x12\x0c\n\x04slot\x18\t \x01(\x05\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\x18\n\x10running_requests\x18\x0b \x01(\x05\"_\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04load\x18\x03 \x01(\x08\x12\x0b\n\x03pin\x18\x04 \x01(\x08\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"=\n\x17RegisterAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"/\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"9\n\x13LoadAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\";\n\x15UnloadAdapterResponse\x12\"\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x11.jlora.v1.Adapter\"(\n\x18UnregisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19UnregisterAdapterResponse\"\x15\n\x13ListAdaptersRequest\";\n\x14ListAdaptersResponse\x12#\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x11.jlora.v1.Adapter\"\x0e\n\x0cStatsRequest\"\x82\x01\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x05\"\xfc\x01\n\rStatsResponse\x12)\n\x07running\x18\x01 \x03(\x0b\x32\x18.jlora.v1.RunningRequest\x12\x0e\n\x06queued\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x11\n\tmax_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\x05\x12 \n\x06memory\x18\x07 \x01(\x0b\x32\x10.jlora.v1.Memory\x12-\n\radapter_slots\x18\x08 \x01(\x0b\x32\x16.jlora.v1.AdapterSlots\x12\x10\n\x08\x64raining\x18\t \x01(\x08\"\xcb\x01\n\x06Memory\x12\x17\n\x0fkv_blocks_total\x18\x01 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x02 \x01(\x05\x12\x15\n\rkv_block_size\x18\x03 \x01(\x05\x12\x1d\n\x15host_store_bytes_used\x18\x04 \x01(\x03\x12!\n\x19host_store_bytes_capacity\x18\x05 \x01(\x03\x12\x1b\n\x13\x64\x65vice_bytes_in_use\x18\x06 \x01(\x03\x12\x1a\n\x12\x64\x65vice_bytes_limit\x18\x07 \x01(\x03\"^\n\x0c\x41\x64\x61pterSlots\x12\r\n\x05total\x18\x01 \x01(\x05\x12\x0c\n\x04\x66ree\x18\x02 \x01(\x05\x12\x0f\n\x07loading\x18\x03 \x01(\x05\x12\r\n\x05loads\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\"\x0f\n\rModelsRequest\"i\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04kind\x18\x02 \x01(\x0e\x32\x13.jlora.v1.ModelKind\x12\x0e\n\x06parent\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x05\"1\n\x0eModelsResponse\x12\x1f\n\x06models\x18\x01 \x03(\x0b\x32\x0f.jlora.v1.Model*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*z\n\x0c\x41\x64\x61pterState\x12\x1d\n\x19\x41\x44\x41PTER_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x44\x41PTER_STATE_HOST\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_STATE_LOADING\x10\x02\x12\x18\n\x14\x41\x44\x41PTER_STATE_DEVICE\x10\x03*T\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMODEL_KIND_BASE\x10\x01\x12\x16\n\x12MODEL_KIND_ADAPTER\x10\x02\x32\xe6\x04\n\x05Jlora\x12\x43\n\x08Generate\x12\x19.jlora.v1.GenerateRequest\x1a\x1a.jlora.v1.GenerateResponse0\x01\x12V\n\x0fRegisterAdapter\x12 .jlora.v1.RegisterAdapterRequest\x1a!.jlora.v1.RegisterAdapterResponse\x12J\n\x0bLoadAdapter\x12\x1c.jlora.v1.LoadAdapterRequest\x1a\x1d.jlora.v1.LoadAdapterResponse\x12P\n\rUnloadAdapter\x12\x1e.jlora.v1.UnloadAdapterRequest\x1a\x1f.jlora.v1.UnloadAdapterResponse\x12\\\n\x11UnregisterAdapter\x12\".jlora.v1.UnregisterAdapterRequest\x1a#.jlora.v1.UnregisterAdapterResponse\x12M\n\x0cListAdapters\x12\x1d.jlora.v1.ListAdaptersRequest\x1a\x1e.jlora.v1.ListAdaptersResponse\x12\x38\n\x05Stats\x12\x16.jlora.v1.StatsRequest\x1a\x17.jlora.v1.StatsResponse\x12;\n\x06Models\x12\x17.jlora.v1.ModelsRequest\x1a\x18.jlora.v1.ModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jlora.v1.jlora_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2536
-  _globals['_FINISHREASON']._serialized_end=2631
-  _globals['_ADAPTERSTATE']._serialized_start=2633
-  _globals['_ADAPTERSTATE']._serialized_end=2755
-  _globals['_MODELKIND']._serialized_start=2757
-  _globals['_MODELKIND']._serialized_end=2841
+  _globals['_FINISHREASON']._serialized_start=2552
+  _globals['_FINISHREASON']._serialized_end=2647
+  _globals['_ADAPTERSTATE']._serialized_start=2649
+  _globals['_ADAPTERSTATE']._serialized_end=2771
+  _globals['_MODELKIND']._serialized_start=2773
+  _globals['_MODELKIND']._serialized_end=2857
   _globals['_GENERATEREQUEST']._serialized_start=35
   _globals['_GENERATEREQUEST']._serialized_end=254
   _globals['_TOKENIDS']._serialized_start=256
@@ -56,41 +56,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAPTER']._serialized_start=926
   _globals['_ADAPTER']._serialized_end=1147
   _globals['_REGISTERADAPTERREQUEST']._serialized_start=1149
-  _globals['_REGISTERADAPTERREQUEST']._serialized_end=1228
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=1230
-  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=1291
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1293
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1340
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1342
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1399
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1401
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1437
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1439
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1498
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=1500
-  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=1540
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=1542
-  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=1569
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1571
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1592
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1594
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1653
-  _globals['_STATSREQUEST']._serialized_start=1655
-  _globals['_STATSREQUEST']._serialized_end=1669
-  _globals['_RUNNINGREQUEST']._serialized_start=1672
-  _globals['_RUNNINGREQUEST']._serialized_end=1802
-  _globals['_STATSRESPONSE']._serialized_start=1805
-  _globals['_STATSRESPONSE']._serialized_end=2057
-  _globals['_MEMORY']._serialized_start=2060
-  _globals['_MEMORY']._serialized_end=2263
-  _globals['_ADAPTERSLOTS']._serialized_start=2265
-  _globals['_ADAPTERSLOTS']._serialized_end=2359
-  _globals['_MODELSREQUEST']._serialized_start=2361
-  _globals['_MODELSREQUEST']._serialized_end=2376
-  _globals['_MODEL']._serialized_start=2378
-  _globals['_MODEL']._serialized_end=2483
-  _globals['_MODELSRESPONSE']._serialized_start=2485
-  _globals['_MODELSRESPONSE']._serialized_end=2534
-  _globals['_JLORA']._serialized_start=2844
-  _globals['_JLORA']._serialized_end=3458
+  _globals['_REGISTERADAPTERREQUEST']._serialized_end=1244
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_start=1246
+  _globals['_REGISTERADAPTERRESPONSE']._serialized_end=1307
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1309
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1356
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1358
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1415
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1417
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1453
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1455
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1514
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_start=1516
+  _globals['_UNREGISTERADAPTERREQUEST']._serialized_end=1556
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_start=1558
+  _globals['_UNREGISTERADAPTERRESPONSE']._serialized_end=1585
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1587
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1608
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1610
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1669
+  _globals['_STATSREQUEST']._serialized_start=1671
+  _globals['_STATSREQUEST']._serialized_end=1685
+  _globals['_RUNNINGREQUEST']._serialized_start=1688
+  _globals['_RUNNINGREQUEST']._serialized_end=1818
+  _globals['_STATSRESPONSE']._serialized_start=1821
+  _globals['_STATSRESPONSE']._serialized_end=2073
+  _globals['_MEMORY']._serialized_start=2076
+  _globals['_MEMORY']._serialized_end=2279
+  _globals['_ADAPTERSLOTS']._serialized_start=2281
+  _globals['_ADAPTERSLOTS']._serialized_end=2375
+  _globals['_MODELSREQUEST']._serialized_start=2377
+  _globals['_MODELSREQUEST']._serialized_end=2392
+  _globals['_MODEL']._serialized_start=2394
+  _globals['_MODEL']._serialized_end=2499
+  _globals['_MODELSRESPONSE']._serialized_start=2501
+  _globals['_MODELSRESPONSE']._serialized_end=2550
+  _globals['_JLORA']._serialized_start=2860
+  _globals['_JLORA']._serialized_end=3474
 # @@protoc_insertion_point(module_scope)

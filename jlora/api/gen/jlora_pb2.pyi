@@ -149,16 +149,18 @@ class Adapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., state: _Optional[_Union[AdapterState, str]] = ..., slot: _Optional[int] = ..., pinned: _Optional[bool] = ..., running_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
-    __slots__ = ("name", "path", "load", "pin")
+    __slots__ = ("name", "path", "load", "pin", "sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     load: bool
     pin: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., load: _Optional[bool] = ..., pin: _Optional[bool] = ...) -> None: ...
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., load: _Optional[bool] = ..., pin: _Optional[bool] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterAdapterResponse(_message.Message):
     __slots__ = ("adapter",)

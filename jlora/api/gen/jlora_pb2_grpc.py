@@ -30,6 +30,7 @@ class JloraStub:
     several. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (bad input), NOT_FOUND (an unknown adapter), ALREADY_EXISTS,
     FAILED_PRECONDITION (an adapter still in use), RESOURCE_EXHAUSTED (the queue is full),
+    DATA_LOSS (an adapter file whose sha256 is not the registry's),
     UNAVAILABLE (the server is draining), DEADLINE_EXCEEDED and CANCELLED (the request is
     aborted and its decode slot and KV blocks freed).
     """
@@ -87,6 +88,7 @@ class JloraServicer:
     several. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (bad input), NOT_FOUND (an unknown adapter), ALREADY_EXISTS,
     FAILED_PRECONDITION (an adapter still in use), RESOURCE_EXHAUSTED (the queue is full),
+    DATA_LOSS (an adapter file whose sha256 is not the registry's),
     UNAVAILABLE (the server is draining), DEADLINE_EXCEEDED and CANCELLED (the request is
     aborted and its decode slot and KV blocks freed).
     """
@@ -203,6 +205,7 @@ class Jlora:
     several. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (bad input), NOT_FOUND (an unknown adapter), ALREADY_EXISTS,
     FAILED_PRECONDITION (an adapter still in use), RESOURCE_EXHAUSTED (the queue is full),
+    DATA_LOSS (an adapter file whose sha256 is not the registry's),
     UNAVAILABLE (the server is draining), DEADLINE_EXCEEDED and CANCELLED (the request is
     aborted and its decode slot and KV blocks freed).
     """
