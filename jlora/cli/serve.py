@@ -1,8 +1,9 @@
 """`jlora serve`: one worker, an engine in one JAX process behind the jlora.v1 gRPC API.
 
 1. Load the model, build the engine (`--lora-mode`, `--max-loras`, ...), register the
-   adapters given by `--adapter NAME=PATH` and every adapter directory under
-   `--adapters-dir`, and compile every step shape (warm-up).
+   adapters given by `--adapter NAME=PATH`, every adapter directory under
+   `--adapters-dir` and every entry of the shared `--registry` (each checked against
+   the registry's sha256 on the bytes loaded), and compile every step shape (warm-up).
 2. Serve (`jlora.server.serve`) and say on stderr where it listens (and write the
    port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
 3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
@@ -52,6 +53,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="register every adapter directory in DIR; RegisterAdapter paths must stay in it",
     )
+    lora.add_argument(
+        "--registry",
+        type=Path,
+        metavar="FILE",
+        help="the router's adapter registry (SQLite): serve its adapters, paths relative "
+        "to --adapters-dir, refusing any whose sha256 differs",
+    )
     lora.add_argument("--max-lora-rank", type=int, default=64)
     add_lora_engine_args(lora)
     parser.set_defaults(run=run)
@@ -75,6 +83,28 @@ def adapters_to_register(pairs: list[str], adapters_dir: Path | None) -> dict[st
     return found
 
 
+def _registry_entries(
+    registry: Path | None, adapters_dir: Path | None, adapters: dict[str, Path]
+) -> dict[str, str]:
+    """Add the registry's adapters to `adapters`; returns name -> registered sha256."""
+    if registry is None:
+        return {}
+    from router.registry import Registry, RegistryError, resolve_path
+
+    if adapters_dir is None:
+        raise UsageError("--registry needs --adapters-dir (registry paths are relative to it)")
+    if not registry.is_file():
+        raise UsageError(f"--registry {registry}: no such file")
+    try:
+        with Registry(registry) as opened:
+            entries = opened.list()
+        for entry in entries:
+            adapters[entry.name] = resolve_path(entry.path, adapters_dir)
+    except RegistryError as err:
+        raise UsageError(f"--registry {registry}: {err}") from None
+    return {entry.name: entry.sha256 for entry in entries}
+
+
 def run(args: argparse.Namespace) -> int:
     from configs import EngineConfig
     from jlora.engine.engine import LLMEngine
@@ -90,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
     adapters = adapters_to_register(args.adapter, args.adapters_dir)
+    expected = _registry_entries(args.registry, args.adapters_dir, adapters)
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
     config = EngineConfig(
@@ -108,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         for name, path in adapters.items():
-            engine.register_adapter(name, path)
+            stored = engine.register_adapter(name, path)
+            if name in expected and stored.sha256 != expected[name]:
+                raise UsageError(
+                    f"--registry {args.registry}: adapter {name!r} at {path} has sha256 "
+                    f"{stored.sha256}, the registry holds {expected[name]}"
+                )
         print("jlora serve: compiling...", file=sys.stderr, flush=True)
         engine.warmup()
         server = serve(

@@ -82,6 +82,9 @@ def _worker_command(args: argparse.Namespace, port_file: Path, adapters_dir: Pat
         command += ["--max-loras", str(args.max_loras)]
     if adapters_dir is not None:
         command += ["--adapters-dir", str(adapters_dir)]
+        registry = args.state_dir / "registry.sqlite"
+        if registry.is_file():  # adapters registered through the router last time
+            command += ["--registry", str(registry)]
     for pair in args.adapter:
         command += ["--adapter", pair]
     return command
