@@ -26,7 +26,6 @@ import signal
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import grpc
@@ -35,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jlora.api import SERVICE_NAME, jlora_pb2_grpc
+from jlora.server.app import drain_on_signals
 from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
 from router.metrics import RouterMetrics
@@ -210,13 +210,7 @@ class RouterHandle:
     ) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on
         the main thread, then `wait()`)."""
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %d: draining (grace %.0f s)", signum, grace)
-            threading.Thread(target=self.stop, args=(grace,), name="jlora-drain").start()
-
-        for signum in signals:
-            signal.signal(signum, handler)
+        drain_on_signals(self.stop, grace, signals)
 
     def __enter__(self) -> RouterHandle:
         return self

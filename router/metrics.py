@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from jlora.server.metrics import LATENCY_BUCKETS, PER_TOKEN_BUCKETS
 from router.workers import Worker
 
 # Outcomes of a Generate call (the `outcome` label of jlora_router_requests_total).
@@ -39,9 +40,6 @@ OUTCOMES = (
     "unavailable",
     "error",
 )
-
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
 class RouterMetrics:
@@ -71,19 +69,19 @@ class RouterMetrics:
         self.ttft = Histogram(
             "jlora_router_time_to_first_token_seconds",
             "From the router receiving a request to its first token",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.tpt = Histogram(
             "jlora_router_time_per_output_token_seconds",
             "Between two consecutive tokens of one request, at the router",
-            buckets=_PER_TOKEN,
+            buckets=PER_TOKEN_BUCKETS,
             registry=registry,
         )
         self.latency = Histogram(
             "jlora_router_request_latency_seconds",
             "From the router receiving a request to its last token",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         registry.register(_WorkerCollector(workers))

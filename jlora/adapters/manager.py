@@ -16,8 +16,8 @@
    the adapter is ready. Waiting for that is the papers' "OnDmd" baseline.
 
 `weights` is the device pytree the compiled steps take; only the scheduler thread
-replaces it. `link_bytes_per_s` is the host-to-device bandwidth: measured at start-up,
-then averaged over the transfers (the emulated rate when the link is throttled).
+replaces it. `link_bytes_per_s` is the host-to-device bandwidth: measured at start-up in
+`auto` mode (the emulated rate when the link is throttled), then averaged over transfers.
 """
 
 from __future__ import annotations
@@ -118,8 +118,13 @@ class AdapterManager:
             self._install_exe[size] = install.lower(
                 self.weights, np.int32(0), np.int32(0), payload
             ).compile()
+        # Only `auto`'s cost model needs the link before the first transfer.
         self.link_bytes_per_s = (
-            emulated_link_gbps * 1e9 if emulated_link_gbps else _measure_link_bytes_per_s()
+            emulated_link_gbps * 1e9
+            if emulated_link_gbps
+            else _measure_link_bytes_per_s()
+            if mode == "auto"
+            else 0.0
         )
         self._transfers: dict[str, Transfer] = {}  # written by the transfer thread
         self.store = HostStore(model_config, host_store_bytes)
@@ -219,7 +224,9 @@ class AdapterManager:
             transfer.landed.append(payload)
             nbytes += group_bytes
         seconds = time.perf_counter() - start
-        self.link_bytes_per_s = 0.8 * self.link_bytes_per_s + 0.2 * nbytes / max(seconds, 1e-9)
+        observed = nbytes / max(seconds, 1e-9)
+        previous = self.link_bytes_per_s
+        self.link_bytes_per_s = 0.8 * previous + 0.2 * observed if previous else observed
         log.info(
             "adapter %s -> slot %d in %.1f ms (%d layer groups, %.2f MB)",
             name,

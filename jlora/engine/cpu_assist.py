@@ -91,6 +91,7 @@ class CpuAssist:
         self._plan: list[list[_Placement]] = []
         self._ticket: Ticket | None = None
         self._rows = 0
+        self._probe: Ticket | None = None  # measure_handoff_s's ticket
 
     # -- one prefill -----------------------------------------------------------
 
@@ -201,6 +202,7 @@ class CpuAssist:
         return np.int32(1)
 
     def _probe_collect(self, ticket: np.ndarray) -> np.ndarray:
+        assert self._probe is not None
         self.pool.collect(self._probe)
         return np.zeros((1, self.widths[0] or 1), np.float32)
 

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 from wsgiref.simple_server import WSGIServer
@@ -148,13 +148,7 @@ class WorkerServer:
     ) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on
         the main thread, then `wait()`)."""
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            log.info("signal %d: draining (grace %.0f s)", signum, grace)
-            threading.Thread(target=self.stop, args=(grace,), name="jlora-drain").start()
-
-        for signum in signals:
-            signal.signal(signum, handler)
+        drain_on_signals(self.stop, grace, signals)
 
     def __enter__(self) -> WorkerServer:
         return self
@@ -210,6 +204,18 @@ class WorkerServer:
             self._loop.create_task(self._health.enter_graceful_shutdown())
 
         self._loop.call_soon_threadsafe(fail)
+
+
+def drain_on_signals(stop: Callable[[float], None], grace: float, signals: Iterable[int]) -> None:
+    """Install handlers that call `stop(grace)` on a helper thread at the first of
+    `signals` (a handler must return at once; the drain blocks)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: draining (grace %.0f s)", signum, grace)
+        threading.Thread(target=stop, args=(grace,), name="jlora-drain").start()
+
+    for signum in signals:
+        signal.signal(signum, handler)
 
 
 def serve(

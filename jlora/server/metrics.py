@@ -39,8 +39,8 @@ OUTCOMES = (
     "error",
 )
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -72,19 +72,19 @@ class Metrics:
         self.ttft = Histogram(
             "jlora_time_to_first_token_seconds",
             "From the server receiving a request to its first token (queueing included)",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.tpt = Histogram(
             "jlora_time_per_output_token_seconds",
             "Between two consecutive tokens of one request",
-            buckets=_PER_TOKEN,
+            buckets=PER_TOKEN_BUCKETS,
             registry=registry,
         )
         self.latency = Histogram(
             "jlora_request_latency_seconds",
             "From the server receiving a request to its last token",
-            buckets=_LATENCY,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.batch_size = Histogram(
@@ -96,7 +96,7 @@ class Metrics:
         self.step_seconds = Histogram(
             "jlora_step_seconds",
             "Duration of one engine step",
-            buckets=_PER_TOKEN,
+            buckets=PER_TOKEN_BUCKETS,
             registry=registry,
         )
         self.adapter_loads = Counter(
