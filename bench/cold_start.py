@@ -44,7 +44,8 @@ from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.engine import LLMEngine
+from jlora.engine.llama_engine import build_engine
+from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import load_model
 
 MODES = ("cached", "ondemand", "cpu-assist", "auto")
@@ -144,7 +145,7 @@ def make_trace(plan: Plan, names: list[str], vocab: int) -> list[Arrival]:
     ]
 
 
-def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> LLMEngine:
+def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> Orchestrator:
     config = EngineConfig(
         max_slots=4,
         max_seq_len=256,
@@ -153,7 +154,7 @@ def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> LLM
         lora_mode=mode,
         emulated_link_gbps=0.0 if mode == "cached" else plan.link_gbps,
     )
-    engine = LLMEngine(
+    engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
     )
     for name, path in adapters.items():
@@ -162,7 +163,7 @@ def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> LLM
     return engine
 
 
-def replay(engine: LLMEngine, trace: list[Arrival], new_tokens: int) -> list[dict]:
+def replay(engine: Orchestrator, trace: list[Arrival], new_tokens: int) -> list[dict]:
     """Feed the trace in real time; per request: TTFT and whether it arrived cold."""
     sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     results: dict[str, dict] = {}
@@ -172,8 +173,8 @@ def replay(engine: LLMEngine, trace: list[Arrival], new_tokens: int) -> list[dic
         while pending and pending[0][1].at_s <= now:
             index, arrival = pending.pop(0)
             rid = f"r{index}"
-            assert engine.lora is not None
-            cold = not engine.lora.slots.is_ready(arrival.adapter)
+            assert engine.adapters is not None
+            cold = not engine.adapters.slots.is_ready(arrival.adapter)
             results[rid] = {"adapter": arrival.adapter, "cold": cold, "arrived": now}
             engine.add_request(Request(rid, arrival.prompt, sampling, adapter=arrival.adapter))
         if not engine.has_unfinished:

@@ -44,7 +44,8 @@ from bench.throughput import (
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS
 from jlora.adapters.peft import make_demo_adapters
-from jlora.engine.engine import LLMEngine
+from jlora.engine.llama_engine import build_engine
+from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 
 
@@ -63,7 +64,7 @@ class Plan:
 
 def make_engine(
     loaded: LoadedModel, plan: Plan, adapters: dict[str, Path], backend: str = "reference"
-) -> LLMEngine:
+) -> Orchestrator:
     lora: dict[str, Any] = (
         {
             "max_loras": len(adapters),
@@ -74,7 +75,7 @@ def make_engine(
         if adapters
         else {}
     )
-    engine = LLMEngine(
+    engine = build_engine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,

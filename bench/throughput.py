@@ -22,7 +22,7 @@ a batch starts at a different offset, so rows differ). Two phases are timed:
    untimed prefill of the [B, L] batch (equal lengths, so no padding or mask), then
    N timed forward passes of the last tokens with past_key_values.
    Reported: generated tokens per second (B * N / decode time).
-jlora is timed through `LLMEngine.step()`, so its host work per step (scheduling,
+jlora is timed through `Orchestrator.step()`, so its host work per step (scheduling,
 block tables, detokenization) counts, as it does when serving.
 
 Fairness: jlora's compilation (`engine.warmup`) and one untimed repetition of each
@@ -56,7 +56,8 @@ import transformers
 from bench import report
 from configs import EngineConfig, load_preset
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.engine import LLMEngine
+from jlora.engine.llama_engine import build_engine
+from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 
 MODEL = "smollm2-135m"
@@ -124,8 +125,8 @@ def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]
 # -- jlora ----------------------------------------------------------------------
 
 
-def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
-    engine = LLMEngine(
+def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> Orchestrator:
+    engine = build_engine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
@@ -138,7 +139,7 @@ def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> LLMEngine:
     return engine
 
 
-def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+def jlora_prefill(engine: Orchestrator, prompt: list[int]) -> float:
     sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     engine.add_request(Request(uuid.uuid4().hex, prompt, sampling))
     start = time.perf_counter()
@@ -149,7 +150,7 @@ def jlora_prefill(engine: LLMEngine, prompt: list[int]) -> float:
 
 
 def jlora_decode(
-    engine: LLMEngine,
+    engine: Orchestrator,
     prompts: list[list[int]],
     new_tokens: int,
     adapters: list[str | None] | None = None,

@@ -1,7 +1,9 @@
 """Adapters across the router's workers and the registry (`AdapterCatalog`).
 
-- Register: the directory is validated inside the router's adapters directory
-  (`registry.entry_from_directory`: no escape, a real PEFT adapter, its sha256), then
+- Register: the name and the directory are checked as every worker checks them
+  (`jlora.contract.adapters`: the name rule, the path guard; `entry_from_directory`
+  reads a real PEFT adapter and its sha256, which must be the client's if it sent one),
+  then
   registered on every worker that is up, by its path relative to that directory (rolled
   back on all if one refuses), then stored in the registry.
 - A worker that comes (back) up gets the registry's adapters it lacks
@@ -27,15 +29,28 @@ from typing import Any, TypeVar
 
 import grpc
 
-from jlora.adapters.peft import WEIGHTS_FILE
 from jlora.api import jlora_pb2 as pb
-from router import registry as reg
-from router.errors import RouterError, status_code
+from jlora.contract import registry as reg
+from jlora.contract.adapters import (
+    WEIGHTS_FILE,
+    check_adapter_name,
+    check_sha256,
+    file_sha256,
+    resolve_adapter_dir,
+)
+from jlora.contract.errors import (
+    AlreadyExists,
+    Code,
+    FailedPrecondition,
+    NotFound,
+    RequestError,
+    Unavailable,
+)
+from jlora.contract.status import from_rpc_error
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-Code = grpc.StatusCode
 T = TypeVar("T")
 
 ADMIN_TIMEOUT = 30.0  # seconds for an adapter call to one worker
@@ -60,44 +75,41 @@ class AdapterCatalog:
         self._base_model = base_model
         self._users = users
         self._lock = asyncio.Lock()
-        self._sync_errors: dict[str, RouterError] = {}  # adapter -> why no worker has it
+        self._sync_errors: dict[str, RequestError] = {}  # adapter -> why no worker has it
 
-    def sync_error(self, name: str) -> RouterError | None:
+    def sync_error(self, name: str) -> RequestError | None:
         """Why the registered adapter `name` could not be given to a worker, if it could not."""
         return self._sync_errors.get(name)
 
     async def register(self, request: pb.RegisterAdapterRequest) -> pb.Adapter:
-        name = request.name
         if self.adapters_dir is None:
-            raise RouterError(
-                Code.FAILED_PRECONDITION,
+            raise FailedPrecondition(
                 "the router has no adapters directory: start it with --adapters-dir to "
-                "register adapters",
+                "register adapters"
             )
-        if not name:
-            raise RouterError(Code.INVALID_ARGUMENT, "name is empty")
         base = self._base_model()
         if base is None:
-            raise RouterError(
-                Code.UNAVAILABLE, "no worker has answered yet: the base model is unknown"
-            )
-        if name == base:
-            raise RouterError(Code.INVALID_ARGUMENT, f"name={name!r} is the base model's id")
+            raise Unavailable("no worker has answered yet: the base model is unknown")
+        name = check_adapter_name(request.name, base_model=base)
         async with self._lock:
-            entry = await _registry_call(
+            entry = await asyncio.to_thread(
                 reg.entry_from_directory,
                 name,
                 request.path,
                 adapters_dir=self.adapters_dir,
                 base_model=base,
             )
+            check_sha256(
+                request.sha256 or None,
+                entry.sha256,
+                adapter=name,
+                source=f"{entry.path}/{WEIGHTS_FILE}",
+            )
             if await self.registered(name):
-                raise RouterError(
-                    Code.ALREADY_EXISTS, f"adapter name={name!r} is already registered"
-                )
+                raise AlreadyExists(f"adapter name={name!r} is already registered", field="name")
             workers = self.pool.up
             if not workers:
-                raise RouterError(Code.UNAVAILABLE, "no worker is up to register the adapter on")
+                raise Unavailable("no worker is up to register the adapter on")
             message = pb.RegisterAdapterRequest(
                 name=name, path=entry.path, load=request.load, pin=request.pin, sha256=entry.sha256
             )
@@ -109,8 +121,8 @@ class AdapterCatalog:
                     )
                     worker.adapters[name] = reply.adapter
                     done.append(worker)
-                await _registry_call(self.registry.register, entry)
-            except RouterError:
+                await asyncio.to_thread(self.registry.register, entry)
+            except RequestError:
                 await self._unregister_on(done, name)
                 raise
             self._sync_errors.pop(name, None)
@@ -120,14 +132,13 @@ class AdapterCatalog:
         async with self._lock:
             users = self._users(name)
             if users:
-                raise RouterError(
-                    Code.FAILED_PRECONDITION,
-                    f"adapter {name!r} is named by {users} requests in flight",
+                raise FailedPrecondition(
+                    f"adapter {name!r} is named by {users} requests in flight", field="name"
                 )
             registered = await self.registered(name)
             holders = [w for w in self.pool.up if name in w.adapters]
             if not registered and not holders:
-                raise RouterError(Code.NOT_FOUND, f"adapter name={name!r} is not registered")
+                raise _not_registered(name)
             for worker in holders:
                 await _worker_call(
                     worker,
@@ -138,7 +149,7 @@ class AdapterCatalog:
                 )
                 worker.adapters.pop(name, None)
             if registered:
-                await _registry_call(self.registry.remove, name)
+                await asyncio.to_thread(self.registry.remove, name)
             self._sync_errors.pop(name, None)
 
     async def load(self, name: str, *, pin: bool) -> pb.Adapter:
@@ -156,7 +167,7 @@ class AdapterCatalog:
         async with self._lock:
             holders = [w for w in self.pool.up if name in w.adapters]
             if not holders:
-                raise RouterError(Code.NOT_FOUND, f"adapter name={name!r} is not registered")
+                raise _not_registered(name)
             for worker in holders:
                 reply = await _worker_call(worker, call(worker))
                 worker.adapters[name] = reply.adapter
@@ -169,7 +180,9 @@ class AdapterCatalog:
         for worker in self.pool.workers:
             for adapter in worker.adapters.values():
                 by_name.setdefault(adapter.name, []).append(adapter)
-        entries = {e.name: e for e in await _registry_call(self.registry.list, self._base_model())}
+        entries = {
+            e.name: e for e in await asyncio.to_thread(self.registry.list, self._base_model())
+        }
         merged = []
         for name in sorted(by_name.keys() | entries.keys()):
             adapter = _merge(by_name[name]) if name in by_name else pb.Adapter(name=name, slot=-1)
@@ -183,7 +196,7 @@ class AdapterCatalog:
             return
         async with self._lock:
             base = self._base_model() or worker.base_model
-            for entry in await _registry_call(self.registry.list, base):
+            for entry in await asyncio.to_thread(self.registry.list, base):
                 if entry.name not in worker.adapters:
                     await self._register_entry(worker, entry, self.adapters_dir)
 
@@ -191,21 +204,20 @@ class AdapterCatalog:
         self, worker: Worker, entry: reg.AdapterEntry, adapters_dir: Path
     ) -> None:
         try:
-            directory = await asyncio.to_thread(reg.resolve_path, entry.path, adapters_dir)
-            await asyncio.to_thread(reg.verify_sha256, entry, directory / WEIGHTS_FILE)
+            await asyncio.to_thread(verify_entry, entry, adapters_dir)
             reply = await worker.stub.RegisterAdapter(
                 pb.RegisterAdapterRequest(name=entry.name, path=entry.path, sha256=entry.sha256),
                 timeout=ADMIN_TIMEOUT,
             )
-        except reg.RegistryError as err:
-            self._sync_errors[entry.name] = RouterError(status_code(err.grpc_status), str(err))
-            log.error("adapter %r is not served: %s", entry.name, err)
+        except RequestError as err:
+            self._sync_errors[entry.name] = err
+            log.error("adapter %r is not served: %s", entry.name, err.message)
             return
         except grpc.aio.AioRpcError as err:
-            if err.code() != Code.ALREADY_EXISTS:
-                self._sync_errors[entry.name] = RouterError(
-                    err.code(), f"worker {worker.address}: {err.details()}"
-                )
+            error = from_rpc_error(err)
+            if error.code != Code.ALREADY_EXISTS:
+                error.message = f"worker {worker.address}: {error.message}"
+                self._sync_errors[entry.name] = error
                 log.error("worker %s refused adapter %r: %s", worker.address, entry.name, err)
             return
         worker.adapters[entry.name] = reply.adapter
@@ -214,11 +226,9 @@ class AdapterCatalog:
 
     async def registered(self, name: str) -> bool:
         try:
-            await _registry_call(self.registry.get, name)
-        except RouterError as err:
-            if err.code == Code.NOT_FOUND:
-                return False
-            raise
+            await asyncio.to_thread(self.registry.get, name)
+        except reg.AdapterNotFound:
+            return False
         return True
 
     async def _unregister_on(self, workers: list[Worker], name: str) -> None:
@@ -253,19 +263,31 @@ def _with_entry(adapter: pb.Adapter, entry: reg.AdapterEntry) -> pb.Adapter:
     return merged
 
 
-async def _registry_call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn on a thread (SQLite, file hashing); a RegistryError as its RouterError."""
+def verify_entry(entry: reg.AdapterEntry, adapters_dir: Path) -> None:
+    """The registered adapter's directory, guarded, still holds the weights it was
+    registered with (DataLoss if its sha256 changed)."""
+    directory = resolve_adapter_dir(entry.path, adapters_dir)
+    weights = directory / WEIGHTS_FILE
     try:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    except reg.RegistryError as err:
-        raise RouterError(status_code(err.grpc_status), str(err)) from None
+        actual = file_sha256(weights)
+    except OSError as err:
+        raise FailedPrecondition(
+            f"adapter {entry.name!r}: cannot read {weights} ({err})", field="path"
+        ) from None
+    check_sha256(entry.sha256, actual, adapter=entry.name, source=weights)
+
+
+def _not_registered(name: str) -> NotFound:
+    return NotFound(
+        f"adapter name={name!r} is not registered", field="name", reason="ADAPTER_NOT_FOUND"
+    )
 
 
 async def _worker_call(worker: Worker, call: Awaitable[T], *, missing_ok: bool = False) -> T:
-    """A unary call to a worker; its error as a RouterError, unchanged."""
+    """A unary call to a worker; its error, as the worker sent it."""
     try:
         return await call
     except grpc.aio.AioRpcError as err:
-        if missing_ok and err.code() == Code.NOT_FOUND:
+        if missing_ok and err.code() == grpc.StatusCode.NOT_FOUND:
             return None  # type: ignore[return-value]
-        raise RouterError(err.code(), err.details() or f"worker {worker.address}") from None
+        raise from_rpc_error(err) from None

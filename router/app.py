@@ -14,6 +14,10 @@ Stopping (`RouterHandle.stop(grace)`, or SIGTERM after `stop_on_signals`) drains
 2. the calls in flight (queued or streaming) get `grace` seconds to finish;
 3. then the servers stop, cancelling what is left (which cancels the workers' calls),
    the pollers stop and the registry closes. The workers keep running.
+
+With an API key, both front doors require it (jlora.contract.auth: gRPC metadata or the
+HTTP Authorization header; health, reflection, /health and /metrics stay open), and the
+router sends it to its workers, which may require the same key.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import asyncio
 import logging
 import math
 import os
-import signal
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
@@ -34,13 +37,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jlora.api import SERVICE_NAME, jlora_pb2_grpc
-from jlora.server.app import drain_on_signals
+from jlora.contract.auth import ApiKeyInterceptor
+from jlora.contract.registry import Registry
+from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
 from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
 from router.metrics import RouterMetrics
 from router.perf_model import PerfProfile
 from router.policies import Policy, PolicyError, make_policy
-from router.registry import Registry
 from router.service import RouterServicer
 from router.workers import Worker, WorkerPool
 
@@ -124,9 +128,11 @@ class RouterHandle:
         request_timeout: float | None,
         poll_interval: float,
         poll_timeout: float,
+        api_key: str | None,
     ) -> None:
         self.host = host
         self.registry = registry
+        self._api_key = api_key
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -146,6 +152,7 @@ class RouterHandle:
                 poll_timeout=poll_timeout,
                 on_up=lambda worker: front.adapters.register_missing(worker),
                 on_change=lambda: front.workers_changed(),
+                api_key=api_key,
             )
             front = FrontDoor(
                 pool,
@@ -205,9 +212,7 @@ class RouterHandle:
         """Block until the router has stopped (True) or `timeout` passed (False)."""
         return self._stopped.wait(timeout)
 
-    def stop_on_signals(
-        self, grace: float = 30.0, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)
-    ) -> None:
+    def stop_on_signals(self, grace: float = 30.0, signals: Iterable[int] = DRAIN_SIGNALS) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on
         the main thread, then `wait()`)."""
         drain_on_signals(self.stop, grace, signals)
@@ -228,7 +233,11 @@ class RouterHandle:
         self, port: int, http_port: int | None, request_timeout: float | None
     ) -> tuple[int, int | None]:
         await self.front.pool.start()
-        server = grpc.aio.server()
+        interceptors = []
+        if self._api_key is not None:
+            open_services = (health.SERVICE_NAME, reflection.SERVICE_NAME)
+            interceptors.append(ApiKeyInterceptor(self._api_key, open_services))
+        server = grpc.aio.server(interceptors=interceptors)
         jlora_pb2_grpc.add_JloraServicer_to_server(RouterServicer(self.front), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -244,7 +253,7 @@ class RouterHandle:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         bound_http = None
         if http_port is not None:
-            api = OpenAIApi(self.front, request_timeout=request_timeout)
+            api = OpenAIApi(self.front, request_timeout=request_timeout, api_key=self._api_key)
             self._runner, bound_http = await start_http(api, self.host, http_port)
         return bound, bound_http
 
@@ -285,6 +294,7 @@ def start_router(
     request_timeout: float | None = None,
     poll_interval: float = 0.25,
     poll_timeout: float = 1.0,
+    api_key: str | None = None,
 ) -> RouterHandle:
     """Start a router in front of `workers` ("host:port,..." or a list) and return once it
     listens.
@@ -298,7 +308,8 @@ def start_router(
     paths relative to it. `model_name`: the base model's id (default: the workers' own).
     `max_queue`: requests that may wait in the router for a worker with room; more get
     RESOURCE_EXHAUSTED. `request_timeout`: the HTTP API's deadline in seconds.
-    `poll_interval` / `poll_timeout`: the workers' health and stats polling.
+    `poll_interval` / `poll_timeout`: the workers' health and stats polling. `api_key`:
+    required of clients on both front doors, and sent to the workers.
     """
     addresses = parse_workers(workers)
     chosen = build_policy(
@@ -329,4 +340,5 @@ def start_router(
         request_timeout=request_timeout,
         poll_interval=poll_interval,
         poll_timeout=poll_timeout,
+        api_key=api_key,
     )

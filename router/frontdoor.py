@@ -41,16 +41,22 @@ from pathlib import Path
 import grpc
 
 from jlora.api import jlora_pb2 as pb
-from router import registry as reg
+from jlora.contract import registry as reg
+from jlora.contract.errors import (
+    AlreadyExists,
+    Code,
+    NotFound,
+    RequestError,
+    ResourceExhausted,
+    Unavailable,
+)
+from jlora.contract.status import from_rpc_error
 from router.adapters import AdapterCatalog
-from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policies import NoHealthyWorker, Policy, RouteRequest
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
-
-Code = grpc.StatusCode
 
 # Prompt tokens of a text prompt, for routing only (the worker's tokenizer counts).
 BYTES_PER_TOKEN = 4
@@ -140,19 +146,19 @@ class FrontDoor:
     async def generate(
         self, request: pb.GenerateRequest, *, deadline: float | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """Route and forward one Generate call (see the module docstring); RouterError
+        """Route and forward one Generate call (see the module docstring); RequestError
         for a status. `deadline` is in `loop.time()` seconds. Close the iterator when
         done with it (`contextlib.aclosing`), so an abandoned call is cancelled."""
         arrival = time.monotonic()
         outcome = "cancelled"  # unless the call ends another way
         if self.draining:
             self.metrics.requests.labels("unavailable").inc()
-            raise RouterError(Code.UNAVAILABLE, "the router is draining; send it elsewhere")
+            raise Unavailable("the router is draining; send it elsewhere", reason="DRAINING")
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._calls:
             self.metrics.requests.labels("invalid").inc()
-            raise RouterError(
-                Code.ALREADY_EXISTS, f"request_id={request_id!r} is already in flight"
+            raise AlreadyExists(
+                f"request_id={request_id!r} is already in flight", field="request_id"
             )
         self._calls[request_id] = None
         try:
@@ -186,7 +192,8 @@ class FrontDoor:
                             yield response
                     return
                 except grpc.aio.AioRpcError as err:
-                    code, details = err.code(), err.details() or ""
+                    error = from_rpc_error(err)
+                    code, details = error.code, error.message
                     if tokens == 0 and code == Code.RESOURCE_EXHAUSTED:
                         worker.full = True  # until its next poll; wait for room elsewhere
                         continue
@@ -205,14 +212,14 @@ class FrontDoor:
                         )
                         continue
                     if tokens and code in _WORKER_GONE:
-                        raise RouterError(
-                            Code.UNAVAILABLE,
+                        raise Unavailable(
                             f"worker {worker.address} failed after {tokens} tokens of request "
                             f"{request_id!r} ({code.name}: {details}); the completion is "
                             "incomplete: send the request again",
+                            reason="WORKER_LOST",
                         ) from None
-                    raise RouterError(code, details) from None
-        except RouterError as err:
+                    raise error from None  # the worker's, unchanged
+        except RequestError as err:
             outcome = _OUTCOMES.get(err.code, "error")
             raise
         finally:
@@ -245,11 +252,13 @@ class FrontDoor:
             return None
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
-            raise RouterError(Code.DEADLINE_EXCEEDED, "the deadline passed before a worker took it")
+            raise RequestError(
+                "the deadline passed before a worker took it", code=Code.DEADLINE_EXCEEDED
+            )
         return left
 
     async def _resolve_adapter(self, name: str) -> tuple[str | None, int]:
-        """(adapter, rank): (None, 0) for the base model; RouterError if no worker has it."""
+        """(adapter, rank): (None, 0) for the base model; RequestError if no worker has it."""
         if not name or name == self.base_model:
             return None, 0
         rank = self.pool.adapter_rank(name)
@@ -262,10 +271,10 @@ class FrontDoor:
         if error is not None:
             raise error
         if not await self.adapters.registered(name):
-            raise RouterError(Code.NOT_FOUND, f"adapter={name!r} is not registered")
-        raise RouterError(
-            Code.UNAVAILABLE, f"adapter={name!r} is registered but no worker that is up has it"
-        )
+            raise NotFound(
+                f"adapter={name!r} is not registered", field="adapter", reason="ADAPTER_NOT_FOUND"
+            )
+        raise Unavailable(f"adapter={name!r} is registered but no worker that is up has it")
 
     async def _place(
         self, route: RouteRequest, tried: dict[str, str], deadline: float | None, admitted: bool
@@ -276,10 +285,10 @@ class FrontDoor:
         if worker is not None and not self._waiting:
             return worker
         if not admitted and self._waiting >= self.max_queue:
-            raise RouterError(
-                Code.RESOURCE_EXHAUSTED,
+            raise ResourceExhausted(
                 f"the router's queue is full: {self._waiting} requests wait for a worker with "
                 f"room (max_queue={self.max_queue})",
+                reason="QUEUE_FULL",
             )
         self._waiting += 1
         self.metrics.queued.inc()
@@ -292,8 +301,9 @@ class FrontDoor:
                         await asyncio.wait_for(self._room.wait(), self.pool.poll_interval)
                 return worker
         except TimeoutError:
-            raise RouterError(
-                Code.DEADLINE_EXCEEDED, "the deadline passed while the request waited for a worker"
+            raise RequestError(
+                "the deadline passed while the request waited for a worker",
+                code=Code.DEADLINE_EXCEEDED,
             ) from None
         finally:
             self._waiting -= 1
@@ -301,7 +311,7 @@ class FrontDoor:
 
     def _choose(self, route: RouteRequest, tried: dict[str, str]) -> Worker | None:
         """The policy's pick among the candidates with room; None if all are full;
-        RouterError(UNAVAILABLE) if none is up."""
+        Unavailable if none is up."""
         base = self.base_model
         candidates = [
             worker
@@ -313,10 +323,7 @@ class FrontDoor:
             down = [f"{address} ({why})" for address, why in tried.items()]
             down += [f"{w.address} ({w.reason})" for w in candidates]
             serving = f" serving adapter {route.adapter!r}" if route.adapter else ""
-            raise RouterError(
-                Code.UNAVAILABLE,
-                f"no healthy worker{serving}: {'; '.join(down) or 'none has it'}",
-            )
+            raise Unavailable(f"no healthy worker{serving}: {'; '.join(down) or 'none has it'}")
         try:
             chosen = self.policy.choose(route, [worker.view(base) for worker in candidates])
         except NoHealthyWorker:

@@ -2,8 +2,12 @@
 
 Routes: GET /v1/models; POST /v1/completions and /v1/chat/completions, one JSON answer
 or, with `"stream": true`, server-sent events (`data: {chunk}` ... `data: [DONE]`);
-GET /metrics (Prometheus text); GET /health (200 while the router serves and a worker
-is up, else 503).
+POST /v1/load_lora_adapter (`{"lora_name", "lora_path"}`) and /v1/unload_lora_adapter
+(`{"lora_name"}`), vLLM's adapter endpoints, which register and unregister through the
+same catalog as gRPC RegisterAdapter/UnregisterAdapter; GET /metrics (Prometheus text);
+GET /health (200 while the router serves and a worker is up, else 503). With an API key
+(jlora.contract.auth), the /v1 routes need `Authorization: Bearer <key>` (401 without);
+/health and /metrics stay open.
 
 The handlers call the front door in-process, on the router's event loop (no second
 gRPC hop): a request body becomes a `jlora.v1` GenerateRequest, its stream the
@@ -16,11 +20,14 @@ does; `top_k` and `ignore_eos` are accepted as extensions; logprobs, echo, penal
 logit bias, tools and non-text content are refused, naming the field. The deadline is
 the router's `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
 
-Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for
-bad input (`param` names the field, also for what the worker refuses), 404 for an
-unknown model, 409 for a duplicate, 429 when the queue is full, 503 when no worker can
-take the request or the router drains, 504 past the deadline, 500 otherwise; `code` is
-the gRPC status in lower case. A stream that fails after its first chunk ends with one
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, mapped
+once from the `RequestError` the router or a worker raised (`http_error`): the HTTP
+status from its code (400 for bad input, 401 without the API key, 404 for an unknown
+model, 409 for a duplicate, 429 when the queue is full, 503 when no worker can take the
+request or the router drains, 504 past the deadline, 500 otherwise); `param` from the
+field it names, renamed to the request body's (`sampling.top_p` is `top_p`, `adapter`
+is `model`, `prompt.chat.messages[0].role` is `messages[0].role`); `code` from its
+reason in lower case. A stream that fails after its first chunk ends with one
 `data: {"error": ...}` event and no [DONE] (the `openai` client raises APIError).
 """
 
@@ -30,31 +37,30 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jlora.api import jlora_pb2 as pb
-from router.errors import RouterError
+from jlora.contract.auth import authorized, missing_key
+from jlora.contract.errors import Code, RequestError
 from router.frontdoor import FrontDoor
 
-Code = grpc.StatusCode
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 INT32_MAX = 2**31 - 1
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
-# gRPC status -> (HTTP status, OpenAI error type)
+# status code -> (HTTP status, OpenAI error type); anything else is 500, "server_error"
 _HTTP_STATUS = {
     Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
     Code.OUT_OF_RANGE: (400, "invalid_request_error"),
     Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "invalid_request_error"),
     Code.NOT_FOUND: (404, "invalid_request_error"),
     Code.ALREADY_EXISTS: (409, "invalid_request_error"),
     Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -63,6 +69,10 @@ _HTTP_STATUS = {
     Code.UNAVAILABLE: (503, "service_unavailable"),
     Code.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# A reason as OpenAI's clients know it, where they know one.
+_OPENAI_CODES = {"ADAPTER_NOT_FOUND": "model_not_found"}
+# The body fields of vLLM's adapter endpoints, by the jlora.v1 fields they fill.
+_LORA_PARAMS = {"name": "lora_name", "path": "lora_path"}
 # Fields OpenAI defines that jlora does not implement: accepted only at these values.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "n": (None, 1),
@@ -80,10 +90,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
-# The field a worker's or the router's message starts with: "max_tokens=0 must ...",
-# "prompt.chat.messages[0].role='x' ...", "prompt has 100 tokens ...".
-_FIELD_RE = re.compile(r"[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\[\d+\])?)*")
-_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
 
 
 class HttpError(Exception):
@@ -111,40 +117,56 @@ class HttpError(Exception):
         }
 
 
-def from_router_error(err: RouterError, *, chat: bool = False) -> HttpError:
-    """The HTTP error for a front-door status; `param` is the field its message names."""
+def http_error(err: RequestError, params: Callable[[str], str | None]) -> HttpError:
+    """The HTTP error for a RequestError: status by its code, `param` the request body's
+    name for its field (`params`), OpenAI's `code` from its reason."""
     status, kind = _HTTP_STATUS.get(err.code, (500, "server_error"))
-    code = err.code.name.lower()
-    param = _param(err.message, chat=chat) if status in (400, 409) else None
-    if err.code == Code.NOT_FOUND and err.message.startswith("adapter"):
-        param, code = "model", "model_not_found"
+    param = params(err.field) if err.field else None
+    code = _OPENAI_CODES.get(err.reason, err.reason.lower())
     return HttpError(status, err.message, param=param, kind=kind, code=code)
 
 
-def _param(message: str, *, chat: bool) -> str | None:
-    match = _FIELD_RE.match(message)
-    field = match.group(0) if match else ""
-    if field.startswith("prompt.chat."):
-        return field.removeprefix("prompt.chat.")
-    if field.startswith(("prompt", "prompt_ids")):
-        return "messages" if chat else "prompt"
-    if field == "adapter":
-        return "model"
-    return field if field in _PARAMS else None
+def generate_param(chat: bool, body: dict[str, Any]) -> Callable[[str], str | None]:
+    """The (chat) completions body's name for a GenerateRequest field."""
+
+    def param(field: str) -> str | None:
+        if field == "adapter":
+            return "model"
+        if field == "sampling.max_tokens" and chat and "max_completion_tokens" in body:
+            return "max_completion_tokens"
+        if field.startswith("sampling."):
+            return field.removeprefix("sampling.")
+        if field.startswith("prompt.chat."):
+            return field.removeprefix("prompt.chat.")
+        if field.startswith("prompt"):
+            return "messages" if chat else "prompt"
+        return None  # request_id and the like: not in the body
+
+    return param
+
+
+def lora_param(field: str) -> str | None:
+    """vLLM's adapter endpoints' name for a RegisterAdapterRequest field."""
+    return _LORA_PARAMS.get(field)
 
 
 class OpenAIApi:
     """The aiohttp application's handlers, bound to one front door."""
 
-    def __init__(self, front: FrontDoor, *, request_timeout: float | None) -> None:
+    def __init__(
+        self, front: FrontDoor, *, request_timeout: float | None, api_key: str | None = None
+    ) -> None:
         self._front = front
         self._request_timeout = request_timeout
+        self._api_key = api_key
         self.app = web.Application(middlewares=[self._errors])
         self.app.add_routes(
             [
                 web.get("/v1/models", self.models),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
                 web.get("/metrics", self.metrics),
                 web.get("/health", self.health),
             ]
@@ -153,6 +175,10 @@ class OpenAIApi:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
+            if request.path.startswith("/v1/") and not authorized(
+                request.headers.get("Authorization"), self._api_key
+            ):
+                raise http_error(missing_key(), lora_param)
             return await handler(request)
         except HttpError as err:
             return web.json_response(err.body(), status=err.status)
@@ -192,6 +218,29 @@ class OpenAIApi:
             {"status": status, "workers": workers}, status=200 if serving else 503
         )
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's endpoint: register the adapter at `lora_path` as `lora_name`."""
+        body = await _json_body(request)
+        message = pb.RegisterAdapterRequest(
+            name=_typed(body, "lora_name", str, default=""),
+            path=_typed(body, "lora_path", str, default=""),
+        )
+        try:
+            await self._front.adapters.register(message)
+        except RequestError as err:
+            raise http_error(err, lora_param) from None
+        return web.Response(text=f"Success: LoRA adapter '{message.name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's endpoint: unregister the adapter `lora_name` (refused while in use)."""
+        body = await _json_body(request)
+        name = _typed(body, "lora_name", str, default="")
+        try:
+            await self._front.adapters.unregister(name)
+        except RequestError as err:
+            raise http_error(err, lora_param) from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         message = _base_request(body, chat=False)
@@ -218,17 +267,18 @@ class OpenAIApi:
         message.request_id = uuid.uuid4().hex
         shape = _Shape(chat=chat, model=body["model"], request_id=message.request_id)
         stream = self._front.generate(message, deadline=deadline)
+        params = generate_param(chat, body)
         async with contextlib.aclosing(stream):
             try:
                 first = await anext(stream)  # errors before any token are plain HTTP errors
-            except RouterError as err:
-                raise from_router_error(err, chat=chat) from None
+            except RequestError as err:
+                raise http_error(err, params) from None
             if not stream_flag:
                 responses = [first]
                 try:
                     responses += [response async for response in stream]
-                except RouterError as err:
-                    raise from_router_error(err, chat=chat) from None
+                except RequestError as err:
+                    raise http_error(err, params) from None
                 return web.json_response(shape.whole(responses))
             sse = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -242,8 +292,8 @@ class OpenAIApi:
                 async for response in stream:
                     await _event(sse, shape.chunk(response, usage=include_usage))
                     last = response
-            except RouterError as err:
-                await _event(sse, from_router_error(err, chat=chat).body())
+            except RequestError as err:
+                await _event(sse, http_error(err, params).body())
                 return sse
             if include_usage:
                 await _event(sse, shape.usage_chunk(last))

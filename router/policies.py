@@ -36,13 +36,9 @@ _T = TypeVar("_T")
 class PolicyError(ValueError):
     """A bad policy name or option, request or worker snapshot; the message names the field."""
 
-    grpc_status: ClassVar[str] = "INVALID_ARGUMENT"
-
 
 class NoHealthyWorker(RuntimeError):
     """No candidate worker is healthy: the request cannot be routed now."""
-
-    grpc_status: ClassVar[str] = "UNAVAILABLE"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The router's `jlora.v1.Jlora` gRPC service: the front door's methods as RPCs.
 
-Each handler calls `FrontDoor` and turns a `RouterError` into the call's status. A
+Each handler calls `FrontDoor` and turns a `RequestError` into the call's status, with
+its rich details (`jlora.contract.status`): a worker's errors pass through unchanged. A
 Generate call's deadline becomes the front door's deadline; when the caller cancels (or
 the deadline passes) grpc cancels the handler, and closing the front door's stream
 cancels the worker's call.
@@ -11,28 +12,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import grpc
 
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from router.errors import RouterError
+from jlora.contract.errors import RequestError
+from jlora.contract.status import abort
 from router.frontdoor import FrontDoor
 
 T = TypeVar("T")
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: RouterError) -> NoReturn:
-    await context.abort(err.code, err.message)
-    raise AssertionError("context.abort returned")
-
-
 async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
     try:
         return await call
-    except RouterError as err:
-        await _abort(context, err)
+    except RequestError as err:
+        await abort(context, err)
 
 
 class RouterServicer(pb_grpc.JloraServicer):
@@ -49,8 +46,8 @@ class RouterServicer(pb_grpc.JloraServicer):
             async with contextlib.aclosing(stream):
                 async for response in stream:
                     yield response
-        except RouterError as err:
-            await _abort(context, err)
+        except RequestError as err:
+            await abort(context, err)
 
     async def RegisterAdapter(  # noqa: N802
         self, request: pb.RegisterAdapterRequest, context: grpc.aio.ServicerContext

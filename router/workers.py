@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jlora.api import SERVICE_NAME
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
+from jlora.contract.auth import KeyMetadata
 from router.policies import QueuedRequest, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,12 @@ class Dispatch:
 class Worker:
     """One worker: its channel and stubs, its last snapshot, the router's calls on it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        interceptors = [KeyMetadata(api_key)] if api_key else None
+        self.channel = grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=interceptors
+        )
         self.stub = pb_grpc.JloraStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.up = False
@@ -205,6 +209,7 @@ class WorkerPool:
 
     Build and `start()` it on the router's event loop. `on_up(worker)` runs before a
     worker that was down (or never seen) takes requests; `on_change()` after every poll.
+    `api_key`: sent with every call, for workers that require one.
     """
 
     def __init__(
@@ -215,8 +220,10 @@ class WorkerPool:
         poll_timeout: float = 1.0,
         on_up: Callable[[Worker], Awaitable[None]] | None = None,
         on_change: Callable[[], None] = lambda: None,
+        api_key: str | None = None,
     ) -> None:
         self.addresses = list(dict.fromkeys(addresses))
+        self._api_key = api_key
         if not self.addresses:
             raise ValueError("workers: at least one worker address is needed")
         self.poll_interval = poll_interval
@@ -232,7 +239,7 @@ class WorkerPool:
         poll timeout and a little) for every worker's first answer."""
         first: list[asyncio.Event] = []
         for address in self.addresses:
-            worker = Worker(address)
+            worker = Worker(address, api_key=self._api_key)
             self.workers.append(worker)
             self._wake[address] = asyncio.Event()
             polled = asyncio.Event()

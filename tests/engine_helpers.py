@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from configs import EngineConfig
-from jlora.engine.api import Engine, Request, SamplingParams
-from jlora.engine.engine import LLMEngine
+from jlora.engine.api import Request, SamplingParams
+from jlora.engine.llama_engine import build_engine
+from jlora.engine.orchestrator import Orchestrator
 
 
-def make_engine(loaded, **config) -> LLMEngine:
-    return LLMEngine(
+def make_engine(loaded, **config) -> Orchestrator:
+    """The serving engine (an orchestrator over a LlamaEngine) for a loaded model."""
+    return build_engine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
@@ -17,7 +19,7 @@ def make_engine(loaded, **config) -> LLMEngine:
 
 
 def run_to_completion(
-    engine: Engine,
+    engine: Orchestrator,
     prompts: list[list[int]],
     sampling: SamplingParams | list[SamplingParams],
     adapters: list[str | None] | None = None,
@@ -35,6 +37,7 @@ def run_to_completion(
         for event in engine.step():
             result = results[event.request_id]
             assert result["finish_reason"] is None, "event after the request finished"
+            assert event.error is None, f"{event.request_id} failed: {event.error!r}"
             result["token_ids"].append(event.token_id)
             result["text"] += event.text
             result["finish_reason"] = event.finish_reason

@@ -22,9 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from configs import load_preset
-from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
 from router.registry import (
     SCHEMA_VERSION,
     AdapterEntry,
@@ -41,6 +38,9 @@ from router.registry import (
     resolve_path,
     verify_sha256,
 )
+
+from configs import load_preset
+from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "ab" * 32

@@ -1,4 +1,5 @@
-"""The worker gRPC server on loopback, around a MockEngine (whose streams are predictable).
+"""The worker gRPC server on loopback, around the orchestrator over a MockEngine (whose
+streams are predictable).
 
 Every test runs a real grpc.aio server on a free port and talks to it with the blocking
 client, as a router or an application would.
@@ -6,6 +7,7 @@ client, as a router or an application would.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import descriptor_pool
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -26,19 +29,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from jlora.api import SERVICE_NAME
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.engine.api import Engine, Request, TokenEvent
-from jlora.engine.mock import MockEngine, mock_completion
+from jlora.engine.mock import MockEngine, mock_completion, mock_engine, write_adapter_config
+from jlora.engine.orchestrator import Orchestrator
 from jlora.server import WorkerServer, serve
-from tests.test_mock_engine import write_adapter_config
 
 ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 1000  # MockEngine's default vocab_size
 Code = grpc.StatusCode
+INVALID = Code.INVALID_ARGUMENT
+SHA_X = "a" * 64  # not the sha256 of any adapter here
 
 
 class Worker:
     """A server, a channel to it and its engine."""
 
-    def __init__(self, engine: Engine, **options) -> None:
+    def __init__(self, engine: Orchestrator, **options) -> None:
         self.engine = engine
         tokenizer = getattr(engine, "tokenizer", None)
         self.server: WorkerServer = serve(engine, tokenizer=tokenizer, **options)
@@ -71,8 +76,8 @@ class Worker:
 def start():
     workers: list[Worker] = []
 
-    def start_worker(engine: Engine | None = None, **options) -> Worker:
-        worker = Worker(engine or MockEngine(adapters={"a": 8}), **options)
+    def start_worker(engine: Orchestrator | None = None, **options) -> Worker:
+        worker = Worker(engine or mock_engine(adapters={"a": 8}), **options)
         workers.append(worker)
         return worker
 
@@ -107,7 +112,7 @@ def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
 
 
 def test_concurrent_streams_get_their_own_tokens(start):
-    engine = MockEngine(max_slots=3, step_latency=0.002, adapters={"a": 8, "b": 16})
+    engine = mock_engine(max_slots=3, step_latency=0.002, adapters={"a": 8, "b": 16})
     worker = start(engine, max_queue=8)
     cases = [([i + 1, 2 * i + 3], [None, "a", "b"][i % 3], 5 + i) for i in range(10)]
     results: dict[int, list[pb.GenerateResponse]] = {}
@@ -122,7 +127,7 @@ def test_concurrent_streams_get_their_own_tokens(start):
     for thread in threads:
         thread.join()
     for i, (ids, adapter, n) in enumerate(cases):
-        assert token_ids(results[i]) == mock_completion(ids, adapter, n, engine.vocab_size)
+        assert token_ids(results[i]) == mock_completion(ids, adapter, n, VOCAB)
         last = results[i][-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(ids), n)
@@ -133,7 +138,7 @@ def test_concurrent_streams_get_their_own_tokens(start):
 
 
 def test_per_token_timing_is_present_and_monotonic(start):
-    worker = start(MockEngine(step_latency=0.01))
+    worker = start(mock_engine(step_latency=0.01))
     responses = worker.generate(ids=[1, 2], max_tokens=6, request_id="timed")
     assert {r.request_id for r in responses} == {"timed"}
     arrival = [r.timing.since_arrival_us for r in responses]
@@ -146,65 +151,86 @@ def test_per_token_timing_is_present_and_monotonic(start):
 
 
 def test_text_and_chat_prompts_use_the_tokenizer(start):
-    engine = MockEngine(adapters={"a": 8})
+    engine = mock_engine(adapters={"a": 8})
     worker = start(engine, model_name="smol")
     text = worker.generate(text="hi", max_tokens=3)
-    assert token_ids(text) == mock_completion(list(b"hi"), None, 3, engine.vocab_size)
+    assert token_ids(text) == mock_completion(list(b"hi"), None, 3, VOCAB)
     assert "".join(r.text for r in text) == engine.tokenizer.decode(token_ids(text))
     chat = worker.generate(chat=[("user", "hi")], max_tokens=2, adapter="a")
     rendered = engine.tokenizer.encode(
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     )
-    assert token_ids(chat) == mock_completion(rendered, "a", 2, engine.vocab_size)
+    assert token_ids(chat) == mock_completion(rendered, "a", 2, VOCAB)
     base = worker.generate(ids=[5], max_tokens=2, adapter="smol")  # the base model's id
-    assert token_ids(base) == mock_completion([5], None, 2, engine.vocab_size)
+    assert token_ids(base) == mock_completion([5], None, 2, VOCAB)
 
 
 @pytest.fixture(scope="module")
 def shared_worker():
-    worker = Worker(MockEngine(max_seq_len=64, adapters={"a": 8}))
+    worker = Worker(mock_engine(max_seq_len=64, adapters={"a": 8}))
     yield worker
     worker.close()
 
 
 BAD_INPUTS = [
-    # (request fields, status, what the message must name)
-    (dict(ids=[1], adapter="nope"), Code.NOT_FOUND, "adapter='nope'"),
-    (dict(), Code.INVALID_ARGUMENT, "prompt"),
-    (dict(text=""), Code.INVALID_ARGUMENT, "prompt"),
-    (dict(ids=[]), Code.INVALID_ARGUMENT, "prompt"),
-    (dict(chat=[]), Code.INVALID_ARGUMENT, "prompt"),
-    (dict(chat=[("robot", "hi")]), Code.INVALID_ARGUMENT, "role"),
-    (dict(ids=[1] * 64), Code.INVALID_ARGUMENT, "max_seq_len"),
-    (dict(text="x" * 100), Code.INVALID_ARGUMENT, "prompt has 100 tokens"),
-    (dict(ids=[1, 5000]), Code.INVALID_ARGUMENT, "prompt_ids[1]"),
-    (dict(ids=[-3]), Code.INVALID_ARGUMENT, "prompt_ids[0]"),
-    (dict(ids=[1], max_tokens=0), Code.INVALID_ARGUMENT, "max_tokens"),
-    (dict(ids=[1], max_tokens=-5), Code.INVALID_ARGUMENT, "max_tokens"),
-    (dict(ids=[1], max_tokens=2**31 - 1), Code.INVALID_ARGUMENT, "max_tokens"),
-    (dict(ids=[1], temperature=-0.5), Code.INVALID_ARGUMENT, "temperature"),
-    (dict(ids=[1], temperature=1e30), Code.INVALID_ARGUMENT, "temperature"),
-    (dict(ids=[1], temperature=math.nan), Code.INVALID_ARGUMENT, "temperature"),
-    (dict(ids=[1], temperature=math.inf), Code.INVALID_ARGUMENT, "temperature"),
-    (dict(ids=[1], top_p=0.0), Code.INVALID_ARGUMENT, "top_p"),
-    (dict(ids=[1], top_p=-0.1), Code.INVALID_ARGUMENT, "top_p"),
-    (dict(ids=[1], top_p=1.5), Code.INVALID_ARGUMENT, "top_p"),
-    (dict(ids=[1], top_k=-1), Code.INVALID_ARGUMENT, "top_k"),
-    (dict(ids=[1], seed=2**40), Code.INVALID_ARGUMENT, "seed"),
-    (dict(ids=[1], stop=[""]), Code.INVALID_ARGUMENT, "stop"),
-    (dict(ids=[1], stop=["x"] * 17), Code.INVALID_ARGUMENT, "stop"),
-    (dict(ids=[1], request_id="r" * 200), Code.INVALID_ARGUMENT, "request_id"),
-]
+    # (request fields, status, what the message must name, the field in the rich details)
+    (dict(ids=[1], adapter="nope"), Code.NOT_FOUND, "adapter='nope'", "adapter"),
+    (dict(), Code.INVALID_ARGUMENT, "prompt", "prompt"),
+    (dict(text=""), Code.INVALID_ARGUMENT, "prompt", "prompt"),
+    (dict(ids=[]), Code.INVALID_ARGUMENT, "prompt", "prompt"),
+    (dict(chat=[]), Code.INVALID_ARGUMENT, "prompt", "prompt"),
+    (dict(chat=[("robot", "hi")]), Code.INVALID_ARGUMENT, "role", "prompt.chat.messages[0].role"),
+    (dict(ids=[1] * 64), Code.INVALID_ARGUMENT, "max_seq_len", "prompt"),
+    (dict(text="x" * 100), Code.INVALID_ARGUMENT, "prompt has 100 tokens", "prompt"),
+    (dict(ids=[1, 5000]), Code.INVALID_ARGUMENT, "prompt_ids[1]", "prompt"),
+    (dict(ids=[-3]), Code.INVALID_ARGUMENT, "prompt_ids[0]", "prompt"),
+    (dict(ids=[1], max_tokens=0), INVALID, "max_tokens", "sampling.max_tokens"),
+    (dict(ids=[1], max_tokens=-5), INVALID, "max_tokens", "sampling.max_tokens"),
+    (dict(ids=[1], max_tokens=2**31 - 1), INVALID, "max_tokens", "sampling.max_tokens"),
+    (dict(ids=[1], temperature=-0.5), INVALID, "temperature", "sampling.temperature"),
+    (dict(ids=[1], temperature=1e30), INVALID, "temperature", "sampling.temperature"),
+    (dict(ids=[1], temperature=math.nan), INVALID, "temperature", "sampling.temperature"),
+    (dict(ids=[1], temperature=math.inf), INVALID, "temperature", "sampling.temperature"),
+    (dict(ids=[1], top_p=0.0), Code.INVALID_ARGUMENT, "top_p", "sampling.top_p"),
+    (dict(ids=[1], top_p=-0.1), Code.INVALID_ARGUMENT, "top_p", "sampling.top_p"),
+    (dict(ids=[1], top_p=1.5), Code.INVALID_ARGUMENT, "top_p", "sampling.top_p"),
+    (dict(ids=[1], top_k=-1), Code.INVALID_ARGUMENT, "top_k", "sampling.top_k"),
+    (dict(ids=[1], seed=2**40), Code.INVALID_ARGUMENT, "seed", "sampling.seed"),
+    (dict(ids=[1], stop=[""]), Code.INVALID_ARGUMENT, "stop", "sampling.stop"),
+    (dict(ids=[1], stop=["x"] * 17), Code.INVALID_ARGUMENT, "stop", "sampling.stop"),
+    (dict(ids=[1], request_id="r" * 200), Code.INVALID_ARGUMENT, "request_id", "request_id"),
+]  # fmt: skip
+
+
+def rich_details(err: grpc.RpcError) -> tuple[str | None, str]:
+    """(the BadRequest field, the ErrorInfo reason) of a failed call, read straight from
+    its `grpc-status-details-bin` trailer with the google.rpc protos."""
+    [raw] = [v for k, v in err.trailing_metadata() if k == "grpc-status-details-bin"]
+    status = status_pb2.Status.FromString(raw)
+    assert status.code == err.code().value[0] and status.message == err.details()
+    field, reason = None, ""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            [violation] = bad.field_violations
+            field = violation.field
+        else:
+            info = error_details_pb2.ErrorInfo()
+            assert detail.Unpack(info) and info.domain == "jlora.v1"
+            reason = info.reason
+    return field, reason
 
 
 @pytest.mark.parametrize(
-    "fields, code, names", BAD_INPUTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_INPUTS)]
+    "fields, code, names, field", BAD_INPUTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_INPUTS)]
 )
-def test_bad_input_gets_its_status_and_changes_nothing(shared_worker, fields, code, names):
+def test_bad_input_gets_its_status_and_changes_nothing(shared_worker, fields, code, names, field):
     with pytest.raises(grpc.RpcError) as caught:
         shared_worker.generate(**fields)
     assert caught.value.code() == code
     assert names in caught.value.details()
+    assert rich_details(caught.value)[0] == field
     stats = shared_worker.wait_idle()
     assert stats.adapter_slots.loads <= 1  # nothing loaded for a refused request
     ok = shared_worker.generate(ids=[1, 2], max_tokens=2, adapter="a")
@@ -212,7 +238,7 @@ def test_bad_input_gets_its_status_and_changes_nothing(shared_worker, fields, co
 
 
 def test_a_request_id_in_flight_is_refused(start):
-    worker = start(MockEngine(step_latency=0.01))
+    worker = start(mock_engine(step_latency=0.01))
     first = worker.stub.Generate(request(ids=[1], max_tokens=50, request_id="same"))
     next(first)
     with pytest.raises(grpc.RpcError) as caught:
@@ -223,7 +249,7 @@ def test_a_request_id_in_flight_is_refused(start):
 
 
 def test_a_full_queue_answers_resource_exhausted(start):
-    worker = start(MockEngine(max_slots=1, step_latency=0.01), max_queue=1)
+    worker = start(mock_engine(max_slots=1, step_latency=0.01), max_queue=1)
     running = worker.stub.Generate(request(ids=[1], max_tokens=100))
     next(running)
     queued = worker.stub.Generate(request(ids=[2], max_tokens=3))
@@ -242,7 +268,7 @@ def test_a_full_queue_answers_resource_exhausted(start):
 
 
 def test_client_cancel_aborts_the_engine_request(start):
-    engine = MockEngine(step_latency=0.01)
+    engine = mock_engine(step_latency=0.01)
     worker = start(engine, metrics_port=0)
     call = worker.stub.Generate(request(ids=[1], max_tokens=100))
     next(call), next(call)
@@ -253,12 +279,12 @@ def test_client_cancel_aborts_the_engine_request(start):
     assert caught.value.code() == Code.CANCELLED
     stats = worker.wait_idle()
     assert stats.free_slots == stats.max_slots
-    assert engine.steps < 50  # aborted, not run to its 100 tokens
+    assert engine.device.steps < 50  # aborted, not run to its 100 tokens
     assert metric(worker, "jlora_requests_total", outcome="cancelled") == 1
 
 
 def test_deadline_exceeded_frees_running_and_queued_requests(start):
-    engine = MockEngine(max_slots=1, step_latency=0.01)
+    engine = mock_engine(max_slots=1, step_latency=0.01)
     worker = start(engine)
     calls = [worker.stub.Generate(request(ids=[i], max_tokens=100), timeout=0.3) for i in (1, 2)]
     for call in calls:  # the second waits in the queue until its deadline
@@ -266,14 +292,14 @@ def test_deadline_exceeded_frees_running_and_queued_requests(start):
             list(call)
         assert caught.value.code() == Code.DEADLINE_EXCEEDED
     worker.wait_idle()
-    assert engine.steps < 60
+    assert engine.device.steps < 60
 
 
 # -- adapters, stats, models ------------------------------------------------------------
 
 
 def test_adapter_lifecycle(start, tmp_path):
-    engine = MockEngine(max_loras=2)
+    engine = mock_engine(max_loras=2, step_latency=0.01)
     worker = start(engine, adapters_dir=tmp_path, model_name="smol")
     stub = worker.stub
     write_adapter_config(tmp_path / "mine", rank=16)
@@ -282,9 +308,15 @@ def test_adapter_lifecycle(start, tmp_path):
     assert list(adapter.target_modules) == ["q_proj", "v_proj"]
     assert adapter.path == str(tmp_path / "mine")
     loaded = stub.LoadAdapter(pb.LoadAdapterRequest(name="mine", pin=True)).adapter
-    assert (loaded.state, loaded.pinned) == (pb.ADAPTER_STATE_DEVICE, True)
+    assert loaded.pinned and loaded.state in (pb.ADAPTER_STATE_LOADING, pb.ADAPTER_STATE_DEVICE)
+    deadline = time.monotonic() + 5
+    while stub.ListAdapters(pb.ListAdaptersRequest()).adapters[0].state != (
+        pb.ADAPTER_STATE_DEVICE
+    ):
+        assert time.monotonic() < deadline, "the adapter never landed"
+        time.sleep(0.005)
     assert token_ids(worker.generate(ids=[4], max_tokens=2, adapter="mine")) == (
-        mock_completion([4], "mine", 2, engine.vocab_size)
+        mock_completion([4], "mine", 2, VOCAB)
     )
     models = stub.Models(pb.ModelsRequest()).models
     assert [(m.id, m.kind, m.parent, m.rank) for m in models] == [
@@ -305,37 +337,51 @@ def test_adapter_lifecycle(start, tmp_path):
 
 
 BAD_ADAPTER_CALLS = [
-    # (rpc, request fields, status, what the message must name)
-    ("RegisterAdapter", dict(name="a", path="ok"), Code.ALREADY_EXISTS, "name='a'"),
-    ("RegisterAdapter", dict(name="", path="ok"), Code.INVALID_ARGUMENT, "name"),
-    ("RegisterAdapter", dict(name="b/c", path="ok"), Code.INVALID_ARGUMENT, "name="),
-    ("RegisterAdapter", dict(name="smol", path="ok"), Code.INVALID_ARGUMENT, "base model"),
-    ("RegisterAdapter", dict(name="b", path=""), Code.INVALID_ARGUMENT, "path"),
-    ("RegisterAdapter", dict(name="b", path="../outside"), Code.INVALID_ARGUMENT, "path="),
-    ("RegisterAdapter", dict(name="b", path="/etc"), Code.INVALID_ARGUMENT, "path="),
-    ("RegisterAdapter", dict(name="b", path="missing"), Code.INVALID_ARGUMENT, "does not exist"),
-    ("RegisterAdapter", dict(name="b", path="broken"), Code.INVALID_ARGUMENT, "lora_alpha"),
-    ("LoadAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'"),
-    ("UnloadAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'"),
-    ("UnregisterAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'"),
-]
+    # (rpc, request fields, status, what the message must name, the field in the details)
+    ("RegisterAdapter", dict(name="a", path="ok"), Code.ALREADY_EXISTS, "name='a'", "name"),
+    ("RegisterAdapter", dict(name="", path="ok"), Code.INVALID_ARGUMENT, "name", "name"),
+    ("RegisterAdapter", dict(name="b//c", path="ok"), Code.INVALID_ARGUMENT, "name=", "name"),
+    ("RegisterAdapter", dict(name="b c", path="ok"), Code.INVALID_ARGUMENT, "name=", "name"),
+    ("RegisterAdapter", dict(name="smol", path="ok"), Code.INVALID_ARGUMENT, "base model", "name"),
+    ("RegisterAdapter", dict(name="b", path=""), Code.INVALID_ARGUMENT, "path", "path"),
+    ("RegisterAdapter", dict(name="b", path="../outside"), Code.INVALID_ARGUMENT, "path=", "path"),
+    ("RegisterAdapter", dict(name="b", path="/etc"), Code.INVALID_ARGUMENT, "path=", "path"),
+    ("RegisterAdapter", dict(name="b", path="missing"), INVALID, "does not exist", "path"),
+    ("RegisterAdapter", dict(name="b", path="broken"), Code.INVALID_ARGUMENT, "lora_alpha", "path"),
+    ("RegisterAdapter", dict(name="b", path="linked"), Code.INVALID_ARGUMENT, "outside", "path"),
+    ("RegisterAdapter", dict(name="b", path="ok", sha256=SHA_X), Code.DATA_LOSS, "sha", "sha256"),
+    ("LoadAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'", "name"),
+    ("UnloadAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'", "name"),
+    ("UnregisterAdapter", dict(name="nope"), Code.NOT_FOUND, "name='nope'", "name"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("rpc, fields, code, names", BAD_ADAPTER_CALLS)
-def test_bad_adapter_calls(start, tmp_path, rpc, fields, code, names):
-    write_adapter_config(tmp_path / "ok")
-    write_adapter_config(tmp_path / "broken", lora_alpha=-1)
-    worker = start(MockEngine(adapters={"a": 8}), adapters_dir=tmp_path, model_name="smol")
+@pytest.mark.parametrize("rpc, fields, code, names, field", BAD_ADAPTER_CALLS)
+def test_bad_adapter_calls(start, tmp_path, rpc, fields, code, names, field):
+    root = tmp_path / "adapters"
+    write_adapter_config(root / "ok")
+    (root / "ok" / "adapter_model.safetensors").write_bytes(b"weights")
+    write_adapter_config(root / "broken", lora_alpha=-1)
+    write_adapter_config(root / "linked")
+    (root / "linked" / "adapter_model.safetensors").symlink_to("/etc/passwd")
+    worker = start(mock_engine(adapters={"a": 8}), adapters_dir=root, model_name="smol")
     with pytest.raises(grpc.RpcError) as caught:
         getattr(worker.stub, rpc)(getattr(pb, f"{rpc}Request")(**fields))
     assert caught.value.code() == code
     assert names in caught.value.details()
+    assert rich_details(caught.value)[0] == field
     adapters = worker.stub.ListAdapters(pb.ListAdaptersRequest()).adapters
     assert [a.name for a in adapters] == ["a"]
+    # Nothing stays reserved: the name registers once the input is right.
+    ok = worker.stub.RegisterAdapter(pb.RegisterAdapterRequest(name="org/c-lora:v2", path="ok"))
+    assert (
+        ok.adapter.name == "org/c-lora:v2"
+        and ok.adapter.sha256 == hashlib.sha256(b"weights").hexdigest()
+    )
 
 
 def test_register_and_pin_rolls_back_when_no_slot_is_free(start, tmp_path):
-    worker = start(MockEngine(max_loras=1, adapters={"a": 8}))
+    worker = start(mock_engine(max_loras=1, adapters={"a": 8}))
     worker.stub.LoadAdapter(pb.LoadAdapterRequest(name="a", pin=True))
     path = str(write_adapter_config(tmp_path / "new"))
     with pytest.raises(grpc.RpcError) as caught:
@@ -346,7 +392,7 @@ def test_register_and_pin_rolls_back_when_no_slot_is_free(start, tmp_path):
 
 
 def test_stats_show_the_running_batch_with_ranks(start):
-    worker = start(MockEngine(max_slots=2, step_latency=0.01, adapters={"a": 8}), max_queue=3)
+    worker = start(mock_engine(max_slots=2, step_latency=0.01, adapters={"a": 8}), max_queue=3)
     calls = [
         worker.stub.Generate(request(ids=[1], max_tokens=100, request_id="base")),
         worker.stub.Generate(request(ids=[1], max_tokens=100, request_id="lora", adapter="a")),
@@ -368,40 +414,16 @@ def test_stats_show_the_running_batch_with_ranks(start):
     worker.wait_idle()
 
 
-class BaseOnlyEngine(Engine):
-    """The bare Engine interface (no adapter control, no stats), delegating to a mock."""
-
-    def __init__(self) -> None:
-        self.inner = MockEngine()
-
-    def add_request(self, request: Request) -> None:
-        self.inner.add_request(request)
-
-    def abort(self, request_id: str) -> bool:
-        return self.inner.abort(request_id)
-
-    def warmup(self, prompt_lengths=None, max_length=None) -> None:
-        """Nothing to compile."""
-
-    def step(self) -> list[TokenEvent]:
-        return self.inner.step()
-
-    has_unfinished = property(lambda self: self.inner.has_unfinished)
-    max_slots = property(lambda self: self.inner.max_slots)
-    max_seq_len = property(lambda self: self.inner.max_seq_len)
-
-
-def test_an_engine_without_extensions_still_generates(start):
-    worker = start(BaseOnlyEngine())
-    assert token_ids(worker.generate(ids=[3], max_tokens=2)) == mock_completion([3], None, 2, 1000)
-    for call in (
-        lambda: worker.stats(),
-        lambda: worker.stub.ListAdapters(pb.ListAdaptersRequest()),
-        lambda: worker.stub.LoadAdapter(pb.LoadAdapterRequest(name="a")),
-    ):
-        with pytest.raises(grpc.RpcError) as caught:
-            call()
-        assert caught.value.code() == Code.UNIMPLEMENTED
+def test_a_base_only_engine_generates_and_refuses_adapter_calls(start, tmp_path):
+    worker = start(mock_engine(max_loras=0))
+    assert token_ids(worker.generate(ids=[3], max_tokens=2)) == mock_completion([3], None, 2, VOCAB)
+    assert worker.stats().adapter_slots.total == 0
+    assert list(worker.stub.ListAdapters(pb.ListAdaptersRequest()).adapters) == []
+    path = str(write_adapter_config(tmp_path / "x"))
+    with pytest.raises(grpc.RpcError) as caught:
+        worker.stub.RegisterAdapter(pb.RegisterAdapterRequest(name="x", path=path))
+    assert caught.value.code() == Code.FAILED_PRECONDITION
+    assert "max_loras=0" in caught.value.details()
     assert [m.id for m in worker.stub.Models(pb.ModelsRequest()).models] == ["base"]
 
 
@@ -432,7 +454,7 @@ def metric(worker: Worker, name: str, **labels) -> float:
 
 
 def test_metrics_serve_the_histograms(start):
-    worker = start(MockEngine(step_latency=0.002, adapters={"a": 8}), metrics_port=0)
+    worker = start(mock_engine(step_latency=0.002, adapters={"a": 8}), metrics_port=0)
     for adapter in ("", "a", ""):
         worker.generate(ids=[1], max_tokens=4, adapter=adapter)
     with pytest.raises(grpc.RpcError):
@@ -451,15 +473,17 @@ def test_metrics_serve_the_histograms(start):
         time.sleep(0.05)
 
 
-class FailingEngine(MockEngine):
-    def step(self) -> list[TokenEvent]:
+class BrokenDevice(MockEngine):
+    """A device that fails for good after two decode steps."""
+
+    def generate(self):
         if self.steps >= 2:
             raise RuntimeError("device lost")
-        return super().step()
+        return super().generate()
 
 
-def test_an_engine_failure_ends_streams_and_health(start):
-    worker = start(FailingEngine(step_latency=0.005))
+def test_a_broken_device_ends_streams_and_health(start):
+    worker = start(Orchestrator(BrokenDevice(step_latency=0.005)))
     with pytest.raises(grpc.RpcError) as caught:
         worker.generate(ids=[1], max_tokens=50)
     assert caught.value.code() == Code.INTERNAL and "device lost" in caught.value.details()
@@ -477,7 +501,7 @@ def test_an_engine_failure_ends_streams_and_health(start):
 
 
 def test_stop_drains_running_streams(start):
-    engine = MockEngine(step_latency=0.01)
+    engine = mock_engine(step_latency=0.01)
     worker = start(engine)
     health = health_pb2_grpc.HealthStub(worker.channel)
     watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
@@ -491,7 +515,7 @@ def test_stop_drains_running_streams(start):
         worker.generate(ids=[1])
     assert caught.value.code() == Code.UNAVAILABLE and "draining" in caught.value.details()
     rest = list(call)
-    assert token_ids([first, *rest]) == mock_completion([1], None, 80, engine.vocab_size)
+    assert token_ids([first, *rest]) == mock_completion([1], None, 80, VOCAB)
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     stopper.join(10)
     assert worker.server.wait(0) and not engine.has_unfinished
@@ -501,21 +525,21 @@ def test_stop_drains_running_streams(start):
 
 
 def test_stop_after_the_grace_period_cancels_and_frees(start):
-    engine = MockEngine(step_latency=0.01)
+    engine = mock_engine(step_latency=0.01)
     worker = start(engine)
     call = worker.stub.Generate(request(ids=[1], max_tokens=100))
     next(call)
     worker.server.stop(grace=0.1)
     with pytest.raises(grpc.RpcError):
         list(call)
-    assert not engine.has_unfinished and engine.free_blocks == engine.num_blocks
+    assert not engine.has_unfinished and engine.allocator.num_free == engine.config.num_blocks
 
 
 SIGTERM_WORKER = """
 import sys
-from jlora.engine.mock import MockEngine
+from jlora.engine.mock import mock_engine
 from jlora.server import serve
-server = serve(MockEngine(step_latency=0.01), port=0)
+server = serve(mock_engine(step_latency=0.01), port=0)
 server.stop_on_signals(grace=10)
 print(server.port, flush=True)
 server.wait()

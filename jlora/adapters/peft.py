@@ -31,9 +31,8 @@ import numpy as np
 
 from configs import ModelConfig
 from jlora.adapters.targets import MODULE_OF, TARGETS, target_shapes
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from jlora.contract.adapters import CONFIG_FILE, WEIGHTS_FILE
+from jlora.contract.errors import InvalidRequest
 
 # PEFT's tensor names inside adapter_model.safetensors (the adapter name is not stored).
 _KEY = "base_model.model.model.layers.{layer}.{module}.{target}.lora_{factor}.weight"
@@ -69,8 +68,12 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 _DEMO_B_STD = 0.1
 
 
-class AdapterError(ValueError):
-    """A bad adapter (or bad arguments for one); the message names the path and field."""
+class AdapterError(InvalidRequest):
+    """A bad adapter (or bad arguments for one); the message names the file and the
+    entry at fault. As a request error its field is the adapter's `path`."""
+
+    def __init__(self, message: str, *, field: str | None = "path") -> None:
+        super().__init__(message, field=field)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -315,8 +315,14 @@ class SlotManager:
         return dict(self._ready)
 
     def loading(self) -> dict[str, int]:
-        """Adapter being loaded -> the slot it is loaded into."""
+        """Adapter being loaded -> the slot it is loaded into (discarded loads included:
+        they hold their slot until `poll()` drops them)."""
         return {name: load.slot for name, load in self._loading.items()}
+
+    def will_land(self, name: str) -> bool:
+        """Whether a load of `name` is under way and will be installed (not discarded)."""
+        load = self._loading.get(name)
+        return load is not None and not load.discarded
 
     @property
     def pinned(self) -> frozenset[str]:

@@ -13,15 +13,17 @@ pipelined loading), and a CPU worker process that attaches the segment by name r
 any layer's A and B in place, without a copy per call.
 
 Registration validates the adapter completely (`load_peft_adapter`) before the arena
-is touched, so a bad adapter changes nothing.
+is touched, so a bad adapter changes nothing. It may run on any thread, beside the
+steps and the transfers that read other regions: the allocator and the table of
+adapters are guarded by a lock, and the copy into a fresh region runs outside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import shutil
+import threading
 import weakref
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -29,11 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from configs import ModelConfig
-from jlora.adapters.peft import AdapterError, LoraSpec, load_peft_adapter
+from jlora.adapters.peft import LoraSpec, load_peft_adapter
 from jlora.adapters.targets import target_shapes
+from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
+from jlora.contract.errors import AlreadyExists, ResourceExhausted
 
 ALIGN = 64
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,7 @@ class HostStore:
         self.shapes = target_shapes(config)
         self.arena = SharedArena(capacity)
         self._adapters: dict[str, StoredAdapter] = {}
+        self._lock = threading.Lock()  # the arena's allocator and `_adapters`
 
     def __contains__(self, name: object) -> bool:
         return name in self._adapters
@@ -148,20 +152,17 @@ class HostStore:
     def get(self, name: str) -> StoredAdapter:
         return self._adapters[name]
 
-    def register(self, name: str, path: str | Path) -> StoredAdapter:
-        """Validate the PEFT adapter at `path` and copy it into the arena as `name`.
+    def register(
+        self, name: str, path: str | Path, *, expect_sha256: str | None = None
+    ) -> StoredAdapter:
+        """Validate the PEFT adapter at `path` (and its weights' sha256 against
+        `expect_sha256`) and copy it into the arena as `name`. Any thread.
 
-        Raises AdapterError (and changes nothing) for a bad name, a duplicate, an
-        invalid adapter or a full arena.
+        Raises RequestError (and changes nothing) for a duplicate name, an invalid
+        adapter, a hash mismatch or a full arena.
         """
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise AdapterError(
-                f"adapter name={name!r} must be 1-128 characters of letters, digits and "
-                "._:- starting with a letter or digit"
-            )
-        if name in self._adapters:
-            raise AdapterError(f"adapter name={name!r} is already registered")
         adapter = load_peft_adapter(Path(path), self.config)
+        check_sha256(expect_sha256, adapter.sha256, adapter=name, source=Path(path) / WEIGHTS_FILE)
         spec = adapter.spec
         target_offsets, cursor = {}, 0
         for target in spec.targets:
@@ -169,10 +170,13 @@ class HostStore:
             target_offsets[target] = (cursor, cursor + 4 * fan_in * spec.rank)
             cursor += 4 * spec.rank * (fan_in + fan_out)
         num_layers = self.config.num_layers
-        try:
-            offset = self.arena.alloc(cursor * num_layers)
-        except MemoryError as err:
-            raise AdapterError(f"adapter {name!r}: {err}") from None
+        with self._lock:
+            if name in self._adapters:
+                raise AlreadyExists(f"adapter name={name!r} is already registered", field="name")
+            try:
+                offset = self.arena.alloc(cursor * num_layers)
+            except MemoryError as err:
+                raise ResourceExhausted(f"adapter {name!r}: {err}", field="path") from None
         stored = StoredAdapter(
             name=name,
             path=Path(path),
@@ -188,12 +192,14 @@ class HostStore:
             view_a, view_b = self._stacked(stored, target)
             view_a[...] = lora_a
             view_b[...] = lora_b
-        self._adapters[name] = stored
+        with self._lock:
+            self._adapters[name] = stored
         return stored
 
     def unregister(self, name: str) -> None:
-        stored = self._adapters.pop(name)
-        self.arena.free(stored.offset)
+        with self._lock:
+            stored = self._adapters.pop(name)
+            self.arena.free(stored.offset)
 
     def _stacked(self, stored: StoredAdapter, target: str) -> tuple[np.ndarray, np.ndarray]:
         fan_in, fan_out = self.shapes[target]
@@ -215,5 +221,6 @@ class HostStore:
 
     def close(self) -> None:
         """Release the shared-memory segment (views into it become invalid)."""
-        self._adapters.clear()
-        self.arena.close()
+        with self._lock:
+            self._adapters.clear()
+            self.arena.close()

@@ -27,6 +27,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_api_key_arg(group: argparse._ActionsContainer) -> None:
+    """--api-key (read back with `jlora.contract.auth.resolve_api_key`)."""
+    group.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' of every client (default: $JLORA_API_KEY; "
+        "health checks stay open)",
+    )
+
+
 def resolve_dtype(name: str) -> str:
     if name != "auto":
         return name

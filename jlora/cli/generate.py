@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jlora.adapters.store import NAME_PATTERN
 from jlora.cli.common import (
     UsageError,
     add_lora_engine_args,
@@ -31,7 +30,10 @@ from jlora.cli.common import (
     lora_engine_config,
     resolve_dtype,
 )
-from jlora.engine.api import Engine, InvalidRequest, Request, SamplingParams, TokenEvent
+from jlora.contract.adapters import resolve_adapter_dir
+from jlora.contract.errors import RequestError
+from jlora.engine.api import Request, SamplingParams, TokenEvent
+from jlora.engine.orchestrator import Orchestrator
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -190,13 +192,14 @@ def _resolve_adapters(
     for spec in dict.fromkeys(a for a in given if a is not None):
         path = Path(spec).expanduser()
         if not path.is_dir() and adapters_dir is not None:
-            path = adapters_dir / spec
-            if NAME_PATTERN.fullmatch(spec) is None:  # no '/' or '..': stays inside the dir
-                raise UsageError(f"--adapter {spec!r}: not a directory nor an adapter name")
+            try:  # a name under the directory, which it may not leave
+                path = resolve_adapter_dir(spec, adapters_dir, field="--adapter")
+            except RequestError as err:
+                raise UsageError(err.message) from None
         if not path.is_dir():
             where = f" nor in --adapters-dir {adapters_dir}" if adapters_dir else ""
             raise UsageError(f"--adapter {spec}: no such adapter directory{where}")
-        name = re.sub(r"[^A-Za-z0-9._:-]", "-", path.resolve().name).lstrip("._:-")[:120] or "a"
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", path.resolve().name).lstrip("._-")[:120] or "a"
         taken = {n for n, _ in resolved.values()}
         unique = next(c for c in [name, *(f"{name}-{i}" for i in range(2, 1000))] if c not in taken)
         resolved[spec] = (unique, path)
@@ -208,12 +211,12 @@ Encoder = Callable[[list[dict[str, str]] | str], list[int]]
 
 def _load(
     args: argparse.Namespace, adapters: dict[str, tuple[str, Path]]
-) -> tuple[Callable[[int], Engine], Encoder]:
+) -> tuple[Callable[[int], Orchestrator], Encoder]:
     """The model's tokenizer as an encoder, and an engine factory taking the slot count
     (the engine serves `adapters`, registered under the names the user gave)."""
     from configs import EngineConfig
     from jlora.adapters.peft import read_lora_spec
-    from jlora.engine.engine import LLMEngine
+    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
 
     specs = [read_lora_spec(path) for _, path in adapters.values()]  # fail before loading
@@ -234,14 +237,14 @@ def _load(
         )
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
 
-    def make_engine(slots: int) -> Engine:
+    def make_engine(slots: int) -> Orchestrator:
         config = EngineConfig(
             dtype=resolve_dtype(args.dtype),
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
             **lora,
         )
-        engine = LLMEngine(
+        engine = build_engine(
             model_config=loaded.config,
             params=loaded.params,
             tokenizer=tokenizer,
@@ -267,7 +270,7 @@ def _load(
 
 
 def _run_batch(
-    engine: Engine,
+    engine: Orchestrator,
     encode: Encoder,
     prompts: list[Prompt],
     served: dict[str, str],
@@ -283,22 +286,29 @@ def _run_batch(
     for i, request in enumerate(requests):  # validate every prompt before running any
         try:
             engine.add_request(request)
-        except InvalidRequest as err:
+        except RequestError as err:
             for queued in requests[:i]:
                 engine.abort(queued.request_id)
             where = f"prompt {i + 1}: " if len(prompts) > 1 else ""
-            raise InvalidRequest(f"{where}{err}") from err
+            raise UsageError(f"{where}{err.message}") from err
     engine.warmup(
         prompt_lengths=[len(r.prompt_ids) for r in requests],
         max_length=max(len(r.prompt_ids) + sampling.max_tokens for r in requests),
     )
     results: dict[str, dict] = {r.request_id: {"text": [], "token_ids": []} for r in requests}
     printed = 0
+    failed = 0
     while engine.has_unfinished:
         for event in engine.step():
             result = results[event.request_id]
-            result["text"].append(event.text)
-            result["token_ids"].append(event.token_id)
+            if event.error is not None:
+                failed += 1
+                result["error"] = event.error.message
+                print(f"jlora: error: prompt {int(event.request_id) + 1}: {event.error.message}",
+                      file=sys.stderr)  # fmt: skip
+            else:
+                result["text"].append(event.text)
+                result["token_ids"].append(event.token_id)
             if stream and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -316,6 +326,7 @@ def _run_batch(
                             "text": text,
                             "token_ids": result["token_ids"],
                             "finish_reason": result["finish_reason"],
+                            **({"error": result["error"]} if "error" in result else {}),
                         }
                     ),
                     flush=True,
@@ -323,11 +334,11 @@ def _run_batch(
             else:
                 print("" if stream else text, flush=True)
             printed += 1
-    return 0
+    return 1 if failed else 0
 
 
 def _interactive(
-    engine: Engine,
+    engine: Orchestrator,
     encode: Encoder,
     sampling: SamplingParams,
     *,
@@ -359,8 +370,8 @@ def _interactive(
                     adapter=adapter,
                 )
             )
-        except InvalidRequest as err:
-            print(f"jlora: error: {err}; starting a new conversation", file=sys.stderr)
+        except RequestError as err:
+            print(f"jlora: error: {err.message}; starting a new conversation", file=sys.stderr)
             history = history[:1] if system else []
             continue
         reply = _stream_one(engine)
@@ -368,11 +379,13 @@ def _interactive(
             history = [*messages, {"role": "assistant", "content": reply}]
 
 
-def _stream_one(engine: Engine) -> str:
+def _stream_one(engine: Orchestrator) -> str:
     parts = []
     while engine.has_unfinished:
         event: TokenEvent
         for event in engine.step():
+            if event.error is not None:
+                print(f"\njlora: error: {event.error.message}", file=sys.stderr)
             sys.stdout.write(event.text)
             sys.stdout.flush()
             parts.append(event.text)

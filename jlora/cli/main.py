@@ -53,22 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_runtime(args.verbose, args.command)
     from configs import ConfigError
-    from jlora.adapters.peft import AdapterError
-    from jlora.engine.api import InvalidRequest
+    from jlora.contract.errors import Code, RequestError
     from jlora.model.weights import WeightsError
     from jlora.tokenizer import TokenizerError
 
     try:
         return args.run(args)
-    except (
-        UsageError,
-        ConfigError,
-        AdapterError,
-        InvalidRequest,
-        WeightsError,
-        TokenizerError,
-        OSError,
-    ) as err:
+    except RequestError as err:  # bad input, unless the fault is the server's own
+        print(f"jlora: error: {err.message}", file=sys.stderr)
+        return 1 if err.code == Code.INTERNAL else 2
+    except (UsageError, ConfigError, WeightsError, TokenizerError, OSError) as err:
         print(f"jlora: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

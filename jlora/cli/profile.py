@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from configs import EngineConfig
     from jlora.adapters.peft import make_demo_adapters
     from jlora.engine.api import Request, SamplingParams
-    from jlora.engine.engine import LLMEngine
+    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
     from router.perf_model import PerfProfile, fit
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         lora_mode="cached",
         lora_backend=args.lora_backend,
     )
-    engine = LLMEngine(
+    engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
     )
     vocab = loaded.config.vocab_size

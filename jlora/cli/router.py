@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from jlora.cli.common import UsageError
+from jlora.cli.common import UsageError, add_api_key_arg
 
 
 def default_registry() -> Path:
@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    add_api_key_arg(listen)
     listen.add_argument("--port", type=int, default=50050, help="gRPC port (0: a free one)")
     listen.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI HTTP, /metrics, /health (0: free)"
@@ -129,10 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jlora.contract.auth import resolve_api_key
+    from jlora.contract.registry import RegistryError
     from router.app import start_router
     from router.perf_model import ProfileError
     from router.policies import PolicyError
-    from router.registry import RegistryError
 
     for flag, value in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= value < 65536:
@@ -160,9 +162,12 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             max_queue=args.max_queue,
             request_timeout=args.request_timeout,
+            api_key=resolve_api_key(args.api_key),
         )
-    except (PolicyError, ProfileError, RegistryError) as err:
+    except (PolicyError, ProfileError) as err:
         raise UsageError(str(err)) from None
+    except RegistryError as err:
+        raise UsageError(err.message) from None
     except ValueError as err:  # a bad --workers address
         raise UsageError(f"--{err}") from None
     down = [f"{w.address} ({w.reason})" for w in handle.workers if not w.up]

@@ -1,9 +1,10 @@
 """`jlora serve`: one worker, an engine in one JAX process behind the jlora.v1 gRPC API.
 
 1. Load the model, build the engine (`--lora-mode`, `--max-loras`, ...), register the
-   adapters given by `--adapter NAME=PATH`, every adapter directory under
-   `--adapters-dir` and every entry of the shared `--registry` (each checked against
-   the registry's sha256 on the bytes loaded), and compile every step shape (warm-up).
+   adapters given by `--adapter NAME=PATH` or vLLM's `--lora-modules NAME=PATH ...`,
+   every adapter directory under `--adapters-dir` and every entry of the shared
+   `--registry` (each checked against the registry's sha256 on the bytes loaded), and
+   compile every step shape (warm-up).
 2. Serve (`jlora.server.serve`) and say on stderr where it listens (and write the
    port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
 3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
@@ -13,11 +14,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from jlora.cli.common import (
     UsageError,
+    add_api_key_arg,
     add_lora_engine_args,
     add_model_args,
     lora_engine_config,
@@ -30,7 +33,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve", help="serve the model over gRPC (one worker)", description=__doc__.splitlines()[0]
     )
     add_model_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    add_api_key_arg(parser)
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here")
@@ -40,13 +44,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
     lora = parser.add_argument_group("adapters")
-    lora.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="register a PEFT adapter directory under NAME (repeatable)",
-    )
+    add_adapter_args(lora)
     lora.add_argument(
         "--adapters-dir",
         type=Path,
@@ -65,9 +63,57 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def adapters_to_register(pairs: list[str], adapters_dir: Path | None) -> dict[str, Path]:
-    """NAME -> PEFT directory, from `--adapter NAME=PATH` and the subdirectories of
-    `--adapters-dir` holding an adapter_config.json (named after the directory)."""
+def add_adapter_args(group: argparse._ArgumentGroup) -> None:
+    """--adapter NAME=PATH and vLLM's --lora-modules (read back with `given_adapters`)."""
+    group.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a PEFT adapter directory under NAME (repeatable)",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="vLLM's form: adapters as NAME=PATH or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}',
+    )
+
+
+def given_adapters(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, path) of every `--adapter` and `--lora-modules` item, in order."""
+    given = [("--adapter", item) for item in args.adapter]
+    given += [("--lora-modules", item) for item in args.lora_modules]
+    pairs = []
+    for flag, item in given:
+        if flag == "--lora-modules" and item.lstrip().startswith("{"):
+            try:
+                module = json.loads(item)
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{flag} {item!r}: not valid JSON ({err.msg})") from None
+            unknown = sorted(set(module) - {"name", "path", "base_model_name"})
+            name, path = module.get("name"), module.get("path")
+            if unknown or not isinstance(name, str) or not isinstance(path, str):
+                raise UsageError(
+                    f"{flag} {item!r}: expected a JSON object with string name and path "
+                    "(and optionally base_model_name)"
+                )
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise UsageError(f"{flag} {item!r}: expected NAME=PATH")
+        pairs.append((name, path))
+    return pairs
+
+
+def adapters_to_register(
+    pairs: list[tuple[str, str]], adapters_dir: Path | None
+) -> dict[str, Path]:
+    """NAME -> PEFT directory, from the subdirectories of `--adapters-dir` holding an
+    adapter_config.json (named after the directory), then the adapters given by name."""
     found: dict[str, Path] = {}
     if adapters_dir is not None:
         if not adapters_dir.is_dir():
@@ -75,10 +121,7 @@ def adapters_to_register(pairs: list[str], adapters_dir: Path | None) -> dict[st
         for directory in sorted(adapters_dir.iterdir()):
             if (directory / "adapter_config.json").is_file():
                 found[directory.name] = directory
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name or not path:
-            raise UsageError(f"--adapter {pair!r}: expected NAME=PATH")
+    for name, path in pairs:
         found[name] = Path(path).expanduser()
     return found
 
@@ -89,7 +132,9 @@ def _registry_entries(
     """Add the registry's adapters to `adapters`; returns name -> registered sha256."""
     if registry is None:
         return {}
-    from router.registry import Registry, RegistryError, resolve_path
+    from jlora.contract.adapters import resolve_adapter_dir
+    from jlora.contract.errors import RequestError
+    from jlora.contract.registry import Registry
 
     if adapters_dir is None:
         raise UsageError("--registry needs --adapters-dir (registry paths are relative to it)")
@@ -99,15 +144,16 @@ def _registry_entries(
         with Registry(registry) as opened:
             entries = opened.list()
         for entry in entries:
-            adapters[entry.name] = resolve_path(entry.path, adapters_dir)
-    except RegistryError as err:
-        raise UsageError(f"--registry {registry}: {err}") from None
+            adapters[entry.name] = resolve_adapter_dir(entry.path, adapters_dir)
+    except RequestError as err:
+        raise UsageError(f"--registry {registry}: {err.message}") from None
     return {entry.name: entry.sha256 for entry in entries}
 
 
 def run(args: argparse.Namespace) -> int:
     from configs import EngineConfig
-    from jlora.engine.engine import LLMEngine
+    from jlora.contract.auth import resolve_api_key
+    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
     from jlora.server import serve
 
@@ -119,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
-    adapters = adapters_to_register(args.adapter, args.adapters_dir)
+    adapters = adapters_to_register(given_adapters(args), args.adapters_dir)
     expected = _registry_entries(args.registry, args.adapters_dir, adapters)
     loaded = load_model(args.model, resolve_dtype(args.dtype))
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
@@ -131,20 +177,15 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         **lora_engine_config(args),
     )
-    engine = LLMEngine(
+    engine = build_engine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
         engine_config=config,
     )
     try:
-        for name, path in adapters.items():
-            stored = engine.register_adapter(name, path)
-            if name in expected and stored.sha256 != expected[name]:
-                raise UsageError(
-                    f"--registry {args.registry}: adapter {name!r} at {path} has sha256 "
-                    f"{stored.sha256}, the registry holds {expected[name]}"
-                )
+        for name, path in adapters.items():  # checked against the registry's sha256
+            engine.register_adapter(name, path, expect_sha256=expected.get(name))
         print("jlora serve: compiling...", file=sys.stderr, flush=True)
         engine.warmup()
         server = serve(
@@ -156,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             model_name=Path(args.model).name,
             max_queue=args.max_queue,
             adapters_dir=args.adapters_dir,
+            api_key=resolve_api_key(args.api_key),
         )
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
         print(

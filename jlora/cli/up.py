@@ -1,7 +1,8 @@
 """`jlora up`: a router and N local workers, the whole service on one machine.
 
-1. Adapters: those given (`--adapter NAME=PATH`, `--adapters-dir DIR`), else demo
-   adapters (random weights, ranks 8/16/32) written once under `--state-dir`.
+1. Adapters: those given (`--adapter NAME=PATH`, vLLM's `--lora-modules NAME=PATH ...`,
+   `--adapters-dir DIR`), else demo adapters (random weights, ranks 8/16/32) written
+   once under `--state-dir`.
 2. N workers: `jlora serve` processes on free ports, each registering every adapter;
    their logs go to this process's stderr.
 3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
@@ -9,11 +10,15 @@
    Where it listens is printed on stderr once every worker is warm.
 4. SIGTERM or SIGINT: the router drains, then the workers (SIGTERM: each finishes its
    running requests), then this process exits.
+
+With `--api-key` (or $JLORA_API_KEY) the router and the workers require the key; the
+workers get it through their environment, never on a command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -22,8 +27,14 @@ import threading
 import time
 from pathlib import Path
 
-from jlora.cli.common import UsageError, add_lora_engine_args, add_model_args, model_config
-from jlora.cli.serve import adapters_to_register
+from jlora.cli.common import (
+    UsageError,
+    add_api_key_arg,
+    add_lora_engine_args,
+    add_model_args,
+    model_config,
+)
+from jlora.cli.serve import adapters_to_register, add_adapter_args, given_adapters
 
 DEMO_RANKS = (8, 16, 32)
 START_TIMEOUT_S = 900.0  # a cold worker compiles every step shape first
@@ -35,7 +46,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_model_args(parser)
     parser.add_argument("--workers", type=int, default=1, help="local workers (default 1)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    add_api_key_arg(parser)
     parser.add_argument("--port", type=int, default=50050, help="the router's gRPC port")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP")
     parser.add_argument("--policy", default="most-idle", help="routing policy")
@@ -51,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8)
     engine.add_argument("--max-lora-rank", type=int, default=64)
-    engine.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    add_adapter_args(engine)
     engine.add_argument("--adapters-dir", type=Path, metavar="DIR")
     add_lora_engine_args(engine)
     parser.set_defaults(run=run)
@@ -85,8 +97,8 @@ def _worker_command(args: argparse.Namespace, port_file: Path, adapters_dir: Pat
         registry = args.state_dir / "registry.sqlite"
         if registry.is_file():  # adapters registered through the router last time
             command += ["--registry", str(registry)]
-    for pair in args.adapter:
-        command += ["--adapter", pair]
+    for name, path in given_adapters(args):
+        command += ["--adapter", f"{name}={path}"]
     return command
 
 
@@ -105,14 +117,18 @@ def _wait_for_ports(processes: list[subprocess.Popen], port_files: list[Path]) -
 
 
 def run(args: argparse.Namespace) -> int:
+    from jlora.contract.auth import API_KEY_ENV, resolve_api_key
     from router.app import start_router
 
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1")
+    given = given_adapters(args)
     adapters_dir = args.adapters_dir
-    if not args.adapter and adapters_dir is None:
+    if not given and adapters_dir is None:
         adapters_dir = _demo_adapters(args.model, args.state_dir)
-    names = sorted(adapters_to_register(args.adapter, adapters_dir))
+    names = sorted(adapters_to_register(given, adapters_dir))
+    api_key = resolve_api_key(args.api_key)
+    env = {**os.environ, API_KEY_ENV: api_key or ""}
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -123,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
             for port_file in port_files:
                 processes.append(
                     subprocess.Popen(
-                        _worker_command(args, port_file, adapters_dir), start_new_session=True
+                        _worker_command(args, port_file, adapters_dir),
+                        start_new_session=True,
+                        env=env,
                     )
                 )
             print(
@@ -144,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 registry=args.state_dir / "registry.sqlite",
                 adapters_dir=adapters_dir,
                 model_name=Path(args.model).name,
+                api_key=api_key,
             )
             print(
                 f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "

@@ -1,27 +1,28 @@
-"""The engine interface the CLI, the server and the tests talk to.
+"""The request-level types of the engine: what the CLI, the server and the tests send
+to the orchestrator and get back from it.
 
-An engine owns a queue of requests and advances all of them by one iteration per
-`step()`: new requests are prefilled and join the running batch, the running batch
-decodes one token, finished requests leave. Each step returns the tokens it
-produced as `TokenEvent`s. A mock engine (for server tests) implements the same class.
+A `Request` is queued with `Orchestrator.add_request`; each `step()` returns the
+`TokenEvent`s it produced; `stats()` and `adapter_infos()` are snapshots between two
+steps. A request's host state is a plain value (`SequenceState`), so it can be taken
+out of one orchestrator (`export`) and resumed in another (`resume`) with the same
+tokens. Failures are `jlora.contract.errors.RequestError`s, raised where they are
+found and naming the field.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import math
 import time
 
+from jlora.contract.errors import InvalidRequest, RequestError
+
 MAX_STOP_STRINGS = 16
 
-
-class InvalidRequest(ValueError):
-    """A request cannot be served as asked; the message names the field."""
-
-
-class UnknownAdapter(InvalidRequest):
-    """A request names an adapter that is not registered (NOT_FOUND to a client)."""
+# TokenEvent.finish_reason
+STOP, LENGTH, ERROR = "stop", "length", "error"
+# AdapterInfo.state
+HOST, LOADING, DEVICE = "host", "loading", "device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,26 +44,30 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens={self.max_tokens!r} must be a positive integer")
+        def bad(field: str, rule: str) -> InvalidRequest:
+            value = getattr(self, field)
+            return InvalidRequest(f"{field}={value!r} {rule}", field=f"sampling.{field}")
+
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be a positive integer")
         if not _finite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequest(f"temperature={self.temperature!r} must be in [0, 100]")
+            raise bad("temperature", "must be in [0, 100]")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(
-                f"top_k={self.top_k!r} must be a non-negative integer (0 disables it)"
-            )
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
-            raise InvalidRequest(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+            raise bad("top_p", "must be in (0, 1]")
+        if not _integer(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be a non-negative integer (0 disables it)")
+        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed < 2**32):
+            raise bad("seed", "must be an integer in [0, 2**32)")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidRequest(
-                f"stop={self.stop!r} must hold at most {MAX_STOP_STRINGS} non-empty strings"
-            )
+            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} non-empty strings")
 
 
 def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -75,23 +80,39 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
+class SequenceState:
+    """A request's whole host state: enough to resume it anywhere with the same tokens.
+
+    The next token is sampled with `seed` at step `len(generated)` (sampling.py), after
+    a prefill of prompt + generated, so a resumed request continues exactly as it would
+    have (greedy decoding: up to the arithmetic of a prefill against a decode step).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    generated: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int
+    adapter: str | None
+    arrival_time: float
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
-    """One generated token of one request.
+    """One generated token of one request, or its failure.
 
     text is the new text this token completes (may be empty while a multi-byte
     character or a possible stop string is pending); finish_reason is set on the
-    request's last event: "stop" (EOS or a stop string), "length" (max_tokens or
-    the context).
+    request's last event: "stop" (EOS or a stop string), "length" (max_tokens or the
+    context) or "error": the request failed (`error` says why, naming the field if
+    one is at fault) and the event carries no token (token_id -1).
     """
 
     request_id: str
     token_id: int
     text: str
     finish_reason: str | None = None
-
-
-# AdapterInfo.state
-HOST, LOADING, DEVICE = "host", "loading", "device"
+    error: RequestError | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,38 +165,3 @@ class EngineStats:
     host_store_bytes_capacity: int = 0
     device_bytes_in_use: int = -1  # -1: unknown
     device_bytes_limit: int = -1
-
-
-class Engine(abc.ABC):
-    @abc.abstractmethod
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raise InvalidRequest (and change nothing) if it cannot run."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> bool:
-        """Drop a queued or running request, freeing its slot and blocks."""
-
-    @abc.abstractmethod
-    def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
-    ) -> None:
-        """Compile every step shape (or those these prompts, growing to max_length, need)."""
-
-    @abc.abstractmethod
-    def step(self) -> list[TokenEvent]:
-        """Run one iteration (admit + prefill, then decode) and return its tokens."""
-
-    def close(self) -> None:  # noqa: B027 (optional: engines without resources keep it)
-        """Release what the engine holds outside Python (shared memory, threads)."""
-
-    @property
-    @abc.abstractmethod
-    def has_unfinished(self) -> bool: ...
-
-    @property
-    @abc.abstractmethod
-    def max_slots(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def max_seq_len(self) -> int: ...

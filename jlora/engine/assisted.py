@@ -5,10 +5,13 @@
 1. The prompt is embedded (`CompiledSteps.embed`).
 2. Before each layer-group segment, the host waits for the previous segment to finish
    (so the routing reflects what has landed by the time the segment runs), installs the
-   adapter's layer groups that have landed (`AdapterManager.install_landed`), and
+   adapter's layer groups that have landed (`DeviceSlots.install_landed`), and
    routes the segment's layers: to the device slot if their group is installed, to the
    CPU workers otherwise (`CpuAssist`, through the model's host callbacks).
 3. The last hidden state gives the logits and the first token (`prefill_head`).
+4. If the CPU path failed beyond what the worker pool recovers (`CpuAssist.failure`),
+   the callbacks returned zeros and the request fails here with a RequestError: its
+   KV blocks are garbage and are freed with it, and the device state is intact.
 
 The route of each group is returned as a string ("CCDD": CPU, CPU, device, device).
 `measure` (at warm-up) and `observe_prefill` (per device prefill) keep the device
@@ -26,8 +29,10 @@ import numpy as np
 
 from configs import EngineConfig
 from jlora.adapters.backends import Segments
-from jlora.adapters.manager import AdapterManager
+from jlora.adapters.device import DeviceSlots
+from jlora.adapters.store import HostStore
 from jlora.adapters.targets import INPUT_GROUPS
+from jlora.contract.errors import RequestError
 from jlora.engine import cost_model
 from jlora.engine.cpu_assist import CpuAssist
 from jlora.engine.sampling import SamplingArrays
@@ -40,12 +45,23 @@ log = logging.getLogger(__name__)
 
 class AssistedPrefill:
     def __init__(
-        self, steps: CompiledSteps, lora: AdapterManager, cpu: CpuAssist, config: EngineConfig
+        self,
+        steps: CompiledSteps,
+        lora: DeviceSlots,
+        store: HostStore,
+        cpu: CpuAssist,
+        config: EngineConfig,
     ) -> None:
-        self.steps, self.lora, self.cpu, self.config = steps, lora, cpu, config
+        self.steps, self.lora, self.store, self.cpu, self.config = steps, lora, store, cpu, config
         self.group_sizes = sorted({stop - start for start, stop in lora.groups})
         self.prefill_s: dict[int, float] = {}  # device prefill seconds per bucket
         self.handoff_s = 0.0  # one CPU-routed input group's callback round trip
+
+    def compile(self, params: Params, cache: KVCache, bucket: int) -> None:
+        """The calls of a CPU-assisted prefill of `bucket` tokens."""
+        self.steps.compile_segmented(
+            params, cache, bucket, self.config.blocks_per_seq, self.lora.weights, self.group_sizes
+        )
 
     def run(
         self,
@@ -62,24 +78,28 @@ class AssistedPrefill:
         device slot `slot`; returns the first token, the cache and the routes."""
         lora, bucket = self.lora, tokens.shape[0]
         segments = Segments.single(slot, bucket)
-        self.steps.compile_segmented(
-            params, cache, bucket, self.config.blocks_per_seq, lora.weights, self.group_sizes
-        )
+        self.compile(params, cache, bucket)
         routes = ""
         x = self.steps.embed(params, tokens)
-        self.cpu.begin(lora.store.get(adapter))
+        self.cpu.begin(self.store.get(adapter))
         try:
             for index, (start, stop) in enumerate(lora.groups):
                 jax.block_until_ready(x)  # route by what has landed by now
-                on_device = index < lora.install_landed(adapter)
+                on_device = index < lora.install_landed(adapter, slot)
                 routes += "D" if on_device else "C"
                 route = np.full(stop - start, 0 if on_device else 1, np.int32)
                 x, cache = self.steps.prefill_segment(
                     params, cache, x, length, block_table, start, route, lora.weights, segments
                 )
             token = int(self.steps.prefill_head(params, x, length, sampling))
+            failure = self.cpu.failure
         finally:
             self.cpu.end()
+        if failure is not None:
+            raise RequestError(
+                f"the CPU-assisted prefill for adapter {adapter!r} failed: {failure}",
+                reason="CPU_ASSIST_FAILED",
+            ) from failure
         return token, cache, routes
 
     # -- the cost model's inputs ---------------------------------------------------
@@ -113,12 +133,13 @@ class AssistedPrefill:
         if bucket in self.prefill_s:
             self.prefill_s[bucket] = 0.8 * self.prefill_s[bucket] + 0.2 * seconds
 
-    def cold_start(self, adapter: str, prompt_len: int, bucket: int) -> cost_model.ColdStart:
-        """The cost model's inputs for a prompt whose adapter is loading."""
+    def cold_start(
+        self, adapter: str, slot: int, prompt_len: int, bucket: int
+    ) -> cost_model.ColdStart:
+        """The cost model's inputs for a prompt whose adapter is loading into `slot`."""
         lora = self.lora
-        landed = lora.install_landed(adapter)
-        layers_left = sum(stop - start for start, stop in lora.groups[landed:])
-        stored = lora.store.get(adapter)
+        layers_left = lora.layers_left(adapter, slot)
+        stored = self.store.get(adapter)
         adapted = sum(
             any(name in stored.target_offsets for name in names) for names in INPUT_GROUPS
         )

@@ -15,8 +15,11 @@ group (q/k/v, o, gate/up, down; `INPUT_GROUPS`) makes two ordered host callbacks
    those the adapter does not adapt and for padding rows), which the model adds.
 
 A worker that dies or hangs loses nothing: `CpuLoraPool.collect` recomputes its rows
-here, and the watchdog respawns it. `begin(adapter)` / `end()` bracket one prefill;
-callbacks run on the engine's thread, one ticket in flight at a time.
+here, and the watchdog respawns it. A failure beyond that never escapes a callback (an
+exception inside the compiled prefill would take the donated KV cache with it): the
+callback returns zeros, the error is kept in `failure`, and the engine fails that one
+request after the prefill. `begin(adapter)` / `end()` bracket one prefill; callbacks
+run on the engine's thread, one ticket in flight at a time.
 """
 
 from __future__ import annotations
@@ -92,12 +95,14 @@ class CpuAssist:
         self._ticket: Ticket | None = None
         self._rows = 0
         self._probe: Ticket | None = None  # measure_handoff_s's ticket
+        self.failure: Exception | None = None  # of the current prefill, if its CPU path broke
 
     # -- one prefill -----------------------------------------------------------
 
     def begin(self, adapter: StoredAdapter) -> None:
         """Serve the callbacks of one prefill for `adapter`."""
         self._adapter = adapter
+        self.failure = None
         self._plan = []
         for names in INPUT_GROUPS:
             column, placements = 0, []
@@ -128,8 +133,19 @@ class CpuAssist:
         assert self._adapter is not None, "submit outside begin()/end()"
         self._rows = x.shape[0]
         placements = self._plan[group]
-        if not placements:
+        if not placements or self.failure is not None:
             return np.int32(NO_TICKET)
+        try:
+            return self._submit(placements, layer, x, length)
+        except Exception as err:  # never into the compiled step: see the module docstring
+            log.exception("CPU LoRA submit failed")
+            self.failure = err
+            return np.int32(NO_TICKET)
+
+    def _submit(
+        self, placements: list[_Placement], layer: np.ndarray, x: np.ndarray, length: np.ndarray
+    ) -> Any:
+        assert self._adapter is not None
         shift = int(layer) * self._adapter.layer_stride
         jobs = [
             LoraJob(p.a_offset + shift, p.b_offset + shift, p.rank, p.out_features)
@@ -146,9 +162,15 @@ class CpuAssist:
             return out
         assert self._ticket is not None
         start = time.perf_counter()
-        products = self.pool.collect(self._ticket)
+        try:
+            products = self.pool.collect(self._ticket)
+        except Exception as err:  # never into the compiled step: see the module docstring
+            log.exception("CPU LoRA collect failed")
+            self.failure = err
+            return out
+        finally:
+            self._ticket = None
         self.collect_wait_s.append(time.perf_counter() - start)
-        self._ticket = None
         rows, cursor = products.shape[0], 0
         for p in self._plan[group]:
             out[:rows, p.column : p.column + p.out_features] = products[

@@ -10,11 +10,17 @@ text is cut before it and the request finishes.
 
 from __future__ import annotations
 
-from jlora.tokenizer import Tokenizer
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    """What a detokenizer needs of a tokenizer (`jlora.tokenizer.Tokenizer` is one)."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...]) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1

@@ -7,24 +7,9 @@
 
 `app.py` builds the server and tells how it stops; `servicer.py` tells a Generate
 call's life; `scheduler.py` the engine's thread; `metrics.py` lists the metrics;
-`engine_info.py` what the server asks of an engine beyond `Engine`.
+`convert.py` maps the wire's messages to the engine's types.
 """
 
 from jlora.server.app import WorkerServer, serve
-from jlora.server.engine_info import (
-    AdapterControl,
-    AdapterInfo,
-    EngineStats,
-    Introspectable,
-    RunningInfo,
-)
 
-__all__ = [
-    "AdapterControl",
-    "AdapterInfo",
-    "EngineStats",
-    "Introspectable",
-    "RunningInfo",
-    "WorkerServer",
-    "serve",
-]
+__all__ = ["WorkerServer", "serve"]

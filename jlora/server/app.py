@@ -18,19 +18,22 @@ Stopping (`WorkerServer.stop(grace)`, or SIGTERM after `stop_on_signals`) drains
 3. the scheduler thread runs those aborts and exits; the metrics server and the loop
    stop. The engine is left open: its owner closes it.
 
-If the engine fails (step() raises) every stream ends with INTERNAL, health reports
-NOT_SERVING, and later calls get UNAVAILABLE; `WorkerServer.error` holds the cause.
+A request that fails (a bad adapter load, a broken CPU path) ends alone; the worker
+keeps serving. Only a broken device (step() raises) stops it: every stream ends with
+INTERNAL, health reports NOT_SERVING, and later calls get UNAVAILABLE;
+`WorkerServer.error` holds the cause.
+
+With an API key (`api_key`), every call but health checks and reflection must carry
+`authorization: Bearer <key>` (jlora.contract.auth), else UNAUTHENTICATED.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from types import FrameType
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -38,7 +41,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jlora.api import SERVICE_NAME, jlora_pb2_grpc
-from jlora.engine.api import Engine
+from jlora.contract.auth import ApiKeyInterceptor
+from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
+from jlora.engine.orchestrator import Orchestrator
 from jlora.server.convert import TextEncoder
 from jlora.server.metrics import Metrics
 from jlora.server.scheduler import Scheduler
@@ -56,7 +61,7 @@ class WorkerServer:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Orchestrator,
         *,
         host: str,
         port: int,
@@ -65,11 +70,13 @@ class WorkerServer:
         model_name: str,
         max_queue: int,
         adapters_dir: Path | None,
+        api_key: str | None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be non-negative")
         self.engine = engine
         self.host = host
+        self._api_key = api_key
         self.metrics = Metrics()
         self._loop = asyncio.new_event_loop()
         self.scheduler = Scheduler(
@@ -143,9 +150,7 @@ class WorkerServer:
         """Block until the server has stopped (True) or `timeout` passed (False)."""
         return self._stopped.wait(timeout)
 
-    def stop_on_signals(
-        self, grace: float = 30.0, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)
-    ) -> None:
+    def stop_on_signals(self, grace: float = 30.0, signals: Iterable[int] = DRAIN_SIGNALS) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on
         the main thread, then `wait()`)."""
         drain_on_signals(self.stop, grace, signals)
@@ -159,7 +164,11 @@ class WorkerServer:
     # -- on the event loop ------------------------------------------------------------
 
     async def _start(self, port: int) -> int:
-        server = grpc.aio.server()
+        interceptors = []
+        if self._api_key is not None:
+            open_services = (health.SERVICE_NAME, reflection.SERVICE_NAME)
+            interceptors.append(ApiKeyInterceptor(self._api_key, open_services))
+        server = grpc.aio.server(interceptors=interceptors)
         jlora_pb2_grpc.add_JloraServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -206,20 +215,8 @@ class WorkerServer:
         self._loop.call_soon_threadsafe(fail)
 
 
-def drain_on_signals(stop: Callable[[float], None], grace: float, signals: Iterable[int]) -> None:
-    """Install handlers that call `stop(grace)` on a helper thread at the first of
-    `signals` (a handler must return at once; the drain blocks)."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        log.info("signal %d: draining (grace %.0f s)", signum, grace)
-        threading.Thread(target=stop, args=(grace,), name="jlora-drain").start()
-
-    for signum in signals:
-        signal.signal(signum, handler)
-
-
 def serve(
-    engine: Engine,
+    engine: Orchestrator,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -228,6 +225,7 @@ def serve(
     model_name: str = "base",
     max_queue: int = 64,
     adapters_dir: str | Path | None = None,
+    api_key: str | None = None,
 ) -> WorkerServer:
     """Serve `engine` over gRPC and return once it listens.
 
@@ -236,7 +234,8 @@ def serve(
     only). `model_name` is the base model's id in Models (and as Generate's adapter, the
     base model). At most max_slots + `max_queue` Generate calls are in flight; more get
     RESOURCE_EXHAUSTED. With `adapters_dir`, RegisterAdapter paths resolve inside it and
-    may not leave it. The caller owns the engine: stop the server, then close it.
+    may not leave it. `api_key`: required of every call but health and reflection. The
+    caller owns the engine: stop the server, then close it.
     """
     return WorkerServer(
         engine,
@@ -247,4 +246,5 @@ def serve(
         model_name=model_name,
         max_queue=max_queue,
         adapters_dir=Path(adapters_dir) if adapters_dir is not None else None,
+        api_key=api_key,
     )

@@ -1,9 +1,10 @@
 """Between the wire (`jlora.v1` messages) and the engine's types.
 
 `to_request` validates everything it can without the engine and raises `InvalidRequest`
-with a message that names the field (the engine checks the rest: the adapter, the prompt
-against the context and the vocabulary). Unset optional sampling fields take the
-`SamplingParams` defaults; explicit ones are validated as given.
+naming the field (the orchestrator checks the rest: the adapter, the prompt against the
+context and the vocabulary). Unset optional sampling fields take the `SamplingParams`
+defaults; explicit ones are validated as given. Fields are named by their path in the
+jlora.v1 message ("sampling.top_p", "prompt.chat.messages[0].role").
 """
 
 from __future__ import annotations
@@ -11,8 +12,16 @@ from __future__ import annotations
 from typing import Protocol
 
 from jlora.api import jlora_pb2 as pb
-from jlora.engine.api import InvalidRequest, Request, SamplingParams
-from jlora.server.engine_info import DEVICE, HOST, LOADING, AdapterInfo, EngineStats
+from jlora.contract.errors import InvalidRequest
+from jlora.engine.api import (
+    DEVICE,
+    HOST,
+    LOADING,
+    AdapterInfo,
+    EngineStats,
+    Request,
+    SamplingParams,
+)
 
 MAX_REQUEST_ID = 128
 CHAT_ROLES = ("system", "user", "assistant")
@@ -45,7 +54,8 @@ def to_request(
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         raise InvalidRequest(
             f"request_id={request_id[: MAX_REQUEST_ID + 1]!r} must be at most {MAX_REQUEST_ID} "
-            "printable characters"
+            "printable characters",
+            field="request_id",
         )
     sampling = to_sampling(msg.sampling, max_seq_len=max_seq_len)
     adapter = msg.adapter or None
@@ -63,12 +73,15 @@ def to_request(
 def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[int]:
     kind = msg.WhichOneof("prompt")
     if kind is None:
-        raise InvalidRequest("prompt is empty: set prompt.text, prompt.token_ids or prompt.chat")
+        raise InvalidRequest(
+            "prompt is empty: set prompt.text, prompt.token_ids or prompt.chat", field="prompt"
+        )
     if kind == "token_ids":
         ids = list(msg.token_ids.ids)
     elif tokenizer is None:
         raise InvalidRequest(
-            f"prompt.{kind} needs a tokenizer and this model has none; send prompt.token_ids"
+            f"prompt.{kind} needs a tokenizer and this model has none; send prompt.token_ids",
+            field="prompt",
         )
     elif kind == "text":
         ids = tokenizer.encode(msg.text) if msg.text else []
@@ -76,18 +89,21 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[
         messages = []
         for i, message in enumerate(msg.chat.messages):
             if message.role not in CHAT_ROLES:
+                where = f"prompt.chat.messages[{i}].role"
                 raise InvalidRequest(
-                    f"prompt.chat.messages[{i}].role={message.role!r} must be one of {CHAT_ROLES}"
+                    f"{where}={message.role!r} must be one of {CHAT_ROLES}", field=where
                 )
             messages.append({"role": message.role, "content": message.content})
         if not messages:
-            raise InvalidRequest("prompt is empty: prompt.chat.messages has no message")
+            raise InvalidRequest(
+                "prompt is empty: prompt.chat.messages has no message", field="prompt"
+            )
         try:
             ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
         except ValueError as err:  # TokenizerError: no template, or the template refused
-            raise InvalidRequest(f"prompt.chat: {err}") from None
+            raise InvalidRequest(f"prompt.chat: {err}", field="prompt.chat") from None
     if not ids:
-        raise InvalidRequest(f"prompt is empty (prompt.{kind})")
+        raise InvalidRequest(f"prompt is empty (prompt.{kind})", field="prompt")
     return ids
 
 
@@ -96,7 +112,8 @@ def to_sampling(msg: pb.SamplingParams, *, max_seq_len: int) -> SamplingParams:
     if msg.HasField("max_tokens") and msg.max_tokens > max_seq_len:
         raise InvalidRequest(
             f"max_tokens={msg.max_tokens} exceeds the context: this model serves at most "
-            f"max_seq_len={max_seq_len} tokens per sequence"
+            f"max_seq_len={max_seq_len} tokens per sequence",
+            field="sampling.max_tokens",
         )
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,

@@ -23,7 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from jlora.server.engine_info import EngineStats
+from jlora.contract.metrics import LATENCY_BUCKETS, PER_TOKEN_BUCKETS
+from jlora.engine.api import EngineStats
 
 STATS_INTERVAL = 0.5  # seconds between two engine-stats refreshes
 
@@ -39,8 +40,6 @@ OUTCOMES = (
     "error",
 )
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 

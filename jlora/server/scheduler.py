@@ -1,10 +1,10 @@
-"""The scheduler thread: the only thread that touches the engine.
+"""The scheduler thread: the only thread that drives the engine (the orchestrator).
 
-The engine is not thread-safe (nor is its adapter slot manager), so one thread owns it
-and runs, in a loop:
+The orchestrator is not thread-safe (only its `stage_adapter` may run elsewhere), so
+one thread owns it and runs, in a loop:
 
 1. the commands queued by the gRPC handlers (`call(fn)`: add a request, abort one,
-   register an adapter, read stats), in order, each between two steps; a command's
+   commit an adapter, read stats), in order, each between two steps; a command's
    result or exception comes back through a `concurrent.futures.Future`;
 2. one `engine.step()` if the engine has unfinished requests, and hands the step's
    tokens, stamped with the time the step returned, to `deliver` (which forwards them
@@ -12,9 +12,11 @@ and runs, in a loop:
 3. every `STATS_INTERVAL` seconds, an engine-stats snapshot into the metrics.
 
 When the engine has nothing to do the thread blocks on the command queue (waking every
-`STATS_INTERVAL` for the metrics), so an idle worker burns no CPU. A step that raises
-is fatal: the thread records the error, fails every pending and later command with
-`EngineFailed`, calls `on_failure` and exits; it never dies silently.
+`STATS_INTERVAL` for the metrics), so an idle worker burns no CPU. A request that fails
+ends as an event of its own (the orchestrator isolates it); a step that raises means
+the device is broken, which is fatal: the thread records the error, fails every pending
+and later command with `EngineFailed`, calls `on_failure` and exits; it never dies
+silently.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from jlora.engine.api import Engine, TokenEvent
-from jlora.server.engine_info import Introspectable
+from jlora.engine.api import TokenEvent
+from jlora.engine.orchestrator import Orchestrator
 from jlora.server.metrics import STATS_INTERVAL, Metrics
 
 log = logging.getLogger(__name__)
@@ -39,13 +41,13 @@ Deliver = Callable[[list[TokenEvent], float], None]
 
 
 class EngineFailed(RuntimeError):
-    """The engine raised in step(); the worker cannot serve any more."""
+    """The engine raised in step(): the device is broken; the worker cannot serve any more."""
 
 
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        engine: Orchestrator,
         *,
         deliver: Deliver,
         metrics: Metrics,
@@ -55,8 +57,7 @@ class Scheduler:
         self._deliver = deliver
         self._metrics = metrics
         self._on_failure = on_failure
-        self._introspectable = isinstance(engine, Introspectable)
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future] | None] = (
+        self._commands: queue.SimpleQueue[tuple[Callable[[Orchestrator], Any], Future] | None] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()  # orders `call` against the thread's exit
@@ -67,7 +68,7 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+    def call(self, fn: Callable[[Orchestrator], T]) -> Future[T]:
         """Run fn(engine) on the scheduler thread between two steps."""
         future: Future[T] = Future()
         with self._lock:
@@ -108,8 +109,8 @@ class Scheduler:
                     if events:
                         self._metrics.batch_size.observe(len({e.request_id for e in events}))
                         self._deliver(events, now)
-                if self._introspectable and time.monotonic() >= next_stats:
-                    self._metrics.observe_engine(self.engine.stats())  # type: ignore[attr-defined]
+                if time.monotonic() >= next_stats:
+                    self._metrics.observe_engine(self.engine.stats())
                     next_stats = time.monotonic() + STATS_INTERVAL
         except BaseException as err:
             log.exception("the engine failed; the worker stops serving")
@@ -132,7 +133,7 @@ class Scheduler:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(self.engine))
-                except Exception as err:  # the caller's to handle (InvalidRequest, ...)
+                except Exception as err:  # the caller's to handle (RequestError, ...)
                     future.set_exception(err)
             try:
                 item = self._commands.get_nowait()

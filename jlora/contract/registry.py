@@ -9,17 +9,17 @@ identity (`inspect_peft_adapter` computes it when `entry_from_directory` describ
 
 The life of an adapter:
 
-1. Registration (router or a worker's RegisterAdapter): `entry_from_directory` resolves
-   the path inside the adapters directory (`resolve_path` refuses `..` and symlinks
-   that lead out of it), reads the adapter's rank, targets and hash; `register` stores
-   the entry, refusing a duplicate name (AdapterExists) or a bad field (InvalidEntry,
-   which names the field).
+1. Registration (through the router): `entry_from_directory` resolves the path inside
+   the adapters directory (`contract.adapters.resolve_adapter_dir` refuses `..` and
+   symlinks that lead out of it), reads the adapter's rank, targets and hash;
+   `register` stores the entry, refusing a duplicate name (AdapterExists) or a bad
+   field (InvalidEntry, which names the field).
 2. Routing: the router reads `get(name)` for the adapter's rank (the rank-aware policy
    needs it) and `list()` for `/v1/models`.
-3. Loading (a worker): `resolve_path(entry.path, adapters_dir)` again, then the weights'
-   hash is compared with the entry's (`verify_sha256`, or `check_sha256` with the hash
-   of the bytes actually loaded): a corrupt or replaced file raises ChecksumMismatch
-   naming the adapter and both hashes, and nothing is loaded.
+3. Loading (a worker): the directory is resolved again and the hash of the bytes the
+   worker loaded is compared with the entry's (`jlora.contract.adapters.check_sha256`):
+   a corrupt or replaced file is DATA_LOSS naming the adapter and both hashes, and
+   nothing is loaded.
 
 Several processes open the same file. The database runs in WAL mode (readers never
 block the writer, nor it them; WAL needs a local filesystem, not NFS) and every
@@ -32,14 +32,13 @@ transaction that re-reads the version under the write lock (two processes openin
 fresh file migrate it once). A file written by a newer jlora is refused (SchemaError).
 A step, once released, never changes.
 
-Every error is a RegistryError whose `grpc_status` names the status code the servers
-answer with, so they map errors without this module importing grpc.
+Every error is a RegistryError, a `RequestError` whose code is the status the servers
+answer with (`jlora.contract.errors`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -48,22 +47,17 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, TypeGuard
+from typing import Any, TypeGuard
 
-from jlora.adapters.peft import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterError,
-    canonical_targets,
-    inspect_peft_adapter,
+from jlora.adapters.peft import AdapterError, canonical_targets, inspect_peft_adapter
+from jlora.contract.adapters import (
+    check_adapter_name,
+    relative_to_adapters_dir,
+    resolve_adapter_dir,
 )
+from jlora.contract.errors import Code, InvalidRequest, RequestError
 
-# Names are what clients send as `model=`: letters, digits, '.', '_', '-', in segments
-# separated by single '/' ("org/sql-lora"); they never denote a path.
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-MAX_NAME_LEN = 128
 MAX_TEXT_LEN = 4096
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -99,67 +93,57 @@ _COLUMNS = (
 )
 
 
-class RegistryError(Exception):
-    """The registry cannot be used (I/O, a corrupt file); INTERNAL to a client."""
+class RegistryError(RequestError):
+    """The registry cannot be used (I/O, a corrupt file)."""
 
-    grpc_status: ClassVar[str] = "INTERNAL"
+    code = Code.INTERNAL
 
 
 class RegistryUnavailable(RegistryError):
     """The database stayed locked past the timeout, or its file cannot be opened now."""
 
-    grpc_status = "UNAVAILABLE"
+    code = Code.UNAVAILABLE
 
 
 class SchemaError(RegistryError):
     """The file's schema is newer than this jlora, or not a registry at all."""
 
-    grpc_status = "FAILED_PRECONDITION"
+    code = Code.FAILED_PRECONDITION
 
 
-class InvalidEntry(RegistryError, ValueError):
-    """A bad field of an entry or a bad adapter path; the message names the field."""
+class InvalidEntry(RegistryError, InvalidRequest):
+    """A bad field of an entry; the message and `field` name it."""
 
-    grpc_status = "INVALID_ARGUMENT"
+    code = Code.INVALID_ARGUMENT
 
     def __init__(self, field: str, value: object, reason: str) -> None:
-        self.field, self.value, self.reason = field, value, reason
-        super().__init__(f"{field}={value!r}: {reason}")
+        self.value = value
+        super().__init__(f"{field}={value!r}: {reason}", field=field)
 
 
-class AdapterNotFound(RegistryError, LookupError):
+class AdapterNotFound(RegistryError):
     """No adapter of that name is registered."""
 
-    grpc_status = "NOT_FOUND"
+    code = Code.NOT_FOUND
 
     def __init__(self, name: str) -> None:
         self.name = name
-        super().__init__(f"adapter {name!r} is not registered")
+        super().__init__(
+            f"adapter name={name!r} is not registered", field="name", reason="ADAPTER_NOT_FOUND"
+        )
 
 
 class AdapterExists(RegistryError):
     """An adapter of that name is already registered (names are unique)."""
 
-    grpc_status = "ALREADY_EXISTS"
+    code = Code.ALREADY_EXISTS
 
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(
             f"name={name!r}: an adapter of that name is already registered "
-            "(remove it first to replace it)"
-        )
-
-
-class ChecksumMismatch(RegistryError):
-    """An adapter's weights file does not hash to its registered sha256."""
-
-    grpc_status = "DATA_LOSS"
-
-    def __init__(self, name: str, source: str, expected: str, actual: str) -> None:
-        self.name, self.source, self.expected, self.actual = name, source, expected, actual
-        super().__init__(
-            f"adapter {name!r}: {source} has sha256 {actual}, the registry expects "
-            f"{expected}; the file is corrupt or was replaced (register it again)"
+            "(remove it first to replace it)",
+            field="name",
         )
 
 
@@ -167,7 +151,7 @@ class ChecksumMismatch(RegistryError):
 class AdapterEntry:
     """One registered adapter.
 
-    name: unique, `NAME_RE`, at most 128 characters. base_model: the base model it adapts
+    name: unique, `jlora.contract.adapters.NAME_RE`. base_model: the base model it adapts
     (a preset name or a model path, as the workers name theirs). rank: LoRA rank, > 0.
     alpha: PEFT's lora_alpha, > 0 (the scaling also depends on use_rslora, which only
     the worker reads, from adapter_config.json). target_modules: the adapted
@@ -189,7 +173,7 @@ class AdapterEntry:
     created_at: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        _check_name(self.name)
+        check_adapter_name(self.name)
         _check_text("base_model", self.base_model)
         for field in ("rank", "size_bytes"):
             value = getattr(self, field)
@@ -383,51 +367,6 @@ class Registry:
                 raise _storage_error(self.path, err) from err
 
 
-def resolve_path(path: str | os.PathLike[str], adapters_dir: str | os.PathLike[str]) -> Path:
-    """The real directory `path` names inside `adapters_dir`, or InvalidEntry("path").
-
-    `path` is relative to `adapters_dir` (an absolute path must lie inside it). Refused:
-    an empty path, a `..` component, a directory that does not exist, and anything that
-    resolves (through symlinks) outside `adapters_dir` or to the directory itself; the
-    adapter's adapter_config.json and adapter_model.safetensors, if present, must not be
-    symlinks out of it either. Symlinks that stay inside are followed.
-    """
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text or "\x00" in text:
-        raise InvalidEntry("path", text, "must be a non-empty path")
-    if ".." in Path(text).parts:
-        raise InvalidEntry("path", text, "must not contain '..'")
-    try:
-        root = Path(adapters_dir).resolve(strict=True)
-    except OSError as err:
-        raise InvalidEntry("adapters_dir", os.fspath(adapters_dir), f"unusable ({err})") from None
-    if not root.is_dir():
-        raise InvalidEntry("adapters_dir", os.fspath(adapters_dir), "is not a directory")
-    try:
-        real = (root / text).resolve(strict=True)
-        members = {member: (real / member).resolve() for member in (CONFIG_FILE, WEIGHTS_FILE)}
-    except FileNotFoundError:
-        raise InvalidEntry(
-            "path", text, f"does not exist in the adapters directory {root}"
-        ) from None
-    except (OSError, RuntimeError) as err:  # RuntimeError: a symlink loop (Python < 3.13)
-        raise InvalidEntry("path", text, f"cannot be resolved ({err})") from None
-    if real == root or not real.is_relative_to(root):
-        raise InvalidEntry(
-            "path",
-            text,
-            f"resolves to {real}, not a directory inside the adapters directory {root}",
-        )
-    for member, target in members.items():
-        if not target.is_relative_to(root):
-            raise InvalidEntry(
-                "path", text, f"{member} links to {target}, outside the adapters directory {root}"
-            )
-    if not real.is_dir():
-        raise InvalidEntry("path", text, "is not a directory (expected a PEFT adapter directory)")
-    return real
-
-
 def entry_from_directory(
     name: str,
     path: str | os.PathLike[str],
@@ -437,68 +376,27 @@ def entry_from_directory(
 ) -> AdapterEntry:
     """Describe the PEFT adapter at `path` (inside `adapters_dir`) as an entry to register.
 
-    Rank, targets, sha256 and size come from the directory (`inspect_peft_adapter`, which
-    checks the config and the tensor names; InvalidEntry("path") if they are wrong); the
-    stored path is relative to `adapters_dir`, so the registry survives a different mount
-    point on another machine.
+    The path is guarded (`resolve_adapter_dir`); rank, targets, sha256 and size come from
+    the directory (`inspect_peft_adapter`, which checks the config and the tensor names;
+    an AdapterError naming "path" if they are wrong). The stored path is relative to
+    `adapters_dir`, so the registry survives a different mount point on another machine.
     """
-    directory = resolve_path(path, adapters_dir)
-    try:
-        summary = inspect_peft_adapter(directory)
-    except AdapterError as err:
-        raise InvalidEntry("path", os.fspath(path), str(err)) from None
+    directory = resolve_adapter_dir(path, adapters_dir)
+    summary = inspect_peft_adapter(directory)
     return AdapterEntry(
         name=name,
         base_model=base_model,
         rank=summary.spec.rank,
         alpha=summary.spec.alpha,
         target_modules=summary.spec.targets,
-        path=directory.relative_to(Path(adapters_dir).resolve()).as_posix(),
+        path=relative_to_adapters_dir(directory, adapters_dir),
         sha256=summary.sha256,
         size_bytes=summary.nbytes,
     )
 
 
-def file_sha256(file: str | os.PathLike[str]) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks (the same digest as
-    `inspect_peft_adapter`'s, which hashes the whole file read at once)."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as stream:
-        while chunk := stream.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def check_sha256(entry: AdapterEntry, actual: str, source: str | os.PathLike[str]) -> None:
-    """ChecksumMismatch unless `actual` (the hash of the weights read from `source`) is the
-    entry's. A worker that loads with `load_peft_adapter` passes `PeftAdapter.sha256`: the
-    hash of the very bytes it loaded, so no file can change between check and load."""
-    if actual.lower() != entry.sha256:
-        raise ChecksumMismatch(entry.name, os.fspath(source), entry.sha256, actual.lower())
-
-
-def verify_sha256(entry: AdapterEntry, file: str | os.PathLike[str]) -> None:
-    """ChecksumMismatch unless `file` (the adapter's adapter_model.safetensors) hashes to
-    `entry.sha256`; InvalidEntry("path") if it cannot be read."""
-    try:
-        actual = file_sha256(file)
-    except OSError as err:
-        raise InvalidEntry("path", os.fspath(file), f"cannot read the weights ({err})") from None
-    check_sha256(entry, actual, file)
-
-
 def _is_finite_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
-        raise InvalidEntry(
-            "name",
-            name,
-            f"must be at most {MAX_NAME_LEN} letters, digits, '.', '_', '-', starting with a "
-            "letter or digit, in segments separated by single '/'",
-        )
 
 
 def _check_text(field: str, value: object) -> None:

@@ -1,0 +1,194 @@
+"""The device engine: the jitted steps over explicit device state, behind one interface.
+
+JetStream's split: a *device engine* owns the model's parameters, the paged KV cache,
+the adapter weights on the device (and in host memory, where they are copied from),
+the decode state of its `max_slots` rows, and the mesh they live on; it knows nothing
+of requests. The *orchestrator* (orchestrator.py) owns the queue, admission, stop
+rules, adapter bookkeeping and stats, and drives any device engine through these
+calls, all on one thread (the scheduler's) except where a method says otherwise:
+
+1. `prefill(job)`: run a prompt into the KV blocks of its block table and sample its
+   first token (with CPU assistance for the layers whose adapter weights are still in
+   flight when `job.assist` is set).
+2. `insert(slot, row)`: make decode row `slot` continue that sequence.
+3. `generate()`: one decode step of every inserted row, one token each.
+4. `free(slot)`: the row stops decoding.
+
+Adapters: `stage_adapter` validates an adapter and copies it into host memory (any
+thread, so registration never stalls the steps); `load_adapter` copies a staged
+adapter towards a device slot (the transfer thread); `install_adapter` makes it
+usable (the scheduler thread); `drop_adapter` frees its host memory.
+
+`LlamaEngine` (llama_engine.py) is the JAX implementation; `MockEngine` (mock.py)
+replaces it in server and router tests.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from configs import EngineConfig
+from jlora.engine.cost_model import ColdStart
+from jlora.engine.detokenizer import Decoder
+
+# What `load_adapter` returns and `install_adapter` consumes: an adapter on its way to a
+# device slot (device arrays in LlamaEngine); opaque to the orchestrator.
+Payload = object
+
+
+class TextCodec(Decoder, Protocol):
+    """What the orchestrator needs of a tokenizer: decoding (text, stop strings) and the
+    end-of-sequence ids."""
+
+    eos_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """One row's sampling parameters (sampling.py): temperature 0 is greedy; step is the
+    number of tokens the request has generated before this one."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillJob:
+    """A prompt to run into its KV blocks.
+
+    tokens: the real tokens (the engine pads them to a bucket). block_table: i32[
+    blocks_per_seq], the sequence's blocks, then the sentinel `num_blocks`.
+    adapter_slot: the device adapter slot (-1: the base model). assist: the adapter's
+    name when its weights may still be in flight (CPU-assisted prefill), else None.
+    """
+
+    tokens: Sequence[int]
+    block_table: np.ndarray
+    sampling: SamplingRow
+    adapter_slot: int = -1
+    assist: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prefill's first token; `routes` says where each layer group's LoRA ran in a
+    CPU-assisted prefill ("CCDD": CPU, CPU, device, device), "" otherwise."""
+
+    token: int
+    routes: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """What a decode row needs to continue a sequence: its last token (not yet in the
+    KV cache) at `position`, its blocks, its sampling (step: tokens generated before
+    the next one) and its device adapter slot (-1: the base model)."""
+
+    token: int
+    position: int
+    block_table: np.ndarray
+    sampling: SamplingRow
+    adapter_slot: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedAdapter:
+    """An adapter validated for this engine and resident in host memory."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # canonical order
+    sha256: str  # of adapter_model.safetensors ("" if unknown)
+    size_bytes: int  # of adapter_model.safetensors
+    host_bytes: int  # in host memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes in use and capacities; -1 where the device does not say."""
+
+    host_store_used: int = 0
+    host_store_capacity: int = 0
+    device_in_use: int = -1
+    device_limit: int = -1
+
+
+class DeviceEngine(abc.ABC):
+    """See the module docstring. `config` gives the capacities the orchestrator admits
+    against (max_slots, max_seq_len, KV blocks, buckets, adapter slots, lora_mode)."""
+
+    config: EngineConfig
+    vocab_size: int
+    tokenizer: TextCodec | None  # None: token ids only (no text, no stop strings)
+
+    # -- steps ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
+        """Compile every step shape (or those these prompts, growing to max_length, need)."""
+
+    @abc.abstractmethod
+    def prefill(self, job: PrefillJob) -> Prefilled:
+        """Run `job` and sample its first token. A fault of this request alone (a CPU
+        worker that cannot be recovered) raises RequestError; the device stays usable."""
+
+    @abc.abstractmethod
+    def insert(self, slot: int, row: DecodeRow) -> None:
+        """Decode row `slot` continues `row`'s sequence from the next `generate()`."""
+
+    @abc.abstractmethod
+    def generate(self) -> np.ndarray:
+        """One decode step: i32[max_slots], the next token of every inserted row (other
+        rows hold garbage); each inserted row then continues from its new token."""
+
+    @abc.abstractmethod
+    def free(self, slot: int) -> None:
+        """Row `slot` stops decoding (its KV writes are dropped from now on)."""
+
+    # -- adapters --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def stage_adapter(
+        self, name: str, path: str, *, expect_sha256: str | None = None
+    ) -> StagedAdapter:
+        """Any thread: validate the PEFT adapter at `path` for this engine (rank, targets,
+        the base model's shapes; its weights' sha256 against `expect_sha256`) and copy it
+        into host memory as `name`. Raises RequestError (and keeps nothing) if it cannot
+        be served here. The caller guarantees `name` is not staged already."""
+
+    @abc.abstractmethod
+    def drop_adapter(self, name: str) -> None:
+        """Free a staged adapter's host memory (no load of it may be under way)."""
+
+    @abc.abstractmethod
+    def load_adapter(self, name: str, slot: int) -> Payload:
+        """The transfer thread: copy a staged adapter towards device slot `slot`."""
+
+    @abc.abstractmethod
+    def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
+        """The scheduler thread: make a landed adapter usable in `slot`."""
+
+    def cold_start(self, name: str, slot: int, prompt_len: int) -> ColdStart | None:
+        """The cost model's inputs for prefilling `prompt_len` tokens of `name` (loading
+        into `slot`) with CPU assistance; None: this engine cannot assist."""
+        return None
+
+    # -- the rest ----------------------------------------------------------------------
+
+    def memory(self) -> Memory:
+        return Memory()
+
+    def close(self) -> None:  # noqa: B027 (optional: engines without resources keep it)
+        """Release what the engine holds outside Python (shared memory, processes)."""

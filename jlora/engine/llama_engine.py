@@ -1,0 +1,377 @@
+"""The JAX device engine: the Llama model's jitted steps over paged KV and adapter slots.
+
+State, all of it explicit (device.py tells the calls):
+
+- `params`, the KV `cache` (paged: `num_blocks` blocks of `block_size` tokens per
+  layer) and the adapter slots' `lora.weights`, placed on `mesh` (one device today);
+- the decode state: one row per decode slot (last token, position, block table,
+  sampling, adapter slot), host arrays that enter the compiled decode step each
+  iteration; a free row has an all-sentinel block table, so its KV writes are dropped;
+- the adapters' bytes: every staged adapter in the host store's shared-memory arena
+  (`jlora.adapters.store`), copied to the device slots by `lora`
+  (`jlora.adapters.device`) layer group by layer group.
+
+A prefill pads its prompt to the next prefill bucket and runs in one compiled call
+that also samples the first token; a decode step attends over the smallest decode
+bucket holding the longest row. Both compile once per bucket (`warmup`), never while
+serving a known shape. In `cpu-assist` and `auto` modes a prefill whose adapter is
+still in flight runs layer group by layer group instead (`assisted.py`): the landed
+groups are installed before each segment, and the layers of the groups still in
+flight compute their LoRA on the CPU workers (`cpu_assist.py`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from typing import cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs import ConfigError, EngineConfig, ModelConfig
+from jlora.adapters.backends import LoraWeights, Segments, make_backend
+from jlora.adapters.device import DeviceSlots, Transfer
+from jlora.adapters.peft import read_lora_spec
+from jlora.adapters.store import HostStore
+from jlora.contract.errors import InvalidRequest
+from jlora.engine.assisted import AssistedPrefill
+from jlora.engine.cost_model import ColdStart
+from jlora.engine.cpu_assist import CpuAssist, default_workers
+from jlora.engine.device import (
+    DecodeRow,
+    DeviceEngine,
+    Memory,
+    Payload,
+    Prefilled,
+    PrefillJob,
+    SamplingRow,
+    StagedAdapter,
+)
+from jlora.engine.orchestrator import Orchestrator
+from jlora.engine.sampling import SamplingArrays
+from jlora.engine.steps import CompiledSteps, host_sampling
+from jlora.model.kv_cache import KVCache
+from jlora.model.llama import Llama, Params
+from jlora.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class DecodeState:
+    """The decode rows, as the compiled decode step takes them (host arrays)."""
+
+    tokens: np.ndarray  # i32[S], each row's last token (not yet in the cache)
+    positions: np.ndarray  # i32[S], that token's position
+    block_tables: np.ndarray  # i32[S, blocks_per_seq]; a free row is all sentinel (num_blocks)
+    sampling: SamplingArrays  # [S]; a free row is greedy
+    lora_idx: np.ndarray  # i32[S], each row's device adapter slot (-1: the base model)
+    live: np.ndarray  # bool[S], inserted rows
+
+
+def bucket(buckets: Sequence[int], length: int) -> int:
+    """The smallest of the sorted `buckets` that holds `length`."""
+    return buckets[bisect.bisect_left(buckets, length)]
+
+
+class LlamaEngine(DeviceEngine):
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig,
+        params: Params,
+        tokenizer: Tokenizer | None,
+        engine_config: EngineConfig,
+    ) -> None:
+        cfg = engine_config
+        if cfg.max_seq_len > model_config.max_context:
+            raise ConfigError(
+                f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the model's context "
+                f"length {model_config.max_context}"
+            )
+        self.config = cfg
+        self.model_config = model_config
+        self.vocab_size = model_config.vocab_size
+        self.tokenizer = tokenizer
+        # One device for now; the partition rules of configs/sharding will spread
+        # params, KV heads and adapter slots over a bigger mesh.
+        self.mesh = Mesh(np.array(jax.devices()[:1]), ("tensor",))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.params = jax.device_put(params, replicated)
+        backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
+        self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend)
+        self.cache = jax.device_put(
+            KVCache.zeros(
+                num_layers=model_config.num_layers,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                num_kv_heads=model_config.num_kv_heads,
+                head_dim=model_config.head_dim,
+                dtype=self.model.dtype,
+            ),
+            replicated,
+        )
+        self.steps = CompiledSteps(self.model)
+        self.state = self._empty_state()
+        self.store: HostStore | None = None
+        self.lora: DeviceSlots | None = None
+        if backend is not None:
+            self.store = HostStore(model_config, cfg.host_store_mib * 2**20)
+            self.lora = DeviceSlots(
+                model_config,
+                backend=backend,
+                num_slots=cfg.max_loras,
+                max_rank=cfg.max_lora_rank,
+                targets=cfg.lora_targets,
+                dtype=self.model.dtype,
+                layer_groups_per_load=cfg.lora_layer_groups,
+                emulated_link_gbps=cfg.emulated_link_gbps,
+                measure_link=cfg.lora_mode == "auto",  # only auto's cost model needs it early
+            )
+        self.cpu: CpuAssist | None = None
+        self.assisted: AssistedPrefill | None = None
+        if (
+            self.lora is not None
+            and self.store is not None
+            and cfg.lora_mode in ("cpu-assist", "auto")
+        ):
+            self.cpu = CpuAssist(
+                self.store.arena.name,
+                self.lora.shapes,
+                workers=cfg.cpu_workers or default_workers(),
+                max_rows=max(cfg.prefill_buckets),
+            )
+            self.model.cpu_lora = self.cpu
+            self.assisted = AssistedPrefill(self.steps, self.lora, self.store, self.cpu, cfg)
+        log.info(
+            "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
+            cfg.max_slots,
+            cfg.num_blocks,
+            cfg.block_size,
+            self.cache.nbytes() / 2**20,
+            cfg.max_seq_len,
+        )
+
+    @property
+    def _weights(self) -> LoraWeights | None:
+        return None if self.lora is None else self.lora.weights
+
+    # -- steps -------------------------------------------------------------------------
+
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
+        """Compile each prefill bucket (those `prompt_lengths` need, or all) and each decode
+        bucket up to the one holding `max_length` tokens (or all)."""
+        cfg = self.config
+        prefill = (
+            cfg.prefill_buckets
+            if prompt_lengths is None
+            else sorted({bucket(cfg.prefill_buckets, n) for n in prompt_lengths})
+        )
+        longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
+        for size in prefill:
+            self.steps.compile_prefill(
+                self.params, self.cache, size, cfg.blocks_per_seq, self._weights
+            )
+        if self.assisted is not None:
+            for size in prefill:
+                self.assisted.compile(self.params, self.cache, size)
+            if cfg.lora_mode == "auto":
+                self.cache = self.assisted.measure(self.params, self.cache, prefill)
+        for size in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
+            self.steps.compile_decode(
+                self.params, self.cache, cfg.max_slots, size // cfg.block_size, self._weights
+            )
+        self.steps.warmed_up = True
+
+    def prefill(self, job: PrefillJob) -> Prefilled:
+        cfg = self.config
+        size = bucket(cfg.prefill_buckets, len(job.tokens))
+        tokens = np.zeros(size, np.int32)
+        tokens[: len(job.tokens)] = job.tokens
+        sampling = host_sampling(1)
+        _set_sampling(sampling, 0, job.sampling)
+        if job.assist is not None:
+            assert self.assisted is not None, "CPU assistance needs lora_mode cpu-assist or auto"
+            token, self.cache, routes = self.assisted.run(
+                self.params,
+                self.cache,
+                tokens,
+                len(job.tokens),
+                job.block_table,
+                job.adapter_slot,
+                job.assist,
+                sampling,
+            )
+            return Prefilled(token, routes)
+        weights = self._weights
+        segments = None if weights is None else Segments.single(job.adapter_slot, size)
+        self.steps.compile_prefill(self.params, self.cache, size, cfg.blocks_per_seq, weights)
+        start = time.perf_counter()
+        sampled, self.cache = self.steps.prefill(
+            self.params,
+            self.cache,
+            tokens,
+            len(job.tokens),
+            job.block_table,
+            sampling,
+            weights,
+            segments,
+        )
+        first = int(sampled)
+        if self.assisted is not None:  # keep the cost model's estimate current
+            self.assisted.observe_prefill(size, time.perf_counter() - start)
+        return Prefilled(first)
+
+    def insert(self, slot: int, row: DecodeRow) -> None:
+        state = self.state
+        state.tokens[slot] = row.token
+        state.positions[slot] = row.position
+        state.block_tables[slot] = row.block_table
+        _set_sampling(state.sampling, slot, row.sampling)
+        state.lora_idx[slot] = row.adapter_slot
+        state.live[slot] = True
+
+    def generate(self) -> np.ndarray:
+        cfg, state = self.config, self.state
+        live = state.live
+        longest = int(state.positions[live].max(initial=0)) + 1
+        blocks = bucket(cfg.decode_buckets, longest) // cfg.block_size
+        weights = self._weights
+        self.steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, weights)
+        sampled, self.cache = self.steps.decode(
+            self.params,
+            self.cache,
+            state.tokens,
+            state.positions,
+            state.block_tables[:, :blocks],
+            state.sampling,
+            weights,
+            None if weights is None else state.lora_idx,
+        )
+        tokens = np.asarray(sampled)
+        state.tokens[live] = tokens[live]
+        state.positions[live] += 1
+        state.sampling.step[live] += 1
+        return tokens
+
+    def free(self, slot: int) -> None:
+        state = self.state
+        state.live[slot] = False
+        state.block_tables[slot] = self.config.num_blocks
+        state.positions[slot] = 0
+        state.sampling.temperature[slot] = 0.0  # an all-greedy batch skips the sort
+        state.lora_idx[slot] = -1
+
+    def _empty_state(self) -> DecodeState:
+        cfg = self.config
+        rows = cfg.max_slots
+        return DecodeState(
+            tokens=np.zeros(rows, np.int32),
+            positions=np.zeros(rows, np.int32),
+            block_tables=np.full((rows, cfg.blocks_per_seq), cfg.num_blocks, np.int32),
+            sampling=host_sampling(rows),
+            lora_idx=np.full(rows, -1, np.int32),
+            live=np.zeros(rows, bool),
+        )
+
+    # -- adapters ------------------------------------------------------------------------
+
+    def stage_adapter(
+        self, name: str, path: str, *, expect_sha256: str | None = None
+    ) -> StagedAdapter:
+        assert self.store is not None and self.lora is not None, "max_loras=0"
+        spec = read_lora_spec(path)
+        if spec.rank > self.lora.max_rank:
+            raise InvalidRequest(
+                f"adapter {name!r} has rank r={spec.rank}, above this engine's "
+                f"max_lora_rank={self.lora.max_rank}",
+                field="path",
+            )
+        if missing := sorted(set(spec.targets) - set(self.lora.shapes)):
+            raise InvalidRequest(
+                f"adapter {name!r} targets {missing}, which this engine's "
+                f"lora_targets={sorted(self.lora.shapes)} do not hold",
+                field="path",
+            )
+        stored = self.store.register(name, path, expect_sha256=expect_sha256)
+        return StagedAdapter(
+            name=name,
+            path=str(stored.path),
+            rank=spec.rank,
+            alpha=spec.alpha,
+            targets=spec.targets,
+            sha256=stored.sha256,
+            size_bytes=stored.file_bytes,
+            host_bytes=stored.nbytes,
+        )
+
+    def drop_adapter(self, name: str) -> None:
+        assert self.store is not None
+        self.store.unregister(name)
+
+    def load_adapter(self, name: str, slot: int) -> Payload:
+        assert self.store is not None and self.lora is not None
+        return self.lora.load(name, self.store.tensors(name), slot)
+
+    def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
+        assert self.lora is not None
+        self.lora.install(cast(Transfer, payload))  # what load_adapter returned
+
+    def cold_start(self, name: str, slot: int, prompt_len: int) -> ColdStart | None:
+        if self.assisted is None:
+            return None
+        return self.assisted.cold_start(
+            name, slot, prompt_len, bucket(self.config.prefill_buckets, prompt_len)
+        )
+
+    # -- the rest --------------------------------------------------------------------------
+
+    def memory(self) -> Memory:
+        stats = jax.devices()[0].memory_stats() or {}
+        store = self.store
+        return Memory(
+            host_store_used=store.arena.bytes_used if store is not None else 0,
+            host_store_capacity=store.arena.capacity if store is not None else 0,
+            device_in_use=stats.get("bytes_in_use", -1),
+            device_limit=stats.get("bytes_limit", -1),
+        )
+
+    def close(self) -> None:
+        if self.cpu is not None:
+            self.cpu.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def _set_sampling(arrays: SamplingArrays, row: int, sampling: SamplingRow) -> None:
+    arrays.temperature[row] = sampling.temperature
+    arrays.top_k[row] = sampling.top_k
+    arrays.top_p[row] = sampling.top_p
+    arrays.seed[row] = sampling.seed
+    arrays.step[row] = sampling.step
+
+
+def build_engine(
+    *,
+    model_config: ModelConfig,
+    params: Params,
+    tokenizer: Tokenizer | None,
+    engine_config: EngineConfig,
+) -> Orchestrator:
+    """The serving engine: an orchestrator over a `LlamaEngine`."""
+    return Orchestrator(
+        LlamaEngine(
+            model_config=model_config,
+            params=params,
+            tokenizer=tokenizer,
+            engine_config=engine_config,
+        )
+    )

@@ -1,0 +1,546 @@
+"""The orchestrator: continuous batching at the iteration level (Orca) over a device engine.
+
+It owns everything about requests, in plain host state, and drives any `DeviceEngine`
+(device.py): the JAX `LlamaEngine` or the `MockEngine` of the server and router tests.
+
+A request's life:
+
+1. `add_request` validates it (a unique id, a registered adapter, a prompt that is not
+   empty, fits the context and the vocabulary, stop strings only with a tokenizer) and
+   queues it. Nothing else changes; a bad request raises `RequestError` naming the field.
+2. Each `step()` first installs the adapter loads that have landed. A load that failed
+   fails the requests that waited for that adapter (and those prefilled while it was
+   in flight); the worker goes on. A request parked until its adapter landed is
+   inserted into its decode row.
+3. Then queued requests are admitted first-come first-served while a decode row is
+   free and the KV blocks for their whole sequence (prompt + max_tokens, capped at
+   max_seq_len) can be reserved; prompt tokens prefilled per step are bounded by
+   `prefill_token_budget`, so running requests keep decoding. A request for an adapter
+   that is not on the device waits while its adapter is copied in the background
+   (later requests may go ahead of it), unless CPU assistance starts it at once: always
+   in `cpu-assist` mode, in `auto` when the cost model says it shortens the time to
+   first token (cost_model.py). An admitted request holds its adapter's device slot
+   (never evicted) until it leaves.
+4. `device.prefill` runs its prompt and samples its first token; the request is
+   inserted into its decode row, or parked if its adapter has not fully landed (a
+   CPU-assisted prefill). A fault of this request alone (`RequestError` from the
+   device engine) fails it and nothing else.
+5. `device.generate` advances every inserted row by one token; rows of different
+   adapters (and the base model) share the step.
+6. Each token is checked on the host against EOS, stop strings, max_tokens and
+   max_seq_len; a finished request frees its row and its blocks at once, so a queued
+   request can join in the next step.
+
+Everything runs on the caller's thread (the server's scheduler thread), except
+`stage_adapter`, which any thread may call (registration validates and copies off
+the scheduler thread). Any exception other than a `RequestError` comes from the device
+and is the caller's: the device is broken.
+
+A request's host state is a plain value: `export` takes a request out as a
+`SequenceState`, `resume` continues it here or in another orchestrator with the same
+tokens (its seed and step travel with it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from jlora.contract.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+)
+from jlora.engine import cost_model
+from jlora.engine.adapters import AdapterManager
+from jlora.engine.api import (
+    ERROR,
+    LENGTH,
+    STOP,
+    AdapterInfo,
+    EngineStats,
+    Request,
+    RunningInfo,
+    SequenceState,
+    TokenEvent,
+)
+from jlora.engine.blocks import BlockAllocator
+from jlora.engine.detokenizer import Detokenizer
+from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
+
+log = logging.getLogger(__name__)
+
+LOAD_WAIT_S = 1.0  # an idle step waits this long at most for an adapter to land
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """Host state of one request, queued or running."""
+
+    request: Request
+    seed: int
+    limit: int  # the sequence may grow to this many tokens (prompt + generated)
+    detokenizer: Detokenizer | None
+    generated: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    row: int = -1  # its decode row, once admitted
+    adapter_slot: int = -1
+    assist: bool | None = None  # the cost model's decision (auto mode), once made
+    parked: bool = False  # prefilled, not inserted: its adapter is still landing
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
+    def sampling_row(self) -> SamplingRow:
+        params = self.request.sampling
+        return SamplingRow(
+            params.temperature, params.top_k, params.top_p, self.seed, len(self.generated)
+        )
+
+
+class Orchestrator:
+    """See the module docstring."""
+
+    def __init__(self, device: DeviceEngine) -> None:
+        self.device = device
+        self.config = cfg = device.config
+        self.tokenizer = device.tokenizer
+        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.adapters: AdapterManager | None = None
+        if cfg.max_loras:
+            self.adapters = AdapterManager(device, num_slots=cfg.max_loras, mode=cfg.lora_mode)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._rows: list[_Sequence | None] = [None] * cfg.max_slots
+        self._ids: set[str] = set()
+        self._seeds = np.random.default_rng()
+        self._eos = set(self.tokenizer.eos_ids) if self.tokenizer is not None else set()
+
+    # -- capacity and state ----------------------------------------------------------
+
+    @property
+    def max_slots(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def num_running(self) -> int:
+        return sum(seq is not None for seq in self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or self.num_running > 0
+
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
+        """Compile the device engine's steps (see `DeviceEngine.warmup`); in cached mode,
+        wait until every adapter is on the device."""
+        self.device.warmup(prompt_lengths, max_length)
+        if self.adapters is not None and self.adapters.mode == "cached":
+            self.adapters.wait_pinned()
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+        self.device.close()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue `request`; RequestError (and no change) if it cannot run here."""
+        self._queue(self._checked(request, generated=()))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a queued or running request, freeing its row and blocks; False if unknown."""
+        seq = self._find(request_id)
+        if seq is not None:
+            self._remove(seq)
+        return seq is not None
+
+    def export(self, request_id: str) -> SequenceState:
+        """Take a queued or running request out, as the value `resume` continues."""
+        seq = self._find(request_id)
+        if seq is None:
+            raise NotFound(
+                f"request_id={request_id!r} is not queued or running", field="request_id"
+            )
+        self._remove(seq)
+        request = seq.request
+        return SequenceState(
+            request_id=request.request_id,
+            prompt_ids=tuple(request.prompt_ids),
+            generated=tuple(seq.generated),
+            sampling=request.sampling,
+            seed=seq.seed,
+            adapter=request.adapter,
+            arrival_time=request.arrival_time,
+        )
+
+    def resume(self, state: SequenceState) -> None:
+        """Queue an exported request; its next token is the one it would have had next."""
+        request = Request(
+            state.request_id,
+            list(state.prompt_ids),
+            dataclasses.replace(state.sampling, seed=state.seed),
+            adapter=state.adapter,
+            arrival_time=state.arrival_time,
+        )
+        self._queue(self._checked(request, generated=state.generated))
+
+    def step(self) -> list[TokenEvent]:
+        """One iteration (steps 2-6 of the module docstring); returns its events."""
+        events: list[TokenEvent] = []
+        if self.adapters is not None:
+            self._install_landed(events)
+        self._admit(events)
+        decoding = [seq for seq in self._rows if seq is not None and not seq.parked]
+        if decoding:
+            tokens = self.device.generate()
+            for seq in decoding:
+                self._append(seq, int(tokens[seq.row]), events)
+        elif self.has_unfinished and self.adapters is not None and self.adapters.slots.loading():
+            self.adapters.slots.wait(timeout=LOAD_WAIT_S)  # nothing runs until one lands
+        return events
+
+    # -- adapters ---------------------------------------------------------------------
+
+    def stage_adapter(
+        self, name: str, path: str | Path, *, expect_sha256: str | None = None
+    ) -> StagedAdapter:
+        """Any thread: validate the adapter at `path` and copy it into host memory as
+        `name` (registration's slow half; `commit_adapter` finishes it)."""
+        return self._adapter_manager().stage(name, path, expect_sha256=expect_sha256)
+
+    def commit_adapter(
+        self, staged: StagedAdapter, *, load: bool = False, pin: bool = False
+    ) -> AdapterInfo:
+        adapters = self._adapter_manager()
+        adapters.commit(staged, load=load, pin=pin)
+        return adapters.info(staged.name)
+
+    def discard_adapter(self, staged: StagedAdapter) -> None:
+        """Forget an adapter staged but not committed."""
+        self._adapter_manager().discard(staged)
+
+    def register_adapter(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        expect_sha256: str | None = None,
+        load: bool = False,
+        pin: bool = False,
+    ) -> AdapterInfo:
+        """Stage and commit in one call (on the scheduler thread: the CLI's way)."""
+        staged = self.stage_adapter(name, path, expect_sha256=expect_sha256)
+        return self.commit_adapter(staged, load=load, pin=pin)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter that no queued or running request names."""
+        users = sum(seq.request.adapter == name for seq in self._sequences())
+        self._adapter_manager().unregister(name, users=users)
+
+    def load_adapter(self, name: str, *, pin: bool = False) -> AdapterInfo:
+        adapters = self._adapter_manager()
+        adapters.load(name, pin=pin)
+        return adapters.info(name)
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        adapters = self._adapter_manager()
+        adapters.unload(name)
+        return adapters.info(name)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        """Every registered adapter and where it is, in registration order (loads that
+        have landed are installed first, so an idle engine reports them ready)."""
+        if self.adapters is None:
+            return []
+        self.adapters.poll()
+        return self.adapters.infos()
+
+    def adapter_info(self, name: str) -> AdapterInfo:
+        return self._adapter_manager().info(name)
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """The running batch, the queue, the slots and memory, now."""
+        adapters, cfg = self.adapters, self.config
+        if adapters is not None:
+            adapters.poll()  # an idle engine installs landed loads here
+        running = tuple(
+            RunningInfo(
+                request_id=seq.request.request_id,
+                adapter=seq.request.adapter,
+                rank=adapters.get(seq.request.adapter).rank
+                if adapters is not None and seq.request.adapter
+                else 0,
+                slot=seq.row,
+                prompt_tokens=len(seq.request.prompt_ids),
+                generated_tokens=len(seq.generated),
+            )
+            for seq in self._rows
+            if seq is not None
+        )
+        slots = adapters.slots if adapters is not None else None
+        counts = slots.stats() if slots is not None else {}
+        memory = self.device.memory()
+        return EngineStats(
+            running=running,
+            waiting=len(self._waiting),
+            max_slots=cfg.max_slots,
+            max_seq_len=cfg.max_seq_len,
+            kv_blocks_total=cfg.num_blocks,
+            kv_blocks_free=self.allocator.num_free,
+            kv_block_size=cfg.block_size,
+            adapter_slots_total=cfg.max_loras,
+            adapter_slots_free=slots.num_free if slots is not None else 0,
+            adapter_slots_loading=len(slots.loading()) if slots is not None else 0,
+            adapter_loads=counts.get("loads", 0),
+            adapter_evictions=counts.get("evictions", 0),
+            host_store_bytes_used=memory.host_store_used,
+            host_store_bytes_capacity=memory.host_store_capacity,
+            device_bytes_in_use=memory.device_in_use,
+            device_bytes_limit=memory.device_limit,
+        )
+
+    # -- admission ----------------------------------------------------------------------
+
+    def _checked(self, request: Request, *, generated: tuple[int, ...]) -> _Sequence:
+        """The sequence of a valid request (with `generated` tokens already), or a
+        RequestError naming the field."""
+        prompt = request.prompt_ids
+        if request.request_id in self._ids:
+            raise AlreadyExists(
+                f"request_id={request.request_id!r} is already in use", field="request_id"
+            )
+        if request.adapter is not None and (
+            self.adapters is None or request.adapter not in self.adapters
+        ):
+            raise NotFound(
+                f"adapter={request.adapter!r} is not registered",
+                field="adapter",
+                reason="ADAPTER_NOT_FOUND",
+            )
+        if not prompt:
+            raise InvalidRequest("prompt is empty", field="prompt")
+        if len(prompt) >= self.max_seq_len:
+            raise InvalidRequest(
+                f"prompt has {len(prompt)} tokens; the context limit is {self.max_seq_len} "
+                f"tokens (max_seq_len), which leaves no room to generate",
+                field="prompt",
+            )
+        vocab = self.device.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"prompt_ids[{bad}]={prompt[bad]} is outside the vocabulary [0, {vocab})",
+                field="prompt",
+            )
+        sampling = request.sampling
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequest(
+                "stop strings need a tokenizer; this model has none", field="sampling.stop"
+            )
+        limit = min(len(prompt) + sampling.max_tokens, self.max_seq_len)
+        if len(prompt) + len(generated) >= limit:
+            raise InvalidRequest(
+                f"the request has generated all {len(generated)} of its tokens already",
+                field="generated",
+            )
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32))
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = Detokenizer(self.tokenizer, sampling.stop)
+            for token in generated:  # its text went out already: rebuild the state only
+                detokenizer.add(token)
+        return _Sequence(request, seed, limit, detokenizer, generated=list(generated))
+
+    def _queue(self, seq: _Sequence) -> None:
+        self._waiting.append(seq)
+        self._ids.add(seq.request.request_id)
+
+    def _admit(self, events: list[TokenEvent]) -> None:
+        budget, prefilled = self.config.prefill_token_budget, 0
+        for seq in list(self._waiting):
+            if None not in self._rows:
+                break
+            adapter, assist = seq.request.adapter, False
+            if adapter is not None:
+                assert self.adapters is not None
+                if self.adapters.slots.request(adapter) is None:
+                    if not self._assists(seq):
+                        continue  # its adapter is on its way; later requests may go first
+                    assist = True
+            tokens = seq.length
+            blocks = math.ceil(seq.limit / self.config.block_size)
+            if blocks > self.allocator.num_free:
+                break
+            if prefilled and prefilled + tokens > budget:
+                break
+            self._waiting.remove(seq)
+            self._prefill(seq, blocks, assist, events)
+            prefilled += tokens
+
+    def _assists(self, seq: _Sequence) -> bool:
+        """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""
+        adapter, mode = seq.request.adapter, self.config.lora_mode
+        assert self.adapters is not None and adapter is not None
+        slots = self.adapters.slots
+        if mode not in ("cpu-assist", "auto") or not slots.will_land(adapter):
+            return False
+        if mode == "cpu-assist":
+            return True
+        if seq.assist is None:
+            estimate = self.device.cold_start(adapter, slots.loading()[adapter], seq.length)
+            if estimate is None:
+                return False
+            decision = cost_model.decide(estimate)
+            seq.assist = decision.assist
+            self.counters["auto_assist" if decision.assist else "auto_wait"] += 1
+            log.info(
+                "request %s, adapter %s, %d prompt tokens: %s",
+                seq.request.request_id,
+                adapter,
+                seq.length,
+                decision.describe(),
+            )
+        return seq.assist
+
+    def _prefill(self, seq: _Sequence, blocks: int, assist: bool, events: list[TokenEvent]) -> None:
+        adapter = seq.request.adapter
+        if adapter is not None:
+            assert self.adapters is not None
+            seq.adapter_slot = self.adapters.slots.acquire(adapter)
+        seq.blocks = self.allocator.allocate(blocks)
+        seq.row = self._rows.index(None)
+        self._rows[seq.row] = seq
+        job = PrefillJob(
+            tokens=[*seq.request.prompt_ids, *seq.generated],
+            block_table=self._block_table(seq),
+            sampling=seq.sampling_row(),
+            adapter_slot=seq.adapter_slot,
+            assist=adapter if assist else None,
+        )
+        try:
+            prefilled = self.device.prefill(job)
+        except RequestError as err:
+            self._fail(seq, err, events)
+            return
+        if assist:
+            assert self.adapters is not None and adapter is not None
+            routes = prefilled.routes
+            seq.parked = not self.adapters.slots.is_ready(adapter)
+            self.counters["assisted_prefills"] += 1
+            self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
+            self.counters["cpu_layer_groups"] += routes.count("C")
+            self.counters["device_layer_groups"] += routes.count("D")
+            log.info(
+                "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
+                seq.request.request_id,
+                routes,
+                ", parked until its adapter lands" if seq.parked else "",
+            )
+        if self._append(seq, prefilled.token, events) and not seq.parked:
+            self._insert(seq)
+
+    def _install_landed(self, events: list[TokenEvent]) -> None:
+        adapters = self.adapters
+        assert adapters is not None
+        adapters.poll()
+        for name, error in adapters.take_failures():
+            for seq in self._sequences():
+                if seq.request.adapter == name and (seq.row < 0 or seq.parked):
+                    self._fail(seq, error, events)
+        for parked in self._rows:
+            if (
+                parked is not None
+                and parked.parked
+                and adapters.slots.is_ready(parked.request.adapter or "")
+            ):
+                parked.parked = False
+                self._insert(parked)
+
+    # -- rows -------------------------------------------------------------------------------
+
+    def _block_table(self, seq: _Sequence) -> np.ndarray:
+        table = np.full(self.config.blocks_per_seq, self.config.num_blocks, np.int32)
+        table[: len(seq.blocks)] = seq.blocks
+        return table
+
+    def _insert(self, seq: _Sequence) -> None:
+        row = DecodeRow(
+            token=seq.generated[-1],
+            position=seq.length - 1,
+            block_table=self._block_table(seq),
+            sampling=seq.sampling_row(),
+            adapter_slot=seq.adapter_slot,
+        )
+        self.device.insert(seq.row, row)
+
+    def _append(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> bool:
+        """Record a sampled token, emit its event; False if that finished the request."""
+        seq.generated.append(token)
+        text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
+        finish = None
+        if hit_stop or (token in self._eos and not seq.request.sampling.ignore_eos):
+            finish = STOP
+        elif seq.length >= seq.limit:
+            finish = LENGTH
+        if finish is not None and not hit_stop and seq.detokenizer is not None:
+            text += seq.detokenizer.flush()
+        events.append(TokenEvent(seq.request.request_id, token, text, finish))
+        if finish is not None:
+            self._remove(seq)
+        return finish is None
+
+    def _fail(self, seq: _Sequence, error: RequestError, events: list[TokenEvent]) -> None:
+        log.warning("request %s failed: %s", seq.request.request_id, error.message)
+        events.append(TokenEvent(seq.request.request_id, -1, "", ERROR, error))
+        self._remove(seq)
+
+    def _remove(self, seq: _Sequence) -> None:
+        """Take `seq` out, queued or running, and give back what it holds."""
+        if seq.row < 0:
+            self._waiting.remove(seq)
+        else:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+            self.device.free(seq.row)
+            self._rows[seq.row] = None
+            seq.row = -1
+            if seq.request.adapter is not None:
+                assert self.adapters is not None
+                self.adapters.slots.release(seq.request.adapter)
+        self._ids.discard(seq.request.request_id)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _sequences(self) -> list[_Sequence]:
+        return [*self._waiting, *(seq for seq in self._rows if seq is not None)]
+
+    def _find(self, request_id: str) -> _Sequence | None:
+        return next((s for s in self._sequences() if s.request.request_id == request_id), None)
+
+    def _adapter_manager(self) -> AdapterManager:
+        if self.adapters is None:
+            raise FailedPrecondition(
+                "this engine serves the base model only (max_loras=0)", reason="NO_ADAPTERS"
+            )
+        return self.adapters
