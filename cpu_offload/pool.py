@@ -328,6 +328,18 @@ class CpuLoraPool:
         """
         if ticket is not self._inflight:
             raise ValueError("ticket is not the one in flight (collected already?)")
+        self._settle(ticket, timeout)
+        return self._block.y(ticket.rows, ticket.out_total).copy()
+
+    def discard(self, ticket: Ticket, timeout: float | None = None) -> None:
+        """Let a ticket go without its result (its caller failed): wait, as `collect`
+        does, until no worker writes for it any more, so the next `submit` may reuse the
+        buffers. A ticket no longer in flight is a no-op."""
+        if ticket is self._inflight:
+            self._settle(ticket, timeout)
+
+    def _settle(self, ticket: Ticket, timeout: float | None) -> None:
+        """Wait until every share of the ticket in flight is served; it leaves flight."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(ticket.shares)
         backoff = Backoff()
@@ -340,7 +352,6 @@ class CpuLoraPool:
             if pending:
                 backoff.pause()
         self._inflight = None
-        return self._block.y(ticket.rows, ticket.out_total).copy()
 
     def close(self) -> None:
         """Stop the workers and unlink the control segment (idempotent)."""

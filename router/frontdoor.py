@@ -50,6 +50,7 @@ from jlora.contract.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from jlora.contract.metrics import failed_outcome
 from jlora.contract.status import from_rpc_error
 from router.adapters import AdapterCatalog
 from router.metrics import RouterMetrics
@@ -62,15 +63,6 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 # Errors before the first token after which the request goes to another worker.
 _WORKER_GONE = (Code.UNAVAILABLE, Code.CANCELLED)
-_OUTCOMES = {
-    Code.INVALID_ARGUMENT: "invalid",
-    Code.ALREADY_EXISTS: "invalid",
-    Code.NOT_FOUND: "not_found",
-    Code.RESOURCE_EXHAUSTED: "exhausted",
-    Code.UNAVAILABLE: "unavailable",
-    Code.DEADLINE_EXCEEDED: "deadline",
-    Code.CANCELLED: "cancelled",
-}
 
 
 def estimate_prompt_tokens(request: pb.GenerateRequest) -> int:
@@ -220,7 +212,7 @@ class FrontDoor:
                         ) from None
                     raise error from None  # the worker's, unchanged
         except RequestError as err:
-            outcome = _OUTCOMES.get(err.code, "error")
+            outcome = failed_outcome(err.code)
             raise
         finally:
             del self._calls[request_id]

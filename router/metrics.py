@@ -25,21 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jlora.contract.metrics import LATENCY_BUCKETS, PER_TOKEN_BUCKETS
+from jlora.contract.metrics import LATENCY_BUCKETS, OUTCOMES, PER_TOKEN_BUCKETS
 from router.workers import Worker
-
-# Outcomes of a Generate call (the `outcome` label of jlora_router_requests_total).
-OUTCOMES = (
-    "stop",
-    "length",
-    "cancelled",
-    "deadline",
-    "invalid",
-    "not_found",
-    "exhausted",
-    "unavailable",
-    "error",
-)
 
 
 class RouterMetrics:

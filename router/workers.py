@@ -41,7 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jlora.api import SERVICE_NAME
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.contract.auth import KeyMetadata
+from jlora.contract.auth import key_interceptors
 from router.policies import QueuedRequest, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Worker:
 
     def __init__(self, address: str, *, api_key: str | None = None) -> None:
         self.address = address
-        interceptors = [KeyMetadata(api_key)] if api_key else None
+        interceptors = key_interceptors(api_key) if api_key else None
         self.channel = grpc.aio.insecure_channel(
             address, options=CHANNEL_OPTIONS, interceptors=interceptors
         )

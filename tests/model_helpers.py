@@ -56,9 +56,9 @@ def jlora_last_logits(
     if engine is None:
         prefill = _jitted_prefill(_base_model(loaded.config, dtype))
     else:
-        prefill = _jitted_prefill(engine.model)
-        slot = -1 if adapter is None else engine.lora.slots.slot_of(adapter)
-        args += [engine.lora.weights, Segments.single(slot, bucket)]
+        prefill = _jitted_prefill(engine.device.model)
+        slot = -1 if adapter is None else engine.adapters.slots.slot_of(adapter)
+        args += [engine.device.lora.weights, Segments.single(slot, bucket)]
     logits, _ = prefill(*args)
     return np.asarray(logits)
 

@@ -118,7 +118,7 @@ FAST_BAD_INPUT = [
     (
         "adapter-escapes-its-dir",
         ["--prompt", "hi", "--adapters-dir", "{tmp}/adapters", "--adapter", "../secrets"],
-        ["--adapter '../secrets'", "not a directory nor an adapter name"],
+        ["--adapter='../secrets'", "must not contain '..'"],
     ),
     (
         "adapter-config-malformed",
@@ -173,6 +173,22 @@ def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragme
     (tmp_path / "bad-field.jsonl").write_text('{"prompt": "hi", "lora": "x"}\n')
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     _assert_usage_error(_jlora(cli_env, "generate", *args, cwd=tmp_path), fragments)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--lora-modules", "no-equals-sign"], ["--lora-modules 'no-equals-sign'", "NAME=PATH"]),
+        (["--lora-modules", "=path"], ["--lora-modules '=path'", "NAME=PATH"]),
+        (["--lora-modules", '{"name": "x"'], ["--lora-modules", "not valid JSON"]),
+        (["--lora-modules", '{"name": "x", "lora": "p"}'], ["--lora-modules", "string name"]),
+        (["--adapter", "x"], ["--adapter 'x'", "NAME=PATH"]),
+    ],
+)
+def test_serve_refuses_bad_adapter_flags(tmp_path, cli_env, args, fragments):
+    _assert_usage_error(
+        _jlora(cli_env, "serve", "--model", "cpu-tiny", *args, cwd=tmp_path), fragments
+    )
 
 
 # -- generation ------------------------------------------------------------------------

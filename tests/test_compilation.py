@@ -107,7 +107,7 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
         _COUNTING[0] = False
     assert _EVENTS == []
     if lora:
-        assert engine.lora.slots.stats()["evictions"] >= 1
-    assert engine.steps.num_compiles == len(engine.config.prefill_buckets) + len(
+        assert engine.adapters.slots.stats()["evictions"] >= 1
+    assert engine.device.steps.num_compiles == len(engine.config.prefill_buckets) + len(
         engine.config.decode_buckets
     )

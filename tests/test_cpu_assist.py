@@ -20,7 +20,7 @@ import pytest
 from jlora.adapters.backends import Segments
 from jlora.adapters.peft import make_demo_adapters
 from jlora.engine import cost_model
-from jlora.engine.api import SamplingParams
+from jlora.engine.api import Request, SamplingParams
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tolerances import assert_close
@@ -85,7 +85,7 @@ def _prompts(lengths, seed=0):
 
 def _segments(engine) -> list[Path]:
     """The engine's shared-memory segments: the host store's arena, the control block."""
-    names = [engine.lora.store.arena.name, engine.cpu.pool.control_name]
+    names = [engine.device.store.arena.name, engine.device.cpu.pool.control_name]
     return [Path("/dev/shm") / name.lstrip("/") for name in names]
 
 
@@ -93,19 +93,19 @@ def _route_switch(engine):
     """Make every CPU-assisted prefill run its first layer group on the CPU and its last on
     the device: the last segment waits until the adapter has landed (as a slow device
     would), so the routing switches in the middle of the prefill whatever the timing."""
-    install_landed, groups = engine.lora.install_landed, len(engine.lora.groups)
+    install_landed, groups = engine.device.lora.install_landed, len(engine.device.lora.groups)
     calls = []
 
-    def patched(name):
+    def patched(name, slot):
         calls.append(name)
         if len(calls) % groups == 0:  # the last segment of this prefill
             deadline = time.monotonic() + 30
-            while install_landed(name) < groups:
+            while install_landed(name, slot) < groups:
                 assert time.monotonic() < deadline, "the adapter never landed"
                 time.sleep(0.005)
-        return install_landed(name)
+        return install_landed(name, slot)
 
-    engine.lora.install_landed = patched
+    engine.device.lora.install_landed = patched
 
 
 def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefill(
@@ -140,9 +140,13 @@ def test_cpu_routed_layers_give_the_device_logits(tiny, adapters, dtype):
     engine = _engine(tiny, adapters, "cpu-assist", warm=False, dtype=dtype)
     try:
         name = "all-r12"
-        engine.lora.slots.load_all([name])
-        slot = engine.lora.slots.slot_of(name)
-        model, params, weights = engine.model, engine.params, engine.lora.weights
+        engine.adapters.slots.load_all([name])
+        slot = engine.adapters.slots.slot_of(name)
+        model, params, weights = (
+            engine.device.model,
+            engine.device.params,
+            engine.device.lora.weights,
+        )
         tokens = np.zeros(32, np.int32)
         tokens[:21] = _prompts([21], seed=4)[0]
         table = jnp.arange(8, dtype=jnp.int32)
@@ -168,14 +172,14 @@ def test_cpu_routed_layers_give_the_device_logits(tiny, adapters, dtype):
             )
             return model.last_logits(params, x, np.int32(21))
 
-        engine.cpu.begin(engine.lora.store.get(name))
+        engine.device.cpu.begin(engine.device.store.get(name))
         try:
             for route in ([1, 1, 1], [1, 0, 1], [0, 0, 0]):
                 logits = routed(np.array(route, np.int32))
                 assert_close(logits, device, dtype, "float32", scope="model")
-            handoffs = engine.cpu.handoffs
+            handoffs = engine.device.cpu.handoffs
         finally:
-            engine.cpu.end()
+            engine.device.cpu.end()
         assert handoffs == 4 * 3 + 4 * 2  # 4 input groups in each CPU-routed layer
     finally:
         engine.close()
@@ -190,7 +194,7 @@ def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapte
     engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
     segments = _segments(engine)
     try:
-        pool, submit = engine.cpu.pool, engine.cpu.pool.submit
+        pool, submit = engine.device.cpu.pool, engine.device.cpu.pool.submit
         killed = []
 
         def submit_then_kill(x, jobs, **kwargs):
@@ -215,6 +219,58 @@ def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapte
     assert not any(path.exists() for path in segments)
 
 
+def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, device_only):
+    """The pool itself breaks inside a prefill's callback (beyond a dead worker, which it
+    recovers): that request ends with an error, its KV blocks freed; the engine's device
+    state is intact, so the other requests and the next one get the device-only tokens."""
+    prompts = _prompts([25, 9, 14])
+    rows = ["all-r12", None, "qv-r4"]
+    expected = device_only(prompts, rows)
+    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    try:
+        pool, collect = engine.device.cpu.pool, engine.device.cpu.pool.collect
+        broken = []
+
+        def collect_once_broken(ticket, timeout=None):
+            if not broken:
+                broken.append(ticket)
+                raise OSError("the shared-memory control block is gone")
+            return collect(ticket, timeout)
+
+        pool.collect = collect_once_broken
+        for i, (ids, adapter) in enumerate(zip(prompts, rows, strict=True)):
+            engine.add_request(Request(f"r{i}", ids, GREEDY, adapter=adapter))
+        events: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished:
+            for event in engine.step():
+                events[event.request_id].append(event)
+        [failed] = events["r0"]  # the first assisted prefill met the broken pool
+        assert failed.finish_reason == "error" and failed.error.reason == "CPU_ASSIST_FAILED"
+        assert "control block is gone" in failed.error.message
+        for i in (1, 2):
+            assert [e.token_id for e in events[f"r{i}"]] == expected[i]["token_ids"]
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+        assert run_to_completion(engine, prompts[:1], GREEDY, rows[:1]) == expected[:1]
+    finally:
+        engine.close()
+
+
+def test_an_untrusted_cpu_pool_makes_cold_requests_wait(tiny, adapters, device_only):
+    """Once the pool cannot be trusted (a failed ticket could not even be let go), cold
+    requests fall back to the device path: they wait for their adapter."""
+    prompts = _prompts([12, 7])
+    rows = ["mlp-r32", "qv-r4"]
+    expected = device_only(prompts, rows)
+    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    try:
+        engine.device.cpu.usable = False
+        assert not engine.device.can_assist
+        assert run_to_completion(engine, prompts, GREEDY, rows) == expected
+        assert engine.counters["assisted_prefills"] == 0
+    finally:
+        engine.close()
+
+
 def test_auto_waits_on_a_fast_link_and_assists_on_a_slow_one(tiny, adapters, device_only, caplog):
     """The cost model's choice follows the link: each decision is logged with both
     estimates, and the tokens are the device-only ones either way."""
@@ -224,7 +280,7 @@ def test_auto_waits_on_a_fast_link_and_assists_on_a_slow_one(tiny, adapters, dev
     for gbps, chosen in ((100.0, "auto_wait"), (SLOW_LINK_GBPS, "auto_assist")):
         engine = _engine(tiny, adapters, "auto", emulated_link_gbps=gbps)
         try:
-            with caplog.at_level("INFO", logger="jlora.engine.engine"):
+            with caplog.at_level("INFO", logger="jlora.engine.orchestrator"):
                 got = run_to_completion(engine, prompts, GREEDY, rows)
             counters = dict(engine.counters)
         finally:

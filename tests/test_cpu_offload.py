@@ -204,6 +204,21 @@ def test_collect_timeout_keeps_the_ticket(pool, arena):
     assert pool.fallbacks == fallbacks
 
 
+def test_a_discarded_ticket_frees_the_pool_for_the_next(pool, arena):
+    """A caller that fails between submit and collect lets its ticket go: once the
+    workers are done with it, the next submit runs as if nothing happened."""
+    _wait_all_ready(pool)
+    x, ticket, _ = _big_product(pool, arena)
+    with pytest.raises(RuntimeError, match="not been collected"):
+        pool.submit(x, [arena.weights[1, "big"][2]])
+    pool.discard(ticket, 30.0)
+    pool.discard(ticket, 30.0)  # no longer in flight: nothing to do
+    with pytest.raises(ValueError, match="not the one in flight"):
+        pool.collect(ticket)
+    x, ticket, expected = _big_product(pool, arena)
+    np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize(
     "field, call",
     [

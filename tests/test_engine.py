@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jlora.engine.api import InvalidRequest, Request, SamplingParams
+from jlora.contract.errors import Code, InvalidRequest, RequestError
+from jlora.engine.api import Request, SamplingParams
 from tests.engine_helpers import make_engine, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -84,8 +85,9 @@ def test_stop_strings_need_a_tokenizer(tiny):
 def test_duplicate_request_id_is_refused(tiny):
     engine = _engine(tiny)
     engine.add_request(Request("same", [1, 2], GREEDY))
-    with pytest.raises(InvalidRequest, match="request_id='same' is already in use"):
+    with pytest.raises(RequestError, match="request_id='same' is already in use") as caught:
         engine.add_request(Request("same", [3], GREEDY))
+    assert (caught.value.code, caught.value.field) == (Code.ALREADY_EXISTS, "request_id")
 
 
 @pytest.mark.parametrize(
@@ -103,8 +105,9 @@ def test_duplicate_request_id_is_refused(tiny):
     ],
 )
 def test_invalid_sampling_names_the_field(field, value, message):
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidRequest, match=message) as caught:
         SamplingParams(**{field: value})
+    assert caught.value.field == f"sampling.{field}"
 
 
 def test_abort_frees_slot_and_blocks(tiny):

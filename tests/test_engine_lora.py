@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jlora.adapters.peft import AdapterError, make_demo_adapters
-from jlora.engine.api import InvalidRequest, Request, SamplingParams, UnknownAdapter
+from jlora.adapters.peft import make_demo_adapters
+from jlora.contract.errors import Code, RequestError
+from jlora.engine.api import Request, SamplingParams
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 from tests.engine_helpers import make_engine, run_to_completion
@@ -49,6 +50,8 @@ def _engine(tiny, demo=None, **overrides):
     engine = make_engine(tiny, **config)
     for name, path in (demo or {}).items():
         engine.register_adapter(name, str(path))
+    if engine.adapters is not None:
+        engine.adapters.wait_pinned()  # cached mode: on the device before serving
     return engine
 
 
@@ -88,7 +91,7 @@ def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_the_base_model(ti
 def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     """Logits of rows without an adapter, next to adapted rows, equal the base model's."""
     engine = _engine(tiny, demo, max_loras=3, lora_mode="cached")
-    slots = [engine.lora.slots.slot_of(name) for name in _names(demo)]
+    slots = [engine.adapters.slots.slot_of(name) for name in _names(demo)]
     base_model = Llama(tiny.config)
     config, slots_count = tiny.config, 6
 
@@ -103,8 +106,8 @@ def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     step_tokens = np.array(_prompts([slots_count])[0], np.int32)
     positions = np.arange(slots_count, dtype=np.int32) + 3
     tables = np.arange(slots_count * 2, dtype=np.int32).reshape(slots_count, 2)
-    mixed, _ = jax.jit(engine.model.decode)(
-        tiny.params, cache(), step_tokens, positions, tables, engine.lora.weights, idx
+    mixed, _ = jax.jit(engine.device.model.decode)(
+        tiny.params, cache(), step_tokens, positions, tables, engine.device.lora.weights, idx
     )
     plain, _ = jax.jit(base_model.decode)(tiny.params, cache(), step_tokens, positions, tables)
     np.testing.assert_array_equal(np.asarray(mixed)[idx < 0], np.asarray(plain)[idx < 0])
@@ -121,10 +124,10 @@ def test_cached_and_ondemand_give_identical_tokens(tiny, demo):
     assert run_to_completion(cached, prompts, GREEDY, rows) == run_to_completion(
         ondemand, prompts, GREEDY, rows
     )
-    assert cached.lora.slots.stats()["evictions"] == 0
-    assert ondemand.lora.slots.stats()["evictions"] >= 2
+    assert cached.adapters.slots.stats()["evictions"] == 0
+    assert ondemand.adapters.slots.stats()["evictions"] >= 2
     for engine in (cached, ondemand):
-        assert not any(engine.lora.slots.in_use(name) for name in demo)
+        assert not any(engine.adapters.slots.in_use(name) for name in demo)
         assert engine.allocator.num_free == engine.allocator.num_blocks
         engine.close()
 
@@ -139,7 +142,7 @@ def test_the_running_batch_keeps_decoding_while_an_adapter_loads(tiny, demo):
     steps_while_loading, tokens = 0, {"base": [], "lora": []}
     while engine.has_unfinished:
         events = engine.step()
-        if engine.lora.slots.is_loading(name):
+        if engine.adapters.slots.is_loading(name):
             assert [e.request_id for e in events] == ["base"]
             steps_while_loading += 1
         for event in events:
@@ -151,24 +154,27 @@ def test_the_running_batch_keeps_decoding_while_an_adapter_loads(tiny, demo):
 
 def test_unknown_adapter_is_refused_by_name(tiny, demo):
     engine = _engine(tiny, demo)
-    with pytest.raises(UnknownAdapter, match="adapter='nope' is not registered"):
+    with pytest.raises(RequestError, match="adapter='nope' is not registered") as caught:
         engine.add_request(Request("r", [1, 2, 3], GREEDY, adapter="nope"))
+    assert (caught.value.code, caught.value.field) == (Code.NOT_FOUND, "adapter")
     base_only = make_engine(tiny, max_slots=2, max_seq_len=64, min_bucket=16)
-    with pytest.raises(InvalidRequest, match="adapter="):
+    with pytest.raises(RequestError, match="adapter=") as caught:
         base_only.add_request(Request("r", [1, 2, 3], GREEDY, adapter=_names(demo)[0]))
-    with pytest.raises(AdapterError, match="max_loras=0"):
+    assert caught.value.code == Code.NOT_FOUND
+    with pytest.raises(RequestError, match="max_loras=0") as caught:
         base_only.register_adapter("x", str(demo[_names(demo)[0]]))
+    assert caught.value.code == Code.FAILED_PRECONDITION
     assert not engine.has_unfinished
     engine.close()
 
 
 def _state(engine):
     return (
-        engine.lora.store.names(),
-        engine.lora.store.arena.bytes_used,
-        engine.lora.slots.resident(),
-        engine.lora.slots.loading(),
-        engine.lora.slots.pinned,
+        engine.device.store.names(),
+        engine.device.store.arena.bytes_used,
+        engine.adapters.slots.resident(),
+        engine.adapters.slots.loading(),
+        engine.adapters.slots.pinned,
     )
 
 
@@ -183,19 +189,19 @@ def _corrupt_copy(path, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case, expected",
+    "case, expected, code, field",
     [
-        ("missing", "does not exist"),
-        ("corrupt", "adapter_model.safetensors"),
-        ("other-base", "different base model"),
-        ("rank", "max_lora_rank=8"),
-        ("targets", "lora_targets="),
-        ("duplicate", "already registered"),
-        ("bad-name", "name="),
-        ("cached-full", "max_loras=1"),
+        ("missing", "does not exist", Code.INVALID_ARGUMENT, "path"),
+        ("corrupt", "adapter_model.safetensors", Code.INVALID_ARGUMENT, "path"),
+        ("other-base", "different base model", Code.INVALID_ARGUMENT, "path"),
+        ("rank", "max_lora_rank=8", Code.INVALID_ARGUMENT, "path"),
+        ("targets", "lora_targets=", Code.INVALID_ARGUMENT, "path"),
+        ("duplicate", "already registered", Code.ALREADY_EXISTS, "name"),
+        ("bad-name", "name=", Code.INVALID_ARGUMENT, "name"),
+        ("cached-full", "max_loras=1", Code.FAILED_PRECONDITION, "pin"),
     ],
 )
-def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected):
+def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected, code, field):
     from configs import load_preset
 
     names = _names(demo)
@@ -221,8 +227,9 @@ def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected):
         else None,
     }.get(case, demo[names[-1]])
     name = {"duplicate": names[0], "bad-name": "../escape"}.get(case, "new")
-    with pytest.raises(AdapterError, match=expected.replace("[", r"\[")):
+    with pytest.raises(RequestError, match=expected.replace("[", r"\[")) as caught:
         engine.register_adapter(name, str(path))
+    assert (caught.value.code, caught.value.field) == (code, field)
     assert _state(engine) == before
     # The engine still serves what it had.
     result = run_to_completion(engine, _prompts([5]), GREEDY, [names[0]])
@@ -234,21 +241,23 @@ def test_unregister_refuses_an_adapter_in_use_then_frees_it(tiny, demo):
     name = _names(demo)[0]
     engine = _engine(tiny, {name: demo[name]})
     engine.add_request(Request("r", _prompts([5])[0], GREEDY, adapter=name))
-    with pytest.raises(AdapterError, match="named by 1 queued or running"):
+    with pytest.raises(RequestError, match="named by 1 queued or running") as caught:
         engine.unregister_adapter(name)
+    assert caught.value.code == Code.FAILED_PRECONDITION
     while engine.has_unfinished:
         engine.step()
     engine.unregister_adapter(name)
-    assert engine.lora.store.names() == [] and engine.lora.store.arena.bytes_used == 0
-    assert engine.lora.slots.resident() == {}
-    with pytest.raises(UnknownAdapter):
+    assert engine.device.store.names() == [] and engine.device.store.arena.bytes_used == 0
+    assert engine.adapters.slots.resident() == {}
+    with pytest.raises(RequestError) as caught:
         engine.add_request(Request("r2", [1, 2], GREEDY, adapter=name))
+    assert caught.value.code == Code.NOT_FOUND
     engine.close()
 
 
 def test_close_leaves_no_shared_memory_behind(tiny, demo):
     engine = _engine(tiny, demo)
-    segment = f"/dev/shm/{engine.lora.store.arena.name.lstrip('/')}"
+    segment = f"/dev/shm/{engine.device.store.arena.name.lstrip('/')}"
     assert os.path.exists(segment)
     engine.close()
     assert not os.path.exists(segment)
@@ -288,7 +297,7 @@ def test_cached_and_ondemand_agree_on_any_mix(mode_engines, demo, requests, seed
     }
     assert results["cached"] == results["ondemand"]
     for engine in mode_engines.values():
-        assert not any(engine.lora.slots.in_use(name) for name in names)
+        assert not any(engine.adapters.slots.in_use(name) for name in names)
 
 
 @pytest.mark.parametrize("rank", [1, 256])

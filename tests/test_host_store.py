@@ -9,8 +9,9 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from jlora.adapters.peft import AdapterError, load_peft_adapter, make_demo_adapters
+from jlora.adapters.peft import load_peft_adapter, make_demo_adapters
 from jlora.adapters.store import ALIGN, HostStore, SharedArena
+from jlora.contract.errors import Code, ResourceExhausted
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,10 @@ def test_a_full_store_refuses_and_keeps_what_it_has(tiny, demo):
     store = HostStore(tiny.config, size + ALIGN)
     try:
         store.register("a", demo[1])
-        with pytest.raises(AdapterError, match="adapter 'b': the host store has no free region"):
+        full = "'b': the host store has no free region"
+        with pytest.raises(ResourceExhausted, match=full) as err:
             store.register("b", demo[1])
+        assert err.value.code == Code.RESOURCE_EXHAUSTED
         assert store.names() == ["a"]
         store.unregister("a")
         store.register("b", demo[1])  # the freed region is reused

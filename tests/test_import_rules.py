@@ -14,15 +14,19 @@ PACKAGES = ["jlora", "pallas_kernels", "cpu_offload", "router", "configs", "benc
 STDLIB = set(sys.stdlib_module_names)
 
 
-def _imports(package: str) -> list[tuple[Path, int, str]]:
-    """(file, line, top-level module) for every absolute import in a package."""
+def _imports(package: str, *, full: bool = False) -> list[tuple[Path, int, str]]:
+    """(file, line, module) for every absolute import in a package: the top-level module,
+    or with `full` the whole dotted name."""
     found = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found += [(path, node.lineno, a.name.split(".")[0]) for a in node.names]
+                names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.append((path, node.lineno, node.module.split(".")[0]))
+                names = [node.module]
+            else:
+                continue
+            found += [(path, node.lineno, n if full else n.split(".")[0]) for n in names]
     return found
 
 
@@ -44,6 +48,24 @@ def _violations(package: str, allowed) -> list[str]:
 )
 def test_forbidden_imports(package, forbidden):
     assert _violations(package, lambda m: m not in forbidden) == []
+
+
+def test_router_and_worker_share_only_the_contract():
+    """The router imports from jlora only the API stubs and the contract; the worker never
+    imports the router (the CLI, which starts both, may)."""
+    shared = ("jlora.api", "jlora.contract")
+    router = [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p, line, module in _imports("router", full=True)
+        if module.split(".")[0] == "jlora" and not module.startswith(shared)
+    ]
+    assert router == []
+    worker = [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p, line, module in _imports("jlora", full=True)
+        if module.split(".")[0] == "router" and "cli" not in p.relative_to(ROOT).parts
+    ]
+    assert worker == []
 
 
 def test_pallas_kernels_import_only_jax_and_numpy():
@@ -71,6 +93,8 @@ def test_the_scanner_sees_imports(tmp_path):
         ("jlora.api, jlora.server, jlora.engine.mock", "jax flax torch"),
         # The router runs on a small CPU box: gRPC, HTTP and the registry need no jax.
         ("router.app, router.http, jlora.cli.router", "jax flax torch numba"),
+        # The contract both sides import: no jax, no numba.
+        ("jlora.contract.registry, jlora.contract.status, jlora.contract.auth", "jax numba"),
     ],
 )
 def test_importing_does_not_load_heavy_modules(modules, heavy):

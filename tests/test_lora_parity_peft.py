@@ -159,7 +159,7 @@ def _serve_mixed_batch(
         SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
         ROW_ADAPTERS,
     )
-    assert engine.lora.slots.stats()["evictions"] >= 1
+    assert engine.adapters.slots.stats()["evictions"] >= 1
     if engine.config.lora_mode == "cpu-assist":
         assert engine.counters["assisted_prefills"] >= 3  # every adapter arrives cold
     engine.close()
@@ -209,6 +209,7 @@ def test_prefill_logits_match_peft(smollm2, peft_model, peft_dirs, prompt_ids, b
     )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))
+    engine.adapters.wait_pinned()  # cached mode: all on the device
     ids, mask = _left_padded(prompt_ids)
     with torch.no_grad():
         theirs = (

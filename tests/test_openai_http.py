@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.engine.mock import MockEngine, MockTokenizer, mock_completion
+from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
 from jlora.server import serve
 from router.app import start_router
 
@@ -39,7 +39,7 @@ class Deployment:
 
     def __init__(self, *, max_seq_len: int = 64, max_slots: int = 4, **router_options) -> None:
         self.engines = [
-            MockEngine(
+            mock_engine(
                 max_slots=max_slots,
                 max_seq_len=max_seq_len,
                 step_latency=0.002,
@@ -217,7 +217,7 @@ BAD_INPUTS = [
      "messages[0].role", "role"),
     (CHAT, dict(model="a", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      400, "messages[0].content[0]", "text"),
-    (CHAT, dict(model="a", messages=USER, max_completion_tokens=0), 400, "max_tokens",
+    (CHAT, dict(model="a", messages=USER, max_completion_tokens=0), 400, "max_completion_tokens",
      "max_tokens"),
     (CHAT, dict(model="nope", messages=USER), 404, "model", "nope"),
 ]  # fmt: skip
@@ -279,7 +279,7 @@ def test_full_queue_is_429_deadline_is_504_no_worker_is_503():
     deployment = Deployment(max_slots=1, max_queue=0, poll_interval=0.1)
     try:
         for engine in deployment.engines:
-            engine.step_latency = 0.02
+            engine.device.step_latency = 0.02
         calls = long_running(deployment, 2)  # both workers' only slots
         code, reply = deployment.post(COMPLETIONS, dict(model="a", prompt="x", max_tokens=2))
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
@@ -310,7 +310,7 @@ def test_a_stream_whose_worker_stops_ends_with_an_error_event():
     deployment = Deployment(poll_interval=0.1)
     try:
         for engine in deployment.engines:
-            engine.step_latency = 0.01
+            engine.device.step_latency = 0.01
         stream = deployment.client.completions.create(
             model="a", prompt="x", max_tokens=60, stream=True
         )
@@ -321,15 +321,15 @@ def test_a_stream_whose_worker_stops_ends_with_an_error_event():
         with pytest.raises(openai.APIError) as caught:
             list(chunks)
         assert "failed after" in caught.value.message
-        assert caught.value.body["code"] == "unavailable"
+        assert caught.value.body["code"] == "worker_lost"
     finally:
         deployment.close()
 
 
 def test_a_client_that_disconnects_frees_the_worker(deployment):
-    engine_steps = [engine.steps for engine in deployment.engines]
+    engine_steps = [engine.device.steps for engine in deployment.engines]
     for engine in deployment.engines:
-        engine.step_latency = 0.01
+        engine.device.step_latency = 0.01
     try:
         stream = deployment.client.completions.create(
             model="a", prompt="x", max_tokens=60, stream=True
@@ -337,11 +337,11 @@ def test_a_client_that_disconnects_frees_the_worker(deployment):
         next(iter(stream))
         stream.close()
         wait_for(deployment.idle, timeout=5, what="the request to be aborted")
-        steps = sum(e.steps for e in deployment.engines) - sum(engine_steps)
+        steps = sum(e.device.steps for e in deployment.engines) - sum(engine_steps)
         assert steps < 40  # not run to its 60 tokens
     finally:
         for engine in deployment.engines:
-            engine.step_latency = 0.002
+            engine.device.step_latency = 0.002
 
 
 # -- /metrics, /health -----------------------------------------------------------------

@@ -26,12 +26,13 @@ from configs import load_preset
 from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.engine.mock import MockEngine, mock_completion
+from jlora.engine.mock import mock_completion, mock_engine
+from jlora.engine.orchestrator import Orchestrator
 from jlora.server import WorkerServer, serve
 from router.app import start_router
 from router.perf_model import PerfModel, PerfProfile
 from router.policies import POLICIES, PolicyError
-from tests.test_server import BAD_INPUTS, request, token_ids
+from tests.test_server import BAD_INPUTS, request, rich_details, token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode
@@ -39,10 +40,10 @@ VOCAB = 1000  # MockEngine's default vocab_size
 
 WORKER_SCRIPT = """
 import json, sys
-from jlora.engine.mock import MockEngine
+from jlora.engine.mock import mock_engine
 from jlora.server import serve
 options = json.loads(sys.argv[1])
-engine = MockEngine(**options.pop("engine"))
+engine = mock_engine(**options.pop("engine"))
 server = serve(engine, tokenizer=engine.tokenizer, **options)
 server.stop_on_signals(grace=10)
 print(server.port, server.metrics_port, flush=True)
@@ -121,8 +122,8 @@ def workers():
     """In-process workers around MockEngines, stopped after the test."""
     servers: list[WorkerServer] = []
 
-    def start(engine: MockEngine | None = None, **options) -> WorkerServer:
-        engine = engine or MockEngine(adapters={"a": 8})
+    def start(engine: Orchestrator | None = None, **options) -> WorkerServer:
+        engine = engine or mock_engine(adapters={"a": 8})
         server = serve(engine, tokenizer=engine.tokenizer, **options)
         servers.append(server)
         return server
@@ -210,7 +211,7 @@ def test_the_policy_picks_the_worker(workers, routers, tmp_path, policy, chosen)
     (no extra padding) than beside a rank-8 one. Both workers run one request, so
     most-idle takes the first; rank-aware the one already padded to rank 64."""
     engine = dict(max_slots=4, step_latency=0.01, adapters={"r8": 8, "r64": 64})
-    low, high = workers(MockEngine(**engine)), workers(MockEngine(**engine))
+    low, high = workers(mock_engine(**engine)), workers(mock_engine(**engine))
     profile = tmp_path / "profile.json"
     POLICY_PROFILE.save(profile)
     router = routers([low.address, high.address], policy=policy, profile=profile)
@@ -233,8 +234,8 @@ def test_the_policy_picks_the_worker(workers, routers, tmp_path, policy, chosen)
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_routes_concurrent_requests(workers, routers, tmp_path, policy):
-    pair = [workers(MockEngine(max_slots=2, step_latency=0.002, adapters={"a": 8}))]
-    pair.append(workers(MockEngine(max_slots=2, step_latency=0.002, adapters={"a": 8})))
+    pair = [workers(mock_engine(max_slots=2, step_latency=0.002, adapters={"a": 8}))]
+    pair.append(workers(mock_engine(max_slots=2, step_latency=0.002, adapters={"a": 8})))
     profile = tmp_path / "profile.json"
     POLICY_PROFILE.save(profile)
     router = routers([w.address for w in pair], policy=policy, profile=profile)
@@ -346,7 +347,7 @@ def test_a_worker_killed_during_a_run_loses_nothing(processes, routers):
 def test_a_full_router_queue_answers_resource_exhausted(workers, routers):
     """One decode slot and no worker queue: the second request waits in the router, a
     third finds the router's queue (max_queue=1) full."""
-    worker = workers(MockEngine(max_slots=1, step_latency=0.01), max_queue=0)
+    worker = workers(mock_engine(max_slots=1, step_latency=0.01), max_queue=0)
     router = routers([worker.address], max_queue=1)
     stub = stub_for(router.address)
     running = stub.Generate(request(ids=[1], max_tokens=120))
@@ -365,7 +366,7 @@ def test_a_full_router_queue_answers_resource_exhausted(workers, routers):
 
 
 def test_the_deadline_reaches_the_worker(workers, routers):
-    engine = MockEngine(max_slots=1, step_latency=0.01)
+    engine = mock_engine(max_slots=1, step_latency=0.01)
     worker = workers(engine, max_queue=0)
     router = routers([worker.address])
     stub = stub_for(router.address)
@@ -378,12 +379,12 @@ def test_the_deadline_reaches_the_worker(workers, routers):
         assert caught.value.code() == Code.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 2
     wait_for(lambda: idle(worker.address), what="the worker to free the slot")
-    assert engine.steps < 60  # aborted on the worker, not run to 100 tokens
+    assert engine.device.steps < 60  # aborted on the worker, not run to 100 tokens
     assert not router.front.in_flight
 
 
 def test_cancelling_a_stream_cancels_the_worker_request(workers, routers):
-    engine = MockEngine(step_latency=0.01)
+    engine = mock_engine(step_latency=0.01)
     worker = workers(engine)
     router = routers([worker.address])
     call = stub_for(router.address).Generate(request(ids=[1], max_tokens=100, request_id="c"))
@@ -394,7 +395,7 @@ def test_cancelling_a_stream_cancels_the_worker_request(workers, routers):
         list(call)
     assert caught.value.code() == Code.CANCELLED
     wait_for(lambda: idle(worker.address), what="the worker to abort the request")
-    assert engine.steps < 50
+    assert engine.device.steps < 50
     wait_for(lambda: not router.front.in_flight, what="the router to forget the call")
 
 
@@ -403,7 +404,7 @@ def test_cancelling_a_stream_cancels_the_worker_request(workers, routers):
 
 @pytest.fixture(scope="module")
 def shared_router():
-    engine = MockEngine(max_seq_len=64, adapters={"a": 8})
+    engine = mock_engine(max_seq_len=64, adapters={"a": 8})
     worker = serve(engine, tokenizer=engine.tokenizer)
     router = start_router([worker.address], poll_interval=0.1)
     yield router, worker
@@ -412,16 +413,20 @@ def shared_router():
 
 
 @pytest.mark.parametrize(
-    "fields, code, names", BAD_INPUTS, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_INPUTS)]
+    "fields, code, names, field",
+    BAD_INPUTS,
+    ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD_INPUTS)],
 )
-def test_bad_input_through_the_router(shared_router, fields, code, names):
-    """The worker's statuses and messages, unchanged; nothing changes on the worker."""
+def test_bad_input_through_the_router(shared_router, fields, code, names, field):
+    """The worker's statuses, messages and rich details, unchanged; nothing changes on
+    the worker."""
     router, worker = shared_router
     stub = stub_for(router.address)
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(request(**fields), timeout=10))
     assert caught.value.code() == code
     assert names in caught.value.details()
+    assert rich_details(caught.value)[0] == field
     wait_for(lambda: idle(worker.address) and not router.front.in_flight, what="idle")
     ok = list(stub.Generate(request(ids=[1, 2], max_tokens=2, adapter="a"), timeout=10))
     assert token_ids(ok) == mock_completion([1, 2], "a", 2, VOCAB)
@@ -455,7 +460,7 @@ def adapter_names(address: str) -> list[str]:
 def test_register_through_the_router_reaches_every_worker(workers, routers, tmp_path):
     root = tmp_path / "adapters"
     path = make_adapter(root, rank=4)
-    pair = [workers(MockEngine(), adapters_dir=root, model_name="smol") for _ in range(2)]
+    pair = [workers(mock_engine(), adapters_dir=root, model_name="smol") for _ in range(2)]
     router = routers(
         [w.address for w in pair], adapters_dir=root, registry=tmp_path / "registry.sqlite"
     )
@@ -476,7 +481,14 @@ def test_register_through_the_router_reaches_every_worker(workers, routers, tmp_
     for i, call in zip((3, 4), calls, strict=True):
         assert token_ids(list(call)) == mock_completion([i], "tiny", 5, VOCAB)
     loaded = stub.LoadAdapter(pb.LoadAdapterRequest(name="tiny", pin=True), timeout=10)
-    assert (loaded.adapter.state, loaded.adapter.pinned) == (pb.ADAPTER_STATE_DEVICE, True)
+    assert loaded.adapter.pinned
+    assert loaded.adapter.state in (pb.ADAPTER_STATE_LOADING, pb.ADAPTER_STATE_DEVICE)
+    wait_for(
+        lambda: (
+            stub.ListAdapters(pb.ListAdaptersRequest()).adapters[0].state == pb.ADAPTER_STATE_DEVICE
+        ),
+        what="the adapter on every worker's device",
+    )
     stub.UnloadAdapter(pb.UnloadAdapterRequest(name="tiny"), timeout=10)
     stub.UnregisterAdapter(pb.UnregisterAdapterRequest(name="tiny"), timeout=10)
     assert all(adapter_names(w.address) == [] for w in pair)
@@ -484,17 +496,18 @@ def test_register_through_the_router_reaches_every_worker(workers, routers, tmp_
 
 
 BAD_REGISTRATIONS = [
-    # (name, path, status, what the message must name)
-    ("x", "../outside", Code.INVALID_ARGUMENT, "path='../outside'"),
-    ("x", "/etc", Code.INVALID_ARGUMENT, "path='/etc'"),
-    ("x", "escape", Code.INVALID_ARGUMENT, "path='escape'"),  # a symlink out of the dir
-    ("x", "missing", Code.INVALID_ARGUMENT, "does not exist"),
-    ("x", "corrupt", Code.INVALID_ARGUMENT, "cannot read it as safetensors"),
-    ("x", "", Code.INVALID_ARGUMENT, "path"),
-    ("", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "name"),
-    ("b/c", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "name='b/c'"),
-    ("smol", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "base model"),
-    ("kept", "r4/demo-00-r4", Code.ALREADY_EXISTS, "name='kept'"),
+    # (name, path, status, what the message must name, the field in the details)
+    ("x", "../outside", Code.INVALID_ARGUMENT, "path='../outside'", "path"),
+    ("x", "/etc", Code.INVALID_ARGUMENT, "path='/etc'", "path"),
+    ("x", "escape", Code.INVALID_ARGUMENT, "path='escape'", "path"),  # a symlink out
+    ("x", "missing", Code.INVALID_ARGUMENT, "does not exist", "path"),
+    ("x", "corrupt", Code.INVALID_ARGUMENT, "cannot read it as safetensors", "path"),
+    ("x", "", Code.INVALID_ARGUMENT, "path", "path"),
+    ("", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "name", "name"),
+    ("b//c", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "name='b//c'", "name"),
+    ("b:c:d", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "name='b:c:d'", "name"),
+    ("smol", "r4/demo-00-r4", Code.INVALID_ARGUMENT, "base model", "name"),
+    ("kept", "r4/demo-00-r4", Code.ALREADY_EXISTS, "name='kept'", "name"),
 ]
 
 
@@ -508,16 +521,17 @@ def test_bad_registrations_are_refused_and_change_nothing(workers, routers, tmp_
     corrupt.mkdir()
     (corrupt / "adapter_config.json").write_text((root / good / "adapter_config.json").read_text())
     (corrupt / WEIGHTS_FILE).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
-    pair = [workers(MockEngine(), adapters_dir=root, model_name="smol") for _ in range(2)]
+    pair = [workers(mock_engine(), adapters_dir=root, model_name="smol") for _ in range(2)]
     router = routers(
         [w.address for w in pair], adapters_dir=root, registry=tmp_path / "registry.sqlite"
     )
     stub = stub_for(router.address)
     stub.RegisterAdapter(pb.RegisterAdapterRequest(name="kept", path=good), timeout=10)
-    for name, path, code, names in BAD_REGISTRATIONS:
+    for name, path, code, names, field in BAD_REGISTRATIONS:
         with pytest.raises(grpc.RpcError) as caught:
             stub.RegisterAdapter(pb.RegisterAdapterRequest(name=name, path=path), timeout=10)
         assert (caught.value.code(), names) == (code, names) and names in caught.value.details()
+        assert rich_details(caught.value)[0] == field
         assert [a.name for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters] == ["kept"]
         assert all(adapter_names(w.address) == ["kept"] for w in pair)
     ok = list(stub.Generate(request(ids=[3], max_tokens=2, adapter="kept"), timeout=10))
@@ -531,7 +545,7 @@ def test_a_corrupted_registered_adapter_is_not_served(workers, routers, tmp_path
     root = tmp_path / "adapters"
     paths = {"intact": make_adapter(root, rank=4), "damaged": make_adapter(root, rank=8)}
     registry = tmp_path / "registry.sqlite"
-    first = workers(MockEngine(), adapters_dir=root)
+    first = workers(mock_engine(), adapters_dir=root)
     router = routers([first.address], adapters_dir=root, registry=registry)
     stub = stub_for(router.address)
     hashes = {}
@@ -543,7 +557,7 @@ def test_a_corrupted_registered_adapter_is_not_served(workers, routers, tmp_path
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    fresh = workers(MockEngine(), adapters_dir=root)  # knows no adapter yet
+    fresh = workers(mock_engine(), adapters_dir=root)  # knows no adapter yet
     router = routers([fresh.address], adapters_dir=root, registry=registry)
     stub = stub_for(router.address)
     assert adapter_names(fresh.address) == ["intact"]

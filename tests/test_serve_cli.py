@@ -5,6 +5,7 @@ unloaded over gRPC, Stats reports the running batch with ranks, and SIGTERM drai
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -35,13 +36,17 @@ def demo(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(demo, tmp_path_factory):
-    """A `jlora serve` process on cpu-tiny with the demo adapters; yields (stub, process)."""
-    adapters_dir, _ = demo
+    """A `jlora serve` process on cpu-tiny with the demo adapters (also under two more
+    names, given in vLLM's --lora-modules forms); yields (stub, process)."""
+    adapters_dir, paths = demo
+    first = paths["demo-00-r4"]
     port_file = tmp_path_factory.mktemp("serve") / "port"
     process = subprocess.Popen(
         [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny", "--port", "0",
          "--port-file", str(port_file), "--max-seq-len", "64", "--max-slots", "4",
-         "--max-loras", "1", "--max-lora-rank", "16", "--adapters-dir", str(adapters_dir)],
+         "--max-loras", "1", "--max-lora-rank", "16", "--adapters-dir", str(adapters_dir),
+         "--lora-modules", f"org/tiny:v1={first}",
+         json.dumps({"name": "json-form", "path": str(first), "base_model_name": "cpu-tiny"})],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 300
@@ -99,7 +104,12 @@ def test_tokens_equal_the_in_process_engine(tiny, demo, worker):
         assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert got[-1].usage.completion_tokens == 6
     listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
-    assert set(listed) == set(adapters) and listed[names[1]].rank == 16
+    assert set(listed) == {*adapters, "org/tiny:v1", "json-form"} and listed[names[1]].rank == 16
+    # The --lora-modules names serve the same weights as the directory's own name.
+    for alias in ("org/tiny:v1", "json-form"):
+        assert listed[alias].sha256 == listed[names[0]].sha256
+        tokens = [r.token_id for r in _generate(stub, prompts[0], alias)]
+        assert tokens == expected[0]["token_ids"]
 
 
 def test_adapter_lifecycle_and_stats_over_grpc(demo, worker):
@@ -182,7 +192,7 @@ def test_serve_registers_the_shared_registrys_adapters_checking_sha256(tiny, tmp
     sha256 stops the worker at start (exit 2, naming the adapter and both hashes)."""
     import dataclasses
 
-    from router.registry import Registry, entry_from_directory
+    from jlora.contract.registry import Registry, entry_from_directory
 
     adapters_dir = tmp_path / "adapters"
     (path,) = make_demo_adapters(tiny.config, adapters_dir, n=1, ranks=[4], seed=2)

@@ -2,7 +2,8 @@
 
 cpu-tiny: two workers, concurrent mixed-adapter streams through the router equal what
 one worker gives directly. SmolLM2 (slow): one worker and the official `openai` client,
-chat and completions, streaming and not, on the base model and a demo adapter.
+chat and completions, streaming and not, on the base model and a demo adapter, behind
+an API key (401 without it).
 """
 
 from __future__ import annotations
@@ -108,9 +109,12 @@ def test_two_real_workers_behind_the_router_give_the_direct_tokens(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_through_the_openai_client(tmp_path):
-    up = Up(tmp_path, "--max-seq-len", "256", "--max-slots", "2")
+    up = Up(tmp_path, "--max-seq-len", "256", "--max-slots", "2", "--api-key", "s3cret")
     try:
-        client = openai.OpenAI(base_url=up.http, api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=up.http, api_key="s3cret", max_retries=0)
+        stranger = openai.OpenAI(base_url=up.http, api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
         names = [model.id for model in client.models.list().data]
         assert names[0] == "smollm2-135m" and len(names) == 4
         question = [{"role": "user", "content": "What is the capital of France?"}]

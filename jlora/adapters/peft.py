@@ -433,9 +433,7 @@ def _tensor_key(layer: int, target: str, factor: str) -> str:
 
 def _read_safetensors(directory: Path) -> tuple[dict[str, dict[str, Any]], str, int]:
     """The tensors of adapter_model.safetensors (name -> {dtype, shape, data}), the file's
-    sha256 and size; the file is read once."""
-    from safetensors import SafetensorError, deserialize
-
+    sha256 and size; the file is read once, and `data` are views into its bytes."""
     file = directory / WEIGHTS_FILE
     if not file.is_file():
         if (directory / "adapter_model.bin").is_file():
@@ -446,10 +444,63 @@ def _read_safetensors(directory: Path) -> tuple[dict[str, dict[str, Any]], str, 
         raise AdapterError(f"{file} is missing")
     try:
         data = file.read_bytes()
-        tensors = dict(deserialize(data))
-    except (OSError, SafetensorError) as err:
-        raise AdapterError(f"{file}: cannot read it as safetensors ({err})") from err
+    except OSError as err:
+        raise AdapterError(f"{file}: cannot read it ({err})") from err
+    try:
+        tensors = _safetensors_views(data)
+    except ValueError as err:
+        raise AdapterError(f"{file}: cannot read it as safetensors ({err})") from None
     return tensors, hashlib.sha256(data).hexdigest(), len(data)
+
+
+# Bytes per element of the safetensors dtypes.
+_ITEM_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def _safetensors_views(data: bytes) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensors without a copy (so reading a large adapter never
+    holds the GIL for long beside the running steps): name -> {dtype, shape, data}.
+
+    The format: an 8-byte little-endian header length n, n bytes of JSON mapping each
+    tensor name to {dtype, shape, data_offsets: [begin, end]} (and an optional
+    "__metadata__"), then the tensors' bytes, the offsets relative to their start.
+    Every entry is checked against the file: a ValueError says what is wrong.
+    """
+    if len(data) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise ValueError(f"the header length {length} runs past the end of the file")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"the header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    body = memoryview(data)[8 + length :]
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"tensor {name}: malformed entry {entry!r}") from None
+        counts = [*shape, begin, end] if isinstance(shape, list) else None
+        if dtype not in _ITEM_BYTES or counts is None:
+            raise ValueError(f"tensor {name}: malformed entry {entry!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+            raise ValueError(f"tensor {name}: malformed entry {entry!r}")
+        if not begin <= end <= len(body) or end - begin != math.prod(shape) * _ITEM_BYTES[dtype]:
+            raise ValueError(
+                f"tensor {name}: data_offsets {[begin, end]} do not hold {dtype}{shape} "
+                f"within the {len(body)} bytes of data"
+            )
+        tensors[name] = {"dtype": dtype, "shape": shape, "data": body[begin:end]}
+    return tensors
 
 
 def _check_tensor_names(

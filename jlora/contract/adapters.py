@@ -79,7 +79,9 @@ def resolve_adapter_dir(
     try:
         root = Path(adapters_dir).resolve(strict=True)
     except OSError as err:
-        raise FailedPrecondition(f"the server's adapters directory is unusable ({err})") from None
+        raise FailedPrecondition(
+            f"the adapters directory {os.fspath(adapters_dir)} is unusable ({err})"
+        ) from None
     try:
         real = (root / text).resolve(strict=True)
         members = {member: (real / member).resolve() for member in (CONFIG_FILE, WEIGHTS_FILE)}

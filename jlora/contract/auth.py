@@ -82,10 +82,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-class KeyMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """A client channel's interceptor that sends the key with every call (the router's
-    channels to its workers)."""
-
+class _WithKey:
     def __init__(self, key: str) -> None:
         self._metadata = call_metadata(key)
 
@@ -93,8 +90,19 @@ class KeyMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClie
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
         return details._replace(metadata=metadata)  # type: ignore[attr-defined]
 
+
+class _UnaryKey(_WithKey, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_key(details), request)
 
+
+class _StreamKey(_WithKey, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_key(details), request)
+
+
+def key_interceptors(key: str) -> list[grpc.aio.ClientInterceptor]:
+    """A client channel's interceptors that send the key with every call (the router's
+    channels to its workers). grpc.aio files an interceptor under one kind of call only,
+    so there is one per kind the jlora.v1 service and health checks use."""
+    return [_UnaryKey(key), _StreamKey(key)]

@@ -9,9 +9,10 @@
    routes the segment's layers: to the device slot if their group is installed, to the
    CPU workers otherwise (`CpuAssist`, through the model's host callbacks).
 3. The last hidden state gives the logits and the first token (`prefill_head`).
-4. If the CPU path failed beyond what the worker pool recovers (`CpuAssist.failure`),
-   the callbacks returned zeros and the request fails here with a RequestError: its
-   KV blocks are garbage and are freed with it, and the device state is intact.
+
+If the CPU path failed beyond what the worker pool recovers, the callbacks returned
+zeros and `CpuAssist.failure` says why: the engine fails that request (its KV blocks
+are garbage and are freed with it) and keeps the cache this returns, intact otherwise.
 
 The route of each group is returned as a string ("CCDD": CPU, CPU, device, device).
 `measure` (at warm-up) and `observe_prefill` (per device prefill) keep the device
@@ -32,7 +33,6 @@ from jlora.adapters.backends import Segments
 from jlora.adapters.device import DeviceSlots
 from jlora.adapters.store import HostStore
 from jlora.adapters.targets import INPUT_GROUPS
-from jlora.contract.errors import RequestError
 from jlora.engine import cost_model
 from jlora.engine.cpu_assist import CpuAssist
 from jlora.engine.sampling import SamplingArrays
@@ -92,14 +92,8 @@ class AssistedPrefill:
                     params, cache, x, length, block_table, start, route, lora.weights, segments
                 )
             token = int(self.steps.prefill_head(params, x, length, sampling))
-            failure = self.cpu.failure
         finally:
             self.cpu.end()
-        if failure is not None:
-            raise RequestError(
-                f"the CPU-assisted prefill for adapter {adapter!r} failed: {failure}",
-                reason="CPU_ASSIST_FAILED",
-            ) from failure
         return token, cache, routes
 
     # -- the cost model's inputs ---------------------------------------------------

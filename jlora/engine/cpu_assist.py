@@ -18,8 +18,10 @@ A worker that dies or hangs loses nothing: `CpuLoraPool.collect` recomputes its 
 here, and the watchdog respawns it. A failure beyond that never escapes a callback (an
 exception inside the compiled prefill would take the donated KV cache with it): the
 callback returns zeros, the error is kept in `failure`, and the engine fails that one
-request after the prefill. `begin(adapter)` / `end()` bracket one prefill; callbacks
-run on the engine's thread, one ticket in flight at a time.
+request after the prefill. The failed ticket is let go (`CpuLoraPool.discard`); if even
+that fails, the pool is not trusted again (`usable` turns false) and cold requests
+wait for their adapter on the device instead. `begin(adapter)` / `end()` bracket one
+prefill; callbacks run on the engine's thread, one ticket in flight at a time.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class CpuAssist:
         self._rows = 0
         self._probe: Ticket | None = None  # measure_handoff_s's ticket
         self.failure: Exception | None = None  # of the current prefill, if its CPU path broke
+        self.usable = True  # false once a failed ticket could not even be let go
 
     # -- one prefill -----------------------------------------------------------
 
@@ -138,8 +141,7 @@ class CpuAssist:
         try:
             return self._submit(placements, layer, x, length)
         except Exception as err:  # never into the compiled step: see the module docstring
-            log.exception("CPU LoRA submit failed")
-            self.failure = err
+            self._failed("submit", err)
             return np.int32(NO_TICKET)
 
     def _submit(
@@ -165,8 +167,7 @@ class CpuAssist:
         try:
             products = self.pool.collect(self._ticket)
         except Exception as err:  # never into the compiled step: see the module docstring
-            log.exception("CPU LoRA collect failed")
-            self.failure = err
+            self._failed("collect", err)
             return out
         finally:
             self._ticket = None
@@ -178,6 +179,18 @@ class CpuAssist:
             ]
             cursor += p.out_features
         return out
+
+    def _failed(self, step: str, err: Exception) -> None:
+        """Record the prefill's failure and let its ticket go (see the module docstring)."""
+        log.error("CPU LoRA %s failed: %r", step, err)
+        self.failure = err
+        if self._ticket is None:
+            return
+        try:
+            self.pool.discard(self._ticket, timeout=self.pool.hang_after)
+        except Exception:
+            log.exception("the CPU LoRA pool cannot be trusted any more; cold requests will wait")
+            self.usable = False
 
     # -- measurements for the cost model ----------------------------------------
 

@@ -180,6 +180,11 @@ class DeviceEngine(abc.ABC):
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         """The scheduler thread: make a landed adapter usable in `slot`."""
 
+    @property
+    def can_assist(self) -> bool:
+        """Whether `prefill` can run a job with `assist` (CPU LoRA workers that work)."""
+        return False
+
     def cold_start(self, name: str, slot: int, prompt_len: int) -> ColdStart | None:
         """The cost model's inputs for prefilling `prompt_len` tokens of `name` (loading
         into `slot`) with CPU assistance; None: this engine cannot assist."""

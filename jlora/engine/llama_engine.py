@@ -39,7 +39,7 @@ from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
-from jlora.contract.errors import InvalidRequest
+from jlora.contract.errors import InvalidRequest, RequestError
 from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.cost_model import ColdStart
 from jlora.engine.cpu_assist import CpuAssist, default_workers
@@ -199,7 +199,7 @@ class LlamaEngine(DeviceEngine):
         sampling = host_sampling(1)
         _set_sampling(sampling, 0, job.sampling)
         if job.assist is not None:
-            assert self.assisted is not None, "CPU assistance needs lora_mode cpu-assist or auto"
+            assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
             token, self.cache, routes = self.assisted.run(
                 self.params,
                 self.cache,
@@ -210,6 +210,11 @@ class LlamaEngine(DeviceEngine):
                 job.assist,
                 sampling,
             )
+            if (failure := self.cpu.failure) is not None:  # this request's alone
+                raise RequestError(
+                    f"the CPU-assisted prefill for adapter {job.assist!r} failed: {failure}",
+                    reason="CPU_ASSIST_FAILED",
+                ) from failure
             return Prefilled(token, routes)
         weights = self._weights
         segments = None if weights is None else Segments.single(job.adapter_slot, size)
@@ -324,6 +329,10 @@ class LlamaEngine(DeviceEngine):
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         assert self.lora is not None
         self.lora.install(cast(Transfer, payload))  # what load_adapter returned
+
+    @property
+    def can_assist(self) -> bool:
+        return self.cpu is not None and self.cpu.usable
 
     def cold_start(self, name: str, slot: int, prompt_len: int) -> ColdStart | None:
         if self.assisted is None:

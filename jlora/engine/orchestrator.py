@@ -403,7 +403,9 @@ class Orchestrator:
         adapter, mode = seq.request.adapter, self.config.lora_mode
         assert self.adapters is not None and adapter is not None
         slots = self.adapters.slots
-        if mode not in ("cpu-assist", "auto") or not slots.will_land(adapter):
+        if mode not in ("cpu-assist", "auto") or not self.device.can_assist:
+            return False
+        if not slots.will_land(adapter):
             return False
         if mode == "cpu-assist":
             return True

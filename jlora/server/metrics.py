@@ -23,22 +23,11 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from jlora.contract.metrics import LATENCY_BUCKETS, PER_TOKEN_BUCKETS
+from jlora.contract.metrics import LATENCY_BUCKETS, OUTCOMES, PER_TOKEN_BUCKETS
 from jlora.engine.api import EngineStats
 
 STATS_INTERVAL = 0.5  # seconds between two engine-stats refreshes
 
-# Outcomes of a Generate call (the `outcome` label of jlora_requests_total).
-OUTCOMES = (
-    "stop",
-    "length",
-    "cancelled",  # client cancellation or deadline: aborted in the engine
-    "invalid",
-    "not_found",
-    "exhausted",
-    "unavailable",
-    "error",
-)
 
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -49,13 +49,8 @@ from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.contract import status
 from jlora.contract.adapters import check_adapter_name, resolve_adapter_dir
-from jlora.contract.errors import (
-    AlreadyExists,
-    Code,
-    RequestError,
-    ResourceExhausted,
-    Unavailable,
-)
+from jlora.contract.errors import AlreadyExists, RequestError, ResourceExhausted, Unavailable
+from jlora.contract.metrics import failed_outcome
 from jlora.engine.api import ERROR, Request, TokenEvent
 from jlora.engine.device import StagedAdapter
 from jlora.engine.orchestrator import Orchestrator
@@ -66,15 +61,6 @@ from jlora.server.scheduler import EngineFailed, Scheduler
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# The `outcome` label of a request the engine refused or failed, by status code.
-_OUTCOMES = {
-    Code.INVALID_ARGUMENT: "invalid",
-    Code.ALREADY_EXISTS: "invalid",
-    Code.NOT_FOUND: "not_found",
-    Code.RESOURCE_EXHAUSTED: "exhausted",
-    Code.UNAVAILABLE: "unavailable",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +163,7 @@ class JloraServicer(pb_grpc.JloraServicer):
         try:
             engine_request = self._admissible(request, request_id, arrival)
         except RequestError as err:
-            outcome.labels(_OUTCOMES.get(err.code, "error")).inc()
+            outcome.labels(failed_outcome(err.code)).inc()
             await _fail(context, err)
         stream = self._open(engine_request)
         label = "cancelled"  # unless the call ends another way
@@ -187,7 +173,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             try:
                 await asyncio.wrap_future(add)
             except RequestError as err:
-                label = _OUTCOMES.get(err.code, "error")
+                label = failed_outcome(err.code)
                 await _fail(context, err)
             except EngineFailed as err:
                 label = "unavailable"
