@@ -32,8 +32,9 @@ transaction that re-reads the version under the write lock (two processes openin
 fresh file migrate it once). A file written by a newer jlora is refused (SchemaError).
 A step, once released, never changes.
 
-Every error is a RegistryError, a `RequestError` whose code is the status the servers
-answer with (`jlora.contract.errors`).
+Every error is a `RequestError` (`jlora.contract.errors`) whose code is the status the
+servers answer with: a RegistryError for the database's own, the contract's for a bad
+name or path.
 """
 
 from __future__ import annotations
