@@ -1,8 +1,8 @@
-"""Typed configuration: model shapes, weight sources and serving settings.
+"""Typed configuration: model shapes, weight sources, serving settings and sharding.
 
-YAML presets in `configs/models/` load into the frozen dataclasses defined here;
-every dataclass validates itself in `__post_init__` and names the bad field.
-This package imports neither jax nor flax.
+YAML presets in `configs/models/` and `configs/sharding/` load into the frozen
+dataclasses defined here; every dataclass validates itself in `__post_init__` and
+names the bad field. This package imports neither jax nor flax.
 """
 
 from configs.engine import EngineConfig
@@ -14,13 +14,17 @@ from configs.model import (
     list_presets,
     load_preset,
 )
+from configs.sharding import ShardingConfig, list_sharding_presets, load_sharding
 
 __all__ = [
     "ConfigError",
     "EngineConfig",
     "ModelConfig",
     "ModelPreset",
+    "ShardingConfig",
     "WeightsSource",
     "list_presets",
+    "list_sharding_presets",
     "load_preset",
+    "load_sharding",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from configs.model import ConfigError
+from configs.sharding import ShardingConfig
 
 DTYPES = ("float32", "bfloat16")
 # The Llama projections a LoRA adapter may target, in the canonical order of every
@@ -55,6 +56,8 @@ class EngineConfig:
     emulated_link_gbps: if positive, adapter transfers to the device are throttled to
       this many gigabytes per second (a test and benchmark knob: a CPU-only machine
       has no real host-to-device link, so cold starts would otherwise cost nothing).
+    sharding: the device mesh and placement rules (configs/sharding.py); None is one
+      device.
     """
 
     dtype: str = "float32"
@@ -75,6 +78,7 @@ class EngineConfig:
     emulated_link_gbps: float = 0.0
     cpu_workers: int = 0
     lora_layer_groups: int = 4
+    sharding: ShardingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

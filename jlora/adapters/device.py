@@ -12,8 +12,11 @@ layer group by layer group (Toppings §4.1, pipelined loading).
    segments. `install(transfer)` writes the rest once the whole adapter has landed.
 
 `weights` is the device pytree the compiled steps take; only the scheduler thread
-replaces it. `link_bytes_per_s` is the host-to-device bandwidth: measured at start-up
-when asked (the emulated rate when the link is throttled), then averaged over transfers.
+replaces it. On a mesh, the slots are split as `specs` says (the sharding rules applied
+to the backend's layout, jlora/model/sharding.py), and each group lands already split,
+every device receiving only its part. `link_bytes_per_s` is the host-to-device
+bandwidth: measured at start-up when asked (the emulated rate when the link is
+throttled), then averaged over transfers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from configs import ModelConfig
 from jlora.adapters.backends import HostTensors, LoraBackend, LoraWeights, Payload, layer_group
 from jlora.adapters.backends.base import LAYER_PARTS
 from jlora.adapters.targets import target_shapes
+from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class DeviceSlots:
         max_rank: int,
         targets: tuple[str, ...],
         dtype: Any,
+        tp: TensorParallel,
         layer_groups_per_load: int = 1,
         emulated_link_gbps: float = 0.0,
         measure_link: bool = False,
@@ -80,17 +85,21 @@ class DeviceSlots:
         self.emulated_link_gbps = emulated_link_gbps
         self.dtype = dtype
         self.groups = layer_groups(model_config.num_layers, layer_groups_per_load)
-        shapes = target_shapes(model_config)
+        self._tp = tp
+        shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
         self.shapes = {target: shapes[target] for target in targets}
-        self.weights: LoraWeights = backend.allocate(
+        weights = backend.allocate(
             num_layers=model_config.num_layers,
             num_slots=num_slots,
             max_rank=max_rank,
             shapes=self.shapes,
             dtype=dtype,
         )
+        self.specs = tp.lora_specs(weights, backend.layout)
+        shardings = tp.named(self.specs)
+        self.weights: LoraWeights = jax.device_put(weights, shardings)
         # Compiled once per group size here, so installing never compiles while serving.
-        install = jax.jit(backend.install, donate_argnums=0)
+        install = jax.jit(backend.install, donate_argnums=0, out_shardings=shardings)
         self._install_exe = {}
         for size in sorted({stop - start for start, stop in self.groups}):
             empty = {
@@ -101,7 +110,14 @@ class DeviceSlots:
                 for target, (fan_in, fan_out) in self.shapes.items()
             }
             packed = self._pack(empty, slot=0)
-            payload = jax.eval_shape(lambda p: p, packed)
+            self._payload_shardings = tp.named(tp.lora_specs(packed, backend.payload_layout))
+            payload = jax.tree.map(
+                lambda leaf, sharding: jax.ShapeDtypeStruct(
+                    leaf.shape, leaf.dtype, sharding=sharding
+                ),
+                packed,
+                self._payload_shardings,
+            )
             # Bytes one layer of any adapter moves: the packing pads every rank alike.
             self.layer_bytes = sum(
                 parts[part].nbytes // size for parts in packed.values() for part in LAYER_PARTS
@@ -125,12 +141,16 @@ class DeviceSlots:
         start = time.perf_counter()
         transfer = Transfer(name, slot)
         self._transfers[slot] = transfer
-        packed = self._pack(tensors, slot=slot)
+        placed = {  # k/v's B as wide as the replicated KV heads
+            target: (a, self._tp.expand_kv(b) if target in ("k_proj", "v_proj") else b)
+            for target, (a, b) in tensors.items()
+        }
+        packed = self._pack(placed, slot=slot)
         nbytes = 0
         for first, stop in self.groups:
             group_start = time.perf_counter()
             group = layer_group(packed, first, stop)
-            payload = jax.block_until_ready(jax.device_put(group))
+            payload = jax.block_until_ready(jax.device_put(group, self._payload_shardings))
             group_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(group))
             if self.emulated_link_gbps:
                 left = group_bytes / (self.emulated_link_gbps * 1e9)

@@ -3,7 +3,8 @@
 State, all of it explicit (device.py tells the calls):
 
 - `params`, the KV `cache` (paged: `num_blocks` blocks of `block_size` tokens per
-  layer) and the adapter slots' `lora.weights`, placed on `mesh` (one device today);
+  layer) and the adapter slots' `lora.weights`, split over `mesh` as the sharding
+  config says (`tp`, jlora/model/sharding.py: tensor parallel, one device by default);
 - the decode state: one row per decode slot (last token, position, block table,
   sampling, adapter slot), host arrays that enter the compiled decode step each
   iteration; a free row has an all-sentinel block table, so its KV writes are dropped;
@@ -32,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ConfigError, EngineConfig, ModelConfig
+from configs.sharding import DEFAULT_SHARDING, load_sharding
 from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
@@ -55,9 +56,10 @@ from jlora.engine.device import (
 )
 from jlora.engine.orchestrator import Orchestrator
 from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, host_sampling
+from jlora.engine.steps import CompiledSteps, StepSpecs, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
+from jlora.model.sharding import TensorParallel
 from jlora.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,25 +101,26 @@ class LlamaEngine(DeviceEngine):
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.tokenizer = tokenizer
-        # One device for now; the partition rules of configs/sharding will spread
-        # params, KV heads and adapter slots over a bigger mesh.
-        self.mesh = Mesh(np.array(jax.devices()[:1]), ("tensor",))
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.params = jax.device_put(params, replicated)
+        self.tp = TensorParallel.build(
+            model_config, cfg.sharding or load_sharding(DEFAULT_SHARDING)
+        )
+        self.mesh = self.tp.mesh
+        self.params = self.tp.place_params(params)
         backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
-        self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend)
-        self.cache = jax.device_put(
-            KVCache.zeros(
+        self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend, tp=self.tp)
+        cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
+        zeros = jax.jit(
+            lambda: KVCache.zeros(
                 num_layers=model_config.num_layers,
                 num_blocks=cfg.num_blocks,
                 block_size=cfg.block_size,
-                num_kv_heads=model_config.num_kv_heads,
+                num_kv_heads=self.tp.kv_heads,
                 head_dim=model_config.head_dim,
                 dtype=self.model.dtype,
             ),
-            replicated,
+            out_shardings=self.tp.named(cache_specs),
         )
-        self.steps = CompiledSteps(self.model)
+        self.cache = zeros()  # created in place, each device its own heads
         self.state = self._empty_state()
         self.store: HostStore | None = None
         self.lora: DeviceSlots | None = None
@@ -130,10 +133,18 @@ class LlamaEngine(DeviceEngine):
                 max_rank=cfg.max_lora_rank,
                 targets=cfg.lora_targets,
                 dtype=self.model.dtype,
+                tp=self.tp,
                 layer_groups_per_load=cfg.lora_layer_groups,
                 emulated_link_gbps=cfg.emulated_link_gbps,
                 measure_link=cfg.lora_mode == "auto",  # only auto's cost model needs it early
             )
+        specs = StepSpecs(
+            mesh=self.mesh,
+            params=self.tp.param_specs(self.params),
+            cache=cache_specs,
+            lora=None if self.lora is None else self.lora.specs,
+        )
+        self.steps = CompiledSteps(self.model, specs)
         self.cpu: CpuAssist | None = None
         self.assisted: AssistedPrefill | None = None
         if (
@@ -150,12 +161,13 @@ class LlamaEngine(DeviceEngine):
             self.model.cpu_lora = self.cpu
             self.assisted = AssistedPrefill(self.steps, self.lora, self.store, self.cpu, cfg)
         log.info(
-            "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d",
+            "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d, mesh %s",
             cfg.max_slots,
             cfg.num_blocks,
             cfg.block_size,
             self.cache.nbytes() / 2**20,
             cfg.max_seq_len,
+            dict(self.tp.sharding.mesh),
         )
 
     @property

@@ -12,16 +12,24 @@ so XLA updates it in place. Executables are compiled ahead of time, once per
 bucket, and then called directly, so nothing is ever traced or compiled twice. The
 engine compiles at warm-up every shape it will use; a shape first met after warm-up
 is compiled then and logged as a warning.
+
+Every step runs in `shard_map` over the engine's mesh (`StepSpecs` says how the
+parameters, the KV cache and the adapter slots are split; everything else is
+replicated): the model computes one shard and its collectives are explicit
+(llama.py). On a one-device mesh this is the plain computation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from jlora.adapters.backends import LoraWeights, Segments
 from jlora.engine.sampling import SamplingArrays, sample
@@ -31,14 +39,53 @@ from jlora.model.llama import Llama, Params
 log = logging.getLogger(__name__)
 
 
+REPLICATED = PartitionSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpecs:
+    """How the steps' sharded inputs are split over `mesh`: PartitionSpec pytrees of the
+    parameters, the KV cache and the adapter slots (None: no LoRA)."""
+
+    mesh: Mesh
+    params: Any
+    cache: KVCache
+    lora: Any = None
+
+
 class CompiledSteps:
-    def __init__(self, model: Llama) -> None:
+    def __init__(self, model: Llama, specs: StepSpecs) -> None:
         self.model = model
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
-        self._embed_jit = jax.jit(model.embed)
-        self._segment_jit = jax.jit(self._prefill_segment, donate_argnums=(1,))
-        self._head_jit = jax.jit(self._prefill_head)
+        params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
+        lora = rep if lora is None else lora
+
+        def sharded(fn: Callable, in_specs: tuple, out_specs: Any) -> Callable:
+            return jax.shard_map(
+                fn, mesh=specs.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            )
+
+        self._prefill_jit = jax.jit(
+            sharded(
+                self._prefill,
+                (params, cache, rep, rep, rep, rep, lora, rep),
+                (rep, cache),
+            ),
+            donate_argnums=(1,),
+        )
+        self._decode_jit = jax.jit(
+            sharded(self._decode, (params, cache, rep, rep, rep, rep, lora, rep), (rep, cache)),
+            donate_argnums=(1,),
+        )
+        self._embed_jit = jax.jit(sharded(model.embed, (params, rep), rep))
+        self._segment_jit = jax.jit(
+            sharded(
+                self._prefill_segment,
+                (params, cache, rep, rep, rep, rep, rep, lora, rep),
+                (rep, cache),
+            ),
+            donate_argnums=(1,),
+        )
+        self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), rep))
         self._prefill_exe: dict[int, Any] = {}
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self._embed_exe: dict[int, Any] = {}

@@ -15,6 +15,12 @@ stack, with the per-layer routing of LoRA to the device or the CPU as an i32 arr
 The attention itself is not part of the Flax layer: `DecoderLayer.qkv` projects and
 rotates, the caller attends over the paged KV cache (`attention.py`), and
 `DecoderLayer.finish` applies the output projection and the MLP.
+
+On a mesh (`sharding.TensorParallel`) the same code runs per shard inside `shard_map`
+(the engine's steps): the config is the shard's (`tp.local`: its heads, its slice of
+the MLP and of the vocabulary), o_proj's and down_proj's partial sums (LoRA deltas
+included) are all-reduced over `attn_reduce` / `mlp_reduce`, and a split vocabulary
+is looked up with a mask and an all-reduce and its logits all-gathered.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
 from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.model.attention import causal_attention, paged_decode_attention, write_kv
 from jlora.model.kv_cache import KVCache
+from jlora.model.sharding import TensorParallel
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
 Projections = tuple[jax.Array, ...]
@@ -91,6 +98,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
+    attn_reduce: str | None = None  # mesh axis to sum o_proj's partial outputs over
+    mlp_reduce: str | None = None  # mesh axis to sum down_proj's partial outputs over
 
     def setup(self) -> None:
         cfg = self.config
@@ -138,9 +147,13 @@ class DecoderLayer(nn.Module):
     def finish(self, x: jax.Array, attn: jax.Array, lora: LoraFn | None = None) -> jax.Array:
         """Residual output projection, then the residual SwiGLU MLP. attn: [..., T, H*hd]."""
         (out,) = self.project(("o_proj",), attn, lora)
+        if self.attn_reduce is not None:
+            out = jax.lax.psum(out, self.attn_reduce)
         h = x + out
         gate, up = self.project(("gate_proj", "up_proj"), self.mlp_norm(h), lora)
         (down,) = self.project(("down_proj",), nn.silu(gate) * up, lora)
+        if self.mlp_reduce is not None:
+            down = jax.lax.psum(down, self.mlp_reduce)
         return h + down
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -161,12 +174,21 @@ class Llama:
         dtype: Any = jnp.float32,
         lora: LoraBackend | None = None,
         cpu_lora: CpuLora | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        self.config = config
+        self.vocab_size = config.vocab_size  # the real one: logits past it are padding
+        self.config = config if tp is None else tp.local  # the shapes a shard computes
         self.dtype = jnp.dtype(dtype)
         self.lora = lora  # the batched-LoRA backend; None serves the base model only
         self.cpu_lora = cpu_lora  # the host side of CPU-assisted prefill, if any
-        self.layer = DecoderLayer(config, self.dtype)
+        self.tp = tp
+        self.vocab_axis = None if tp is None else tp.vocab_axis
+        self.layer = DecoderLayer(
+            self.config,
+            self.dtype,
+            attn_reduce=None if tp is None else tp.attn_reduce,
+            mlp_reduce=None if tp is None else tp.mlp_reduce,
+        )
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype)
 
     # -- parameters ------------------------------------------------------------
@@ -208,12 +230,16 @@ class Llama:
         """x: [..., D] -> fp32 logits [..., V]."""
         h = self.final_norm.apply({"params": params["final_norm"]}, x)
         if self.config.tie_embeddings:
-            return jnp.einsum(
+            logits = jnp.einsum(
                 "...d,vd->...v", h, params["embed"]["embedding"], preferred_element_type=jnp.float32
             )
-        return jnp.einsum(
-            "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
-        )
+        else:
+            logits = jnp.einsum(
+                "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
+            )
+        if self.vocab_axis is not None:  # each shard has a slice of the vocabulary
+            logits = jax.lax.all_gather(logits, self.vocab_axis, axis=logits.ndim - 1, tiled=True)
+        return logits[..., : self.vocab_size]
 
     def _lora_fn(self, weights: LoraWeights | None, apply) -> LoraFn | None:
         """A layer's LoRA hook over the slots' targets: `apply(weights, target, h, y)`.
@@ -301,7 +327,14 @@ class Llama:
 
     def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
         """tokens: i32[T] -> x [T, D]."""
-        return jnp.take(params["embed"]["embedding"], tokens, axis=0)
+        table = params["embed"]["embedding"]
+        if self.vocab_axis is None:
+            return jnp.take(table, tokens, axis=0)
+        rows = table.shape[0]  # this shard's slice of the vocabulary
+        local = tokens - jax.lax.axis_index(self.vocab_axis) * rows
+        inside = (local >= 0) & (local < rows)
+        x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+        return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), self.vocab_axis)
 
     def last_logits(self, params: Params, x: jax.Array, length: jax.Array) -> jax.Array:
         """fp32 logits [V] of a prefilled prompt's last real position."""

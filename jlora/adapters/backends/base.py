@@ -54,9 +54,17 @@ class Segments:
 
 
 class LoraBackend(abc.ABC):
-    """How adapters sit in device memory and how the batched delta is added."""
+    """How adapters sit in device memory and how the batched delta is added.
+
+    `layout` names the dims of each part of the slots, and `payload_layout` those of
+    each part of a packed adapter, for the sharding rules (jlora/model/sharding.py):
+    "layers", "slot", "page", "index" (never split), "rank", and "in" / "out" (the
+    base projection's input and output dims).
+    """
 
     name: str
+    layout: dict[str, tuple[str, ...]]
+    payload_layout: dict[str, tuple[str, ...]]
 
     @abc.abstractmethod
     def allocate(

@@ -71,6 +71,12 @@ class BgmvBackend(_PallasBackend):
     """
 
     name = "bgmv"
+    layout = {
+        "a": ("layers", "slot", "rank", "in"),
+        "b": ("layers", "slot", "rank", "out"),
+        "rank": ("slot",),
+    }
+    payload_layout = {"a": ("layers", "rank", "in"), "b": ("layers", "rank", "out"), "rank": ()}
 
     def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
         rdim = rank_dim(max_rank)
@@ -137,6 +143,19 @@ class MbgmvBackend(_PallasBackend):
     """
 
     name = "mbgmv"
+    layout = {
+        "a": ("layers", "page", "in"),
+        "b": ("layers", "page", "out"),
+        "pages": ("slot", "index"),
+        "rank": ("slot",),
+    }
+    payload_layout = {
+        "a": ("layers", "rank", "in"),
+        "b": ("layers", "rank", "out"),
+        "rank": (),
+        "dest": ("index",),
+        "pages": ("index",),
+    }
 
     def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
         self.pool = PagePool(num_slots, max_rank)

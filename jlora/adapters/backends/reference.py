@@ -38,6 +38,8 @@ class ReferenceBackend(LoraBackend):
     """Plain jnp: a per-row gather for decode, one masked product per segment for prefill."""
 
     name = "reference"
+    layout = {"a": ("layers", "slot", "in", "rank"), "b": ("layers", "slot", "rank", "out")}
+    payload_layout = {"a": ("layers", "in", "rank"), "b": ("layers", "rank", "out")}
 
     def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
         return {
