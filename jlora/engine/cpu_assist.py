@@ -5,14 +5,23 @@ A request whose adapter is still on its way to the device is prefilled at once
 (`Llama.prefill_layers`); in a layer whose group has not landed yet, each input
 group (q/k/v, o, gate/up, down; `INPUT_GROUPS`) makes two ordered host callbacks:
 
-1. `submit(group, layer, x, length)`, before the device computes x·W: the prompt's
-   `length` real rows of x go to the `CpuLoraPool` workers with one `LoraJob` per
-   projection of the group that the adapter adapts. A and B are read in place from
-   the host store's arena, at `offset + layer · layer_stride + target offset`.
+1. `submit(group, shard, layer, x, length)`, before the device computes x·W: the
+   prompt's `length` real rows of x go to the `CpuLoraPool` workers with one
+   `LoraJob` per projection of the group that the adapter adapts. A and B are read in
+   place from the host store's arena, at `offset + layer · layer_stride + target
+   offset`.
 2. The device computes the base projections meanwhile.
-3. `collect(group, ticket)`, after them: waits for the workers and returns x·A·B
+3. `collect(group, shard, ticket)`, after them: waits for the workers and returns x·A·B
    side by side in the columns of the projections the device slots hold (zeros for
    those the adapter does not adapt and for padding rows), which the model adds.
+
+On a mesh (tensor parallel) every shard makes both callbacks, in the same order, on
+threads of its own. Shard 0's submit hands the whole input to the workers (a
+row-parallel group's input is all-gathered first, the CPU path's only extra
+collective) and every shard's collect of that call reads the one result
+(`ShardPlan`): a column-parallel group's columns of the shard, with k/v widened to
+replicated KV heads; a row-parallel group's whole delta on shard 0, zeros elsewhere,
+so the base all-reduce adds it once. Nothing is added by a collective.
 
 A worker that dies or hangs loses nothing: `CpuLoraPool.collect` recomputes its rows
 here, and the watchdog respawns it. A failure beyond that never escapes a callback (an
@@ -21,7 +30,7 @@ callback returns zeros, the error is kept in `failure`, and the engine fails tha
 request after the prefill. The failed ticket is let go (`CpuLoraPool.discard`); if even
 that fails, the pool is not trusted again (`usable` turns false) and cold requests
 wait for their adapter on the device instead. `begin(adapter)` / `end()` bracket one
-prefill; callbacks run on the engine's thread, one ticket in flight at a time.
+prefill; one ticket is in flight at a time.
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,13 +60,30 @@ NO_TICKET = 0  # submit's answer when the adapter adapts nothing in the group
 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
-    """Where one adapted projection's product goes: the pool job, minus the layer."""
+    """One adapted projection's pool job, minus the layer."""
 
+    name: str
     a_offset: int  # bytes into the arena at layer 0
     b_offset: int
     rank: int
     out_features: int
-    column: int  # first column of the projection in the group's collect output
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How the workers' whole x·A·B maps onto the shards of a tensor-parallel mesh.
+
+    size: the shards. row_groups: INPUT_GROUPS indices whose input is split across the
+    shards (o, down: row-parallel): their whole delta goes to shard 0. split: the
+    projections whose output columns are split evenly across the shards
+    (column-parallel). widen(name, columns): a projection's columns as the device lays
+    them out (k/v with each KV head replicated where tp exceeds them).
+    """
+
+    size: int = 1
+    row_groups: frozenset[int] = frozenset()
+    split: frozenset[str] = frozenset()
+    widen: Callable[[str, np.ndarray], np.ndarray] = lambda name, columns: columns
 
 
 def default_workers() -> int:
@@ -67,7 +95,9 @@ class CpuAssist:
     """Implements `jlora.model.llama.CpuLora` over a `CpuLoraPool`.
 
     arena_name: the host store's shared-memory arena; shapes: (in, out) of each
-    projection the device slots hold; max_rows: the longest prefill (in tokens).
+    projection the device slots hold, as the adapters store them (whole, k/v not
+    widened); max_rows: the longest prefill (in tokens); shards: how the devices split
+    the results (one device by default).
     """
 
     def __init__(
@@ -78,8 +108,10 @@ class CpuAssist:
         workers: int,
         max_rows: int,
         hang_after: float = 5.0,
+        shards: ShardPlan | None = None,
     ) -> None:
         self.shapes = shapes
+        self.shards = shards or ShardPlan()
         groups = [[name for name in names if name in shapes] for names in INPUT_GROUPS]
         self.widths = [sum(shapes[name][1] for name in names) for names in groups]
         self.pool = CpuLoraPool(
@@ -94,9 +126,16 @@ class CpuAssist:
         self.collect_wait_s: deque[float] = deque(maxlen=4096)  # time blocked in collect
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []
-        self._ticket: Ticket | None = None
-        self._rows = 0
+        self._ticket: Ticket | None = None  # in flight (shard 0's last submit)
         self._probe: Ticket | None = None  # measure_handoff_s's ticket
+        # The calls of one prefill, numbered in each shard's order: shard 0's submits
+        # post them, every shard's collect takes its share of the one result.
+        self._calls = threading.Condition()
+        self._submitted: dict[int, tuple[int, Ticket | None]] = {}  # call -> (rows, ticket)
+        self._results: dict[int, tuple[int, np.ndarray | None]] = {}  # call -> products
+        self._collected: dict[int, int] = {}  # call -> shards that took their share
+        self._next = [0] * self.shards.size  # each shard's next call (submit and collect)
+        self._posted = 0  # shard 0's submits so far
         self.failure: Exception | None = None  # of the current prefill, if its CPU path broke
         self.usable = True  # false once a failed ticket could not even be let go
 
@@ -106,24 +145,26 @@ class CpuAssist:
         """Serve the callbacks of one prefill for `adapter`."""
         self._adapter = adapter
         self.failure = None
+        self._submitted.clear()
+        self._results.clear()
+        self._collected.clear()
+        self._next = [0] * self.shards.size
+        self._posted = 0
         self._plan = []
         for names in INPUT_GROUPS:
-            column, placements = 0, []
+            placements = []
             for name in names:
-                if name not in self.shapes:
-                    continue
-                if name in adapter.target_offsets:
+                if name in self.shapes and name in adapter.target_offsets:
                     a_off, b_off = adapter.target_offsets[name]
                     placements.append(
                         _Placement(
+                            name,
                             adapter.offset + a_off,
                             adapter.offset + b_off,
                             adapter.spec.rank,
                             self.shapes[name][1],
-                            column,
                         )
                     )
-                column += self.shapes[name][1]
             self._plan.append(placements)
 
     def end(self) -> None:
@@ -131,22 +172,30 @@ class CpuAssist:
 
     # -- the callbacks (CpuLora) -------------------------------------------------
 
-    def submit(self, group: int, layer: np.ndarray, x: np.ndarray, length: np.ndarray) -> Any:
-        """Step 1: hand the real rows of x to the workers; returns the ticket flag."""
+    def submit(
+        self, group: int, shard: np.ndarray, layer: np.ndarray, x: np.ndarray, length: np.ndarray
+    ) -> Any:
+        """Step 1: shard 0 hands the real rows of x to the workers; the others only count
+        the call. Returns the ticket flag."""
         assert self._adapter is not None, "submit outside begin()/end()"
-        self._rows = x.shape[0]
         placements = self._plan[group]
-        if not placements or self.failure is not None:
-            return np.int32(NO_TICKET)
-        try:
-            return self._submit(placements, layer, x, length)
-        except Exception as err:  # never into the compiled step: see the module docstring
-            self._failed("submit", err)
-            return np.int32(NO_TICKET)
+        if int(shard) != 0:
+            return np.int32(1 if placements else NO_TICKET)
+        ticket = None
+        if placements and self.failure is None:
+            try:
+                ticket = self._submit(placements, layer, x, length)
+            except Exception as err:  # never into the compiled step: see the module docstring
+                self._failed("submit", err)
+        with self._calls:
+            self._submitted[self._posted] = (x.shape[0], ticket)
+            self._posted += 1
+            self._calls.notify_all()
+        return np.int32(1 if placements else NO_TICKET)
 
     def _submit(
         self, placements: list[_Placement], layer: np.ndarray, x: np.ndarray, length: np.ndarray
-    ) -> Any:
+    ) -> Ticket:
         assert self._adapter is not None
         shift = int(layer) * self._adapter.layer_stride
         jobs = [
@@ -155,29 +204,59 @@ class CpuAssist:
         ]
         self._ticket = self.pool.submit(np.ascontiguousarray(x[: int(length)]), jobs)
         self.handoffs += 1
-        return np.int32(1)
+        return self._ticket
 
-    def collect(self, group: int, ticket: np.ndarray) -> np.ndarray:
-        """Step 3: the group's products, placed in the columns the model expects."""
-        out = np.zeros((self._rows, self.widths[group]), np.float32)
-        if int(ticket) == NO_TICKET:
-            return out
-        assert self._ticket is not None
+    def collect(self, group: int, shard: np.ndarray, ticket: np.ndarray) -> np.ndarray:
+        """Step 3: this shard's part of the group's products, in the columns the model
+        expects (waiting for shard 0's submit of the call if need be)."""
+        index = int(shard)
+        with self._calls:
+            call = self._next[index]
+            self._next[index] += 1
+            while call not in self._results and call not in self._submitted:
+                self._calls.wait()
+            if call not in self._results:
+                rows, posted = self._submitted.pop(call)
+                self._results[call] = (rows, None if posted is None else self._products(posted))
+            rows, products = self._results[call]
+            self._collected[call] = self._collected.get(call, 0) + 1
+            if self._collected[call] == self.shards.size:
+                del self._results[call], self._collected[call]
+        return self._share(group, index, rows, products)
+
+    def _products(self, ticket: Ticket) -> np.ndarray | None:
+        """The workers' x·A·B of a ticket, None if the CPU path failed."""
         start = time.perf_counter()
         try:
-            products = self.pool.collect(self._ticket)
+            products = self.pool.collect(ticket)
         except Exception as err:  # never into the compiled step: see the module docstring
             self._failed("collect", err)
-            return out
+            return None
         finally:
             self._ticket = None
         self.collect_wait_s.append(time.perf_counter() - start)
-        rows, cursor = products.shape[0], 0
-        for p in self._plan[group]:
-            out[:rows, p.column : p.column + p.out_features] = products[
-                :, cursor : cursor + p.out_features
-            ]
-            cursor += p.out_features
+        return products
+
+    def _share(self, group: int, shard: int, rows: int, products: np.ndarray | None) -> np.ndarray:
+        """A shard's columns of a group's products ([real rows, their out_features side
+        by side]), zero-padded to `rows`, as the device lays the projections out."""
+        plan, placed = self.shards, []
+        cursor = 0
+        for name in (n for n in INPUT_GROUPS[group] if n in self.shapes):
+            width = self.shapes[name][1]
+            columns = np.zeros((rows, width), np.float32)
+            placement = next((p for p in self._plan[group] if p.name == name), None)
+            if placement is not None and products is not None:
+                columns[: products.shape[0]] = products[:, cursor : cursor + width]
+                cursor += width
+            columns = plan.widen(name, columns)
+            if name in plan.split:
+                part = columns.shape[1] // plan.size
+                columns = columns[:, shard * part : (shard + 1) * part]
+            placed.append(columns)
+        out = np.concatenate(placed, axis=1)
+        if group in plan.row_groups and shard != 0:
+            out = np.zeros_like(out)  # shard 0 carries the whole delta into the sum
         return out
 
     def _failed(self, step: str, err: Exception) -> None:

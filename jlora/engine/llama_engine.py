@@ -40,10 +40,11 @@ from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
+from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.contract.errors import InvalidRequest, RequestError
 from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.cost_model import ColdStart
-from jlora.engine.cpu_assist import CpuAssist, default_workers
+from jlora.engine.cpu_assist import CpuAssist, ShardPlan, default_workers
 from jlora.engine.device import (
     DecodeRow,
     DeviceEngine,
@@ -130,7 +131,7 @@ class LlamaEngine(DeviceEngine):
                 model_config,
                 backend=backend,
                 num_slots=cfg.max_loras,
-                max_rank=cfg.max_lora_rank,
+                max_rank=self.tp.lora_rank(cfg.max_lora_rank),
                 targets=cfg.lora_targets,
                 dtype=self.model.dtype,
                 tp=self.tp,
@@ -152,11 +153,13 @@ class LlamaEngine(DeviceEngine):
             and self.store is not None
             and cfg.lora_mode in ("cpu-assist", "auto")
         ):
+            stored = target_shapes(model_config)  # as the adapters hold them (k/v not widened)
             self.cpu = CpuAssist(
                 self.store.arena.name,
-                self.lora.shapes,
+                {target: stored[target] for target in self.lora.shapes},
                 workers=cfg.cpu_workers or default_workers(),
                 max_rows=max(cfg.prefill_buckets),
+                shards=self._shard_plan(),
             )
             self.model.cpu_lora = self.cpu
             self.assisted = AssistedPrefill(self.steps, self.lora, self.store, self.cpu, cfg)
@@ -168,6 +171,23 @@ class LlamaEngine(DeviceEngine):
             self.cache.nbytes() / 2**20,
             cfg.max_seq_len,
             dict(self.tp.sharding.mesh),
+        )
+
+    def _shard_plan(self) -> ShardPlan:
+        """How the CPU workers' whole products map onto this mesh's shards."""
+        tp = self.tp
+        reduce = {"o_proj": tp.attn_reduce, "down_proj": tp.mlp_reduce}
+        column = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"}
+        column |= {"gate_proj": "mlp", "up_proj": "mlp"}
+        return ShardPlan(
+            size=tp.size,
+            row_groups=frozenset(
+                i for i, names in enumerate(INPUT_GROUPS) if reduce.get(names[0]) is not None
+            ),
+            split=frozenset(name for name, axis in column.items() if tp.spec(axis)[0] is not None),
+            widen=lambda name, columns: (
+                tp.expand_kv(columns) if name in ("k_proj", "v_proj") else columns
+            ),
         )
 
     @property

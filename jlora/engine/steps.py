@@ -209,7 +209,7 @@ class CompiledSteps:
             self._embed_exe[bucket] = self._compile(
                 self._embed_jit, f"embed[{bucket}]", params, tokens
             )
-        x = jax.eval_shape(self.model.embed, params, tokens)
+        x = jax.eval_shape(self._embed_jit, params, tokens)
         for size in group_sizes:
             if (bucket, size) not in self._segment_exe:
                 self._segment_exe[(bucket, size)] = self._compile(

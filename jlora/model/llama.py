@@ -54,16 +54,21 @@ LoraFn = Callable[[tuple[str, ...], jax.Array, Callable[[jax.Array], Projections
 class CpuLora(Protocol):
     """The host side of CPU-assisted LoRA, called from the jitted prefill (io_callback).
 
-    For one input group of one layer: `submit` hands the group's input x
+    For one input group of one layer: `submit` hands the group's whole input x
     (f32[T, in], rows >= length are padding) to the CPU workers and returns a ticket;
     `collect` waits for x·A·B of every projection of the group that the device slots
-    hold, side by side in INPUT_GROUPS order: f32[T, sum of their out_features],
-    zero where the adapter does not adapt a projection and on padding rows.
+    hold, side by side in INPUT_GROUPS order, zero where the adapter does not adapt a
+    projection and on padding rows: shard `shard`'s part of them (its columns of a
+    column-parallel group; for a row-parallel group the whole delta on shard 0, to be
+    summed with the partial outputs, and zeros elsewhere). Every shard makes both
+    calls; the workers compute once.
     """
 
-    def submit(self, group: int, layer: np.ndarray, x: np.ndarray, length: np.ndarray) -> Any: ...
+    def submit(
+        self, group: int, shard: np.ndarray, layer: np.ndarray, x: np.ndarray, length: np.ndarray
+    ) -> Any: ...
 
-    def collect(self, group: int, ticket: np.ndarray) -> np.ndarray: ...
+    def collect(self, group: int, shard: np.ndarray, ticket: np.ndarray) -> np.ndarray: ...
 
 
 class RMSNorm(nn.Module):
@@ -264,6 +269,47 @@ class Llama:
 
         return lora
 
+    def _lora_apply(self, layer: jax.Array, rows: jax.Array | Segments | None):
+        """`apply(weights, target, x, y)` for `_lora_fn`: the backend's fused BGMV (rows:
+        i32[S] slots) or SGMV (rows: Segments), or the split product when the adapters
+        are fully sharded across the mesh."""
+        backend = self.lora
+        if backend is None or rows is None:  # the base model only: `_lora_fn` gives None
+            return None
+        if self.tp is not None and self.tp.lora_axis is not None:
+            return lambda w, t, x, y: self._split_lora(w, t, layer, x, y, rows)
+        if isinstance(rows, Segments):
+            return lambda w, t, x, y: backend.sgmv(w, t, layer, x, y, rows)
+        return lambda w, t, x, y: backend.bgmv(w, t, layer, x, y, rows)
+
+    def _split_lora(self, weights, target, layer, x, y, rows) -> jax.Array:
+        """A fully-sharded adapter's delta (configs.sharding.LORA_SHARDINGS): x·A on each
+        device, then its collective (an all-gather over the rank where A is split on it,
+        an all-reduce where x is split, i.e. row-parallel), then ·B. A row-parallel
+        target's B is split on its output: each device adds its slice into its partial
+        sum, and the base all-reduce completes it."""
+        backend, tp = self.lora, self.tp
+        assert backend is not None and tp is not None and tp.lora_axis is not None
+        axis = tp.lora_axis
+        gather, reduce = tp.lora_split(target, backend.layout)
+        slots = rows.slot if isinstance(rows, Segments) else rows
+
+        def compute() -> jax.Array:
+            xa, adapted = backend.shrink(weights, target, layer, x, rows)
+            if gather:
+                xa = jax.lax.all_gather(xa, axis, axis=1, tiled=True)
+            if reduce:
+                xa = jax.lax.psum(xa, axis)
+            delta = backend.expand(weights, target, layer, xa.astype(x.dtype), rows)
+            if reduce:  # this device's slice of the output, into its partial sum
+                start = jax.lax.axis_index(axis) * delta.shape[1]
+                whole = jnp.zeros((delta.shape[0], y.shape[1]), jnp.float32)
+                delta = jax.lax.dynamic_update_slice(whole, delta, (0, start))
+            summed = (y.astype(jnp.float32) + delta).astype(y.dtype)
+            return jnp.where(adapted[:, None], summed, y)
+
+        return jax.lax.cond(jnp.any(slots >= 0), compute, lambda: y)
+
     def _cpu_lora_fn(self, weights: LoraWeights, layer: jax.Array, length: jax.Array) -> LoraFn:
         """The LoRA hook of a CPU-routed prefill layer: hand h to the CPU workers, run the
         base projections on the device meanwhile, then add what the workers computed.
@@ -274,6 +320,10 @@ class Llama:
         """
         cpu, shapes = self.cpu_lora, target_shapes(self.config)
         assert cpu is not None
+        shard, row_reduce = jnp.int32(0), {}
+        if self.tp is not None and self.tp.size > 1:
+            shard = jax.lax.axis_index(self.tp.sharding.tensor_axis)
+            row_reduce = {"o_proj": self.tp.attn_reduce, "down_proj": self.tp.mlp_reduce}
 
         def lora(names, h, base) -> Projections:
             held = [name for name in names if name in weights]
@@ -281,11 +331,17 @@ class Llama:
                 return base(h)
             group = INPUT_GROUPS.index(names)
             width = sum(shapes[name][1] for name in held)
+            whole = h
+            if (reduce := row_reduce.get(names[0])) is not None:  # row-parallel: x is split,
+                whole = jax.lax.all_gather(
+                    h, reduce, axis=h.ndim - 1, tiled=True
+                )  # the CPU takes it whole
             ticket = io_callback(
                 partial(cpu.submit, group),
                 jax.ShapeDtypeStruct((), jnp.int32),
+                shard,
                 layer,
-                h.astype(jnp.float32),
+                whole.astype(jnp.float32),
                 length,
                 ordered=True,
             )
@@ -294,6 +350,7 @@ class Llama:
             deltas = io_callback(
                 partial(cpu.collect, group),
                 jax.ShapeDtypeStruct((h.shape[0], width), jnp.float32),
+                shard,
                 ticket,
                 ordered=True,
             )
@@ -391,9 +448,7 @@ class Llama:
 
         def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            device = self._lora_fn(
-                lora_weights, lambda w, t, h, y: self.lora.sgmv(w, t, index, h, y, segments)
-            )
+            device = self._lora_fn(lora_weights, self._lora_apply(index, segments))
             lora = device
             if route is not None:
                 assert lora_weights is not None and device is not None
@@ -441,9 +496,7 @@ class Llama:
 
         def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            lora = self._lora_fn(
-                lora_weights, lambda w, t, h, y: self.lora.bgmv(w, t, index, h, y, lora_idx)
-            )
+            lora = self._lora_fn(lora_weights, self._lora_apply(index, lora_idx))
             q, k, v = layer.qkv(x[:, None], positions[:, None], lora)  # [S, 1, ...]
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),

@@ -159,6 +159,25 @@ class TensorParallel:
             vocab_size=self.padded_vocab // tp if self.vocab_axis else cfg.vocab_size,
         )
 
+    @property
+    def lora_axis(self) -> str | None:
+        """The axis fully-sharded adapters are split on (None under follow-base, whose
+        deltas need no collective of their own)."""
+        fully = self.sharding.lora_sharding == "fully-sharded"
+        return (self._split("heads") or self._split("mlp")) if fully else None
+
+    def lora_rank(self, max_rank: int) -> int:
+        """The slots' rank dim: max_rank, rounded up to a multiple of the devices that
+        split it (fully-sharded; the extra rank rows are zeros)."""
+        return math.ceil(max_rank / self.size) * self.size if self.lora_axis else max_rank
+
+    def lora_split(self, target: str, layout: dict[str, tuple[str, ...]]) -> tuple[bool, bool]:
+        """A fully-sharded target's collectives on x·A: (all-gather it over the rank: A
+        is split on its rank, the column-parallel case; all-reduce it: x is split, the
+        row-parallel case, whose B is then split on its output)."""
+        in_axis, out_axis = (self._split(a) for a in TARGET_AXES[target])
+        return out_axis is not None and "rank" in layout["a"], in_axis is not None
+
     # -- where the arrays live --------------------------------------------------------
 
     def spec(self, *logical: str | None) -> PartitionSpec:

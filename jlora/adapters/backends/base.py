@@ -132,6 +132,58 @@ class LoraBackend(abc.ABC):
     ) -> jax.Array:
         """Prefill form. x: [T, in]; y: [T, out]; segments as in `Segments` -> y'."""
 
+    # -- the two halves, for a LoRA split across devices (fully-sharded) ------------
+
+    @abc.abstractmethod
+    def factors(
+        self, weights: LoraWeights, target: str, layer: jax.Array, slots: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """The adapters of `slots` (i32[S], >= 0) at `layer`, as plain factors:
+        A [S, in, R] and B [S, R, out] (this device's part of each), rank rows past an
+        adapter's rank zero."""
+
+    def shrink(
+        self, weights: LoraWeights, target: str, layer: jax.Array, x: jax.Array, rows: Rows
+    ) -> tuple[jax.Array, jax.Array]:
+        """Semantics: xa[t] = x[t] @ A[slot(t)] in fp32 (zero where a row has no adapter).
+
+        rows: i32[T] slots per row (decode) or `Segments` (prefill). Returns xa f32[T, R]
+        and which rows have an adapter, bool[T]. With `expand`, the BGMV/SGMV product
+        in two halves, so a collective can run between them (plain jnp over gathered
+        factors: the fused kernels serve the unsplit path).
+        """
+        return self._per_adapter(weights, target, layer, rows, x, 0)
+
+    def expand(
+        self, weights: LoraWeights, target: str, layer: jax.Array, xa: jax.Array, rows: Rows
+    ) -> jax.Array:
+        """Semantics: delta[t] = xa[t] @ B[slot(t)] in fp32 (xa: [T, R], rounded as the
+        caller wants); zero where a row has no adapter."""
+        return self._per_adapter(weights, target, layer, rows, xa, 1)[0]
+
+    def _per_adapter(
+        self, weights: LoraWeights, target: str, layer: jax.Array, rows: Rows, lhs, which: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """lhs @ (A, B)[which] of each row's adapter; rows without one are zero."""
+        if not isinstance(rows, Segments):  # decode: a gathered factor per row
+            factor = self.factors(weights, target, layer, jnp.maximum(rows, 0))[which]
+            product = jnp.einsum("tk,tkn->tn", lhs, factor, preferred_element_type=jnp.float32)
+            return jnp.where((rows >= 0)[:, None], product, 0.0), rows >= 0
+        index = jnp.arange(lhs.shape[0])
+        adapted = jnp.zeros(lhs.shape[0], bool)
+        out = jnp.zeros((lhs.shape[0], 0), jnp.float32)
+        for g in range(rows.slot.shape[0]):  # prefill: one factor per segment
+            slot = rows.slot[g]
+            factor = self.factors(weights, target, layer, jnp.maximum(slot, 0)[None])[which][0]
+            part = jnp.einsum("tk,kn->tn", lhs, factor, preferred_element_type=jnp.float32)
+            inside = (index >= rows.start[g]) & (index < rows.start[g + 1]) & (slot >= 0)
+            out = jnp.where(inside[:, None], part, 0.0 if g == 0 else out)
+            adapted = adapted | inside
+        return out, adapted
+
+
+Rows = jax.Array | Segments  # the rows' adapters: i32[T] slots (decode) or segments (prefill)
+
 
 def layer_group(payload: Payload, start: int, stop: int) -> Payload:
     """The layers [start, stop) of a packed adapter (the per-slot parts whole)."""

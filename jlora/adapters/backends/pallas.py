@@ -95,6 +95,10 @@ class BgmvBackend(_PallasBackend):
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
         return set_slot(weights, slot, layer_start, payload)
 
+    def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
+        w = weights[target]
+        return jnp.swapaxes(w["a"][layer, slots], 1, 2), w["b"][layer, slots]
+
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         w = weights[target]
         return bgmv(y, x, w["a"], w["b"], idx, w["rank"], layer, interpret=self.interpret)
@@ -197,6 +201,14 @@ class MbgmvBackend(_PallasBackend):
                 "rank": w["rank"].at[slot].set(p["rank"]),
             }
         return installed
+
+    def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
+        w = weights[target]
+        pages = w["pages"][slots]  # [S, R]
+        live = jnp.arange(pages.shape[1])[None, :] < w["rank"][slots][:, None]  # [S, R]
+        a = jnp.where(live[:, :, None], w["a"][layer, pages], 0)  # [S, R, in]
+        b = jnp.where(live[:, :, None], w["b"][layer, pages], 0)  # [S, R, out]
+        return jnp.swapaxes(a, 1, 2), b
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         w = weights[target]

@@ -67,6 +67,9 @@ class ReferenceBackend(LoraBackend):
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
         return set_slot(weights, slot, layer_start, payload)
 
+    def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
+        return weights[target]["a"][layer, slots], weights[target]["b"][layer, slots]
+
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         a_slots, b_slots = weights[target]["a"], weights[target]["b"]
 
