@@ -332,10 +332,9 @@ class Llama:
             group = INPUT_GROUPS.index(names)
             width = sum(shapes[name][1] for name in held)
             whole = h
-            if (reduce := row_reduce.get(names[0])) is not None:  # row-parallel: x is split,
-                whole = jax.lax.all_gather(
-                    h, reduce, axis=h.ndim - 1, tiled=True
-                )  # the CPU takes it whole
+            if (reduce := row_reduce.get(names[0])) is not None:
+                # Row-parallel: h is split across the shards; the workers take it whole.
+                whole = jax.lax.all_gather(h, reduce, axis=h.ndim - 1, tiled=True)
             ticket = io_callback(
                 partial(cpu.submit, group),
                 jax.ShapeDtypeStruct((), jnp.int32),
