@@ -27,6 +27,42 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sharding_args(parser: argparse.ArgumentParser) -> None:
+    """--sharding, --lora-sharding (read back with `sharding_config`)."""
+    from configs.sharding import LORA_SHARDINGS
+
+    group = parser.add_argument_group("sharding")
+    group.add_argument(
+        "--sharding",
+        metavar="NAME_OR_PATH",
+        help="device mesh and placement rules: a preset (tp1, tp2, tp3, tp4, tp8: tensor "
+        "parallel over that many devices) or a YAML file like configs/sharding/tp2.yaml "
+        "(default: one device)",
+    )
+    group.add_argument(
+        "--lora-sharding",
+        choices=LORA_SHARDINGS,
+        help="how adapters are split: follow-base (like their base weights, no extra "
+        "collective; the presets' default) or fully-sharded (1/tp of every adapter weight "
+        "per device, one small collective per projection)",
+    )
+
+
+def sharding_config(args: argparse.Namespace):
+    """The ShardingConfig `add_sharding_args` asked for (None: one device)."""
+    from configs.sharding import DEFAULT_SHARDING, load_sharding
+
+    if args.sharding is None and args.lora_sharding is None:
+        return None
+    return load_sharding(args.sharding or DEFAULT_SHARDING).with_lora_sharding(args.lora_sharding)
+
+
+def sharding_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that pass `add_sharding_args`' values on to a child `jlora serve`."""
+    flags = ["--sharding", args.sharding] if args.sharding else []
+    return flags + (["--lora-sharding", args.lora_sharding] if args.lora_sharding else [])
+
+
 def add_api_key_arg(group: argparse._ActionsContainer) -> None:
     """--api-key (read back with `jlora.contract.auth.resolve_api_key`)."""
     group.add_argument(

@@ -27,8 +27,10 @@ from jlora.cli.common import (
     UsageError,
     add_lora_engine_args,
     add_model_args,
+    add_sharding_args,
     lora_engine_config,
     resolve_dtype,
+    sharding_config,
 )
 from jlora.contract.adapters import resolve_adapter_dir
 from jlora.contract.errors import RequestError
@@ -59,6 +61,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--system", help="system message for --chat")
     add_model_args(parser)
+    add_sharding_args(parser)
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=256)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -242,6 +245,7 @@ def _load(
             dtype=resolve_dtype(args.dtype),
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
+            sharding=sharding_config(args),
             **lora,
         )
         engine = build_engine(

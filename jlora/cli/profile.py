@@ -23,7 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from jlora.cli.common import UsageError, add_model_args, resolve_dtype
+from jlora.cli.common import (
+    UsageError,
+    add_model_args,
+    add_sharding_args,
+    resolve_dtype,
+    sharding_config,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -33,6 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     add_model_args(parser)
+    add_sharding_args(parser)
     parser.add_argument("--out", type=Path, required=True, help="the profile JSON to write")
     parser.add_argument(
         "--lora-backend", choices=["reference", "bgmv", "mbgmv"], default="reference"
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=max(ranks),
         lora_mode="cached",
         lora_backend=args.lora_backend,
+        sharding=sharding_config(args),
     )
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config

@@ -9,6 +9,11 @@
    port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
 3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
    `--grace` seconds), then close the engine (CPU workers, shared memory).
+
+A worker may span several JAX processes (`--coordinator HOST:PORT --num-processes N
+--process-id I`, one mesh over all their devices, jlora/engine/multiprocess.py):
+process 0 serves, the others follow its steps and print nothing but their logs. If a
+process goes away the worker reports NOT_SERVING and exits (status 3).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from jlora.cli.common import (
     add_api_key_arg,
     add_lora_engine_args,
     add_model_args,
+    add_sharding_args,
     lora_engine_config,
     resolve_dtype,
+    sharding_config,
 )
 
 
@@ -33,6 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve", help="serve the model over gRPC (one worker)", description=__doc__.splitlines()[0]
     )
     add_model_args(parser)
+    add_sharding_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     add_api_key_arg(parser)
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
@@ -60,7 +68,37 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     lora.add_argument("--max-lora-rank", type=int, default=64)
     add_lora_engine_args(lora)
+    group = parser.add_argument_group("a worker over several processes")
+    group.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address for jax.distributed (its followers connect to PORT+1)",
+    )
+    group.add_argument("--num-processes", type=int, default=1, help="processes in the worker")
+    group.add_argument("--process-id", type=int, default=0, help="this one's index (0 serves)")
     parser.set_defaults(run=run)
+
+
+LOST_EXIT = 3  # a process of the worker went away
+
+
+def _process_group(args: argparse.Namespace) -> bool:
+    """Whether this worker spans several processes (after checking the flags)."""
+    count, index = args.num_processes, args.process_id
+    if count < 1 or not 0 <= index < count:
+        raise UsageError(
+            f"--num-processes {count} --process-id {index}: need 0 <= process id < processes"
+        )
+    if count == 1:
+        return False
+    if not args.coordinator or not args.coordinator.rpartition(":")[2].isdigit():
+        raise UsageError(f"--coordinator {args.coordinator!r}: HOST:PORT is needed with processes")
+    if args.lora_mode in ("cpu-assist", "auto"):
+        raise UsageError(
+            f"--lora-mode {args.lora_mode}: CPU assistance is not offered across processes "
+            "(use ondemand or cached)"
+        )
+    return True
 
 
 def add_adapter_args(group: argparse._ArgumentGroup) -> None:
@@ -153,9 +191,17 @@ def _registry_entries(
 def run(args: argparse.Namespace) -> int:
     from configs import EngineConfig
     from jlora.contract.auth import resolve_api_key
-    from jlora.engine.llama_engine import build_engine
+    from jlora.engine.device import DeviceEngine
+    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.engine.orchestrator import Orchestrator
     from jlora.model.loading import load_model
     from jlora.server import serve
+
+    several = _process_group(args)
+    if several:  # before anything else touches jax
+        from jlora.engine.multiprocess import Leader, follow, join
+
+        join(args.coordinator, args.num_processes, args.process_id)
 
     for flag, value, low in (
         ("--max-seq-len", args.max_seq_len, 16),
@@ -175,14 +221,28 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len - max_seq_len % 16,
         max_loras=args.max_loras or 8,
         max_lora_rank=args.max_lora_rank,
+        sharding=sharding_config(args),
         **lora_engine_config(args),
     )
-    engine = build_engine(
+    local = LlamaEngine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
         engine_config=config,
     )
+    if several and args.process_id > 0:
+        try:
+            local.warmup()
+            return follow(local, args.coordinator, args.process_id)
+        finally:
+            local.close()
+    device: DeviceEngine = local
+    servers: list = []  # the server, once it runs: a lost process fails it
+    if several:
+        device = Leader.accept(
+            local, args.coordinator, args.num_processes, lambda why: _lost(why, servers, device)
+        )
+    engine = Orchestrator(device)
     try:
         for name, path in adapters.items():  # checked against the registry's sha256
             engine.register_adapter(name, path, expect_sha256=expected.get(name))
@@ -199,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             adapters_dir=args.adapters_dir,
             api_key=resolve_api_key(args.api_key),
         )
+        servers.append(server)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
         print(
             f"jlora serve: listening on {server.address} ({len(adapters)} adapters{metrics})",
@@ -212,3 +273,17 @@ def run(args: argparse.Namespace) -> int:
         return 1 if server.error is not None else 0
     finally:
         engine.close()
+
+
+def _lost(reason: str, servers: list, device) -> None:
+    """A process of the worker went away: no step can finish (one may be waiting on it
+    already), so report NOT_SERVING, give the shared memory back and exit."""
+    import os
+    import time
+
+    print(f"jlora serve: {reason}; this worker stops", file=sys.stderr, flush=True)
+    for server in servers:
+        server.fail(RuntimeError(reason))
+    time.sleep(1.0)  # the health change and the streams' errors reach the clients
+    device.close()
+    os._exit(LOST_EXIT)

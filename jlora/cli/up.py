@@ -4,7 +4,8 @@
    `--adapters-dir DIR`), else demo adapters (random weights, ranks 8/16/32) written
    once under `--state-dir`.
 2. N workers: `jlora serve` processes on free ports, each registering every adapter;
-   their logs go to this process's stderr.
+   their logs go to this process's stderr. With `--processes-per-worker P`, a worker is
+   P processes forming one mesh (`jax.distributed`; process 0 serves).
 3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
    `--port`, OpenAI-compatible HTTP on `--http-port`, the registry in `--state-dir`.
    Where it listens is printed on stderr once every worker is warm.
@@ -32,7 +33,9 @@ from jlora.cli.common import (
     add_api_key_arg,
     add_lora_engine_args,
     add_model_args,
+    add_sharding_args,
     model_config,
+    sharding_flags,
 )
 from jlora.cli.serve import adapters_to_register, add_adapter_args, given_adapters
 
@@ -45,7 +48,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "up", help="start a router and N local workers", description=__doc__.splitlines()[0]
     )
     add_model_args(parser)
+    add_sharding_args(parser)
     parser.add_argument("--workers", type=int, default=1, help="local workers (default 1)")
+    parser.add_argument(
+        "--processes-per-worker",
+        type=int,
+        default=1,
+        metavar="P",
+        help="JAX processes per worker, one mesh over their devices (default 1)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     add_api_key_arg(parser)
     parser.add_argument("--port", type=int, default=50050, help="the router's gRPC port")
@@ -80,16 +91,17 @@ def _demo_adapters(model: str, state_dir: Path) -> Path:
     return directory
 
 
-def _worker_command(args: argparse.Namespace, port_file: Path, adapters_dir: Path | None):
+def _worker_command(args: argparse.Namespace, adapters_dir: Path | None) -> list[str]:
     command = [
         sys.executable, "-m", "jlora.cli.main", *(["-v"] if args.verbose else []), "serve",
         "--model", args.model, "--dtype", args.dtype, "--host", args.host, "--port", "0",
-        "--port-file", str(port_file), "--grace", str(args.grace),
+        "--grace", str(args.grace),
         "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
         "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
         "--lora-backend", args.lora_backend, "--cpu-workers", str(args.cpu_workers),
         "--emulated-link-gbps", str(args.emulated_link_gbps),
     ]  # fmt: skip
+    command += sharding_flags(args)
     if args.max_loras is not None:
         command += ["--max-loras", str(args.max_loras)]
     if adapters_dir is not None:
@@ -102,12 +114,48 @@ def _worker_command(args: argparse.Namespace, port_file: Path, adapters_dir: Pat
     return command
 
 
+def _process_group(port_file: Path, count: int) -> list[list[str]]:
+    """The extra flags of a worker's `count` processes (none for one): a coordinator on
+    two free ports (jax.distributed's, and the leader's for its followers), and the
+    port file for process 0 alone."""
+    if count == 1:
+        return [["--port-file", str(port_file)]]
+    coordinator = f"127.0.0.1:{_free_port_pair()}"
+    group = ["--coordinator", coordinator, "--num-processes", str(count)]
+    return [
+        [
+            *group,
+            "--process-id",
+            str(index),
+            *(["--port-file", str(port_file)] if not index else []),
+        ]
+        for index in range(count)
+    ]
+
+
+def _free_port_pair() -> int:
+    """A port p such that p and p + 1 are free now."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise UsageError("no two consecutive free ports for a worker's coordinator")
+
+
 def _wait_for_ports(processes: list[subprocess.Popen], port_files: list[Path]) -> list[int]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         for index, process in enumerate(processes):
             if process.poll() is not None:
-                raise UsageError(f"worker {index} exited with code {process.returncode}")
+                raise UsageError(f"worker process {index} exited with code {process.returncode}")
         texts = [f.read_text().strip() if f.exists() else "" for f in port_files]
         if all(texts):
             return [int(text) for text in texts]
@@ -120,8 +168,12 @@ def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import API_KEY_ENV, resolve_api_key
     from router.app import start_router
 
-    if args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: must be at least 1")
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--processes-per-worker", args.processes_per_worker),
+    ):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
     given = given_adapters(args)
     adapters_dir = args.adapters_dir
     if not given and adapters_dir is None:
@@ -136,14 +188,12 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="jlora-up-") as tmp:
         port_files = [Path(tmp) / f"worker-{index}.port" for index in range(args.workers)]
         try:
+            command = _worker_command(args, adapters_dir)
             for port_file in port_files:
-                processes.append(
-                    subprocess.Popen(
-                        _worker_command(args, port_file, adapters_dir),
-                        start_new_session=True,
-                        env=env,
+                for flags in _process_group(port_file, args.processes_per_worker):
+                    processes.append(
+                        subprocess.Popen([*command, *flags], start_new_session=True, env=env)
                     )
-                )
             print(
                 f"jlora up: starting {args.workers} worker(s) of {args.model} "
                 f"(adapters: {', '.join(names) or 'none'})...",
@@ -180,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             stop.wait()
             router.stop(args.grace)
         finally:
-            for process in processes:
+            for process in processes[:: args.processes_per_worker]:  # followers exit with them
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
             for process in processes:

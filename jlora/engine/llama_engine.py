@@ -60,7 +60,7 @@ from jlora.engine.sampling import SamplingArrays
 from jlora.engine.steps import CompiledSteps, StepSpecs, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
-from jlora.model.sharding import TensorParallel
+from jlora.model.sharding import TensorParallel, to_host
 from jlora.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class LlamaEngine(DeviceEngine):
             weights,
             segments,
         )
-        first = int(sampled)
+        first = int(to_host(sampled))
         if self.assisted is not None:  # keep the cost model's estimate current
             self.assisted.observe_prefill(size, time.perf_counter() - start)
         return Prefilled(first)
@@ -293,7 +293,7 @@ class LlamaEngine(DeviceEngine):
             weights,
             None if weights is None else state.lora_idx,
         )
-        tokens = np.asarray(sampled)
+        tokens = to_host(sampled)
         state.tokens[live] = tokens[live]
         state.positions[live] += 1
         state.sampling.step[live] += 1

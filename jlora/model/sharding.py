@@ -243,6 +243,8 @@ class TensorParallel:
         """The parameters laid out for the mesh (vocabulary padded, KV heads replicated
         where needed) and put on it, each device holding only its shards."""
         placed = self.layout_params(params)
+        if jax.process_count() > 1:  # each process puts its devices' shards of its own copy
+            placed = jax.tree.map(np.asarray, placed)
         return jax.device_put(placed, self.named(self.param_specs(placed)))
 
     def layout_params(self, params: Any) -> Any:
@@ -261,6 +263,12 @@ class TensorParallel:
                 layers[name] = {"kernel": self.expand_kv(layers[name]["kernel"])}
             params["layers"] = layers
         return params
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """A replicated result on the host: this process's copy (with several processes a
+    global array is not fully addressable, and every copy is the same)."""
+    return np.asarray(array if array.is_fully_addressable else array.addressable_data(0))
 
 
 def per_device_bytes(array: jax.Array) -> dict[Any, int]:

@@ -83,7 +83,7 @@ class WorkerServer:
             engine,
             deliver=self._deliver,
             metrics=self.metrics,
-            on_failure=self._on_engine_failure,
+            on_failure=self.fail,
         )
         self.servicer = JloraServicer(
             engine,
@@ -204,15 +204,17 @@ class WorkerServer:
         """From the scheduler thread: hand one step's tokens to the loop."""
         self._loop.call_soon_threadsafe(self.servicer.dispatch, events, stamp)
 
-    def _on_engine_failure(self, error: BaseException) -> None:
-        """From the scheduler thread, once, as it exits."""
+    def fail(self, error: BaseException) -> None:
+        """The engine can serve no more (any thread): every stream ends with INTERNAL,
+        health reports NOT_SERVING, later calls get UNAVAILABLE."""
 
         def fail() -> None:
             self.servicer.draining = True
             self.servicer.fail_all(error)
             self._loop.create_task(self._health.enter_graceful_shutdown())
 
-        self._loop.call_soon_threadsafe(fail)
+        if not self._loop.is_closed():  # a server stopped already has nothing to fail
+            self._loop.call_soon_threadsafe(fail)
 
 
 def serve(

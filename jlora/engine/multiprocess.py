@@ -1,0 +1,226 @@
+"""A worker that spans several JAX processes (`jax.distributed`): process 0 leads, the
+others follow its device engine's calls.
+
+Multi-controller JAX runs one program on every process: every computation over the
+mesh must be launched by every process, in the same order, with the same inputs. So:
+
+1. Every process joins the group (`join`: `jax.distributed.initialize`, gloo
+   collectives on CPU), loads the model, builds a `LlamaEngine` over the global mesh
+   (each process holding its devices' shards) and compiles its steps.
+2. Process 0 runs the server, the scheduler and the orchestrator over a `Leader`: a
+   device engine that sends each call (prefill, insert, generate, free; staging,
+   dropping and installing adapters) to the followers, over one authenticated
+   connection each (`multiprocessing.connection`, the coordinator's port + 1), before
+   making it itself.
+3. Each follower runs `follow`: it makes the same calls on its own engine, in the order
+   they arrive, until the leader says close (or goes away).
+
+Adapters: every process stages an adapter into its own host store (the same path: the
+processes share a filesystem); the leader's loads run on its transfer thread as usual,
+and a follower loads and installs an adapter when the leader installs it.
+
+Faults: with a process gone the mesh cannot step, and a step already waiting on it
+never returns. A follower whose connection closes makes the leader call `on_lost`
+(the worker reports NOT_SERVING and exits); a follower whose leader goes away exits.
+CPU assistance is not offered across processes (lora_mode ondemand or cached).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any
+
+from jlora.contract.errors import RequestError
+from jlora.engine.device import (
+    DecodeRow,
+    DeviceEngine,
+    Memory,
+    Payload,
+    Prefilled,
+    PrefillJob,
+    StagedAdapter,
+)
+from jlora.engine.llama_engine import LlamaEngine
+
+log = logging.getLogger(__name__)
+
+GROUP_KEY_ENV = "JLORA_PROCESS_GROUP_KEY"  # the followers' connections are checked with it
+CONNECT_TIMEOUT_S = 600.0  # a follower compiles its steps before it connects
+
+
+def join(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Join the process group (before any other use of jax)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _channel(coordinator: str) -> tuple[str, int]:
+    host, _, port = coordinator.rpartition(":")
+    return host, int(port) + 1
+
+
+def _key() -> bytes:
+    return os.environ.get(GROUP_KEY_ENV, "jlora-process-group").encode()
+
+
+class Leader(DeviceEngine):
+    """Process 0's device engine: `engine`'s calls, each sent to the followers first.
+
+    `accept` waits for the followers' connections; `on_lost(reason)` is called (on a
+    watcher thread) when one of them goes away.
+    """
+
+    def __init__(self, engine: LlamaEngine, followers: list[Connection]) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.vocab_size = engine.vocab_size
+        self.tokenizer = engine.tokenizer
+        self._followers = followers
+        self._lock = threading.Lock()  # stage/drop come from other threads than steps
+        self._closing = False  # followers that leave after close() are not lost
+
+    @classmethod
+    def accept(
+        cls,
+        engine: LlamaEngine,
+        coordinator: str,
+        num_processes: int,
+        on_lost: Callable[[str], None],
+    ) -> Leader:
+        followers: list[Connection] = []
+        with Listener(_channel(coordinator), authkey=_key()) as listener:
+
+            def accept_all() -> None:
+                while len(followers) < num_processes - 1:
+                    conn = listener.accept()
+                    conn.recv()  # the follower's hello: it is ready to follow
+                    followers.append(conn)
+
+            accepting = threading.Thread(target=accept_all, name="jlora-accept", daemon=True)
+            accepting.start()
+            accepting.join(CONNECT_TIMEOUT_S)
+        if len(followers) < num_processes - 1:
+            raise RuntimeError(
+                f"{num_processes - 1 - len(followers)} follower process(es) did not connect "
+                f"within {CONNECT_TIMEOUT_S:.0f} s"
+            )
+        leader = cls(engine, followers)
+        threading.Thread(
+            target=leader._watch, args=(on_lost,), name="jlora-followers", daemon=True
+        ).start()
+        log.info("leading %d follower process(es)", len(followers))
+        return leader
+
+    def _watch(self, on_lost: Callable[[str], None]) -> None:
+        """Followers never send after their hello: a readable connection is one closed."""
+        closed = wait(self._followers)
+        if not self._closing:
+            index = self._followers.index(closed[0]) + 1  # type: ignore[arg-type]
+            on_lost(f"follower process {index} went away")
+
+    def _send(self, method: str, *args: Any) -> None:
+        with self._lock:
+            for conn in self._followers:
+                conn.send((method, args))
+
+    # -- the device engine's calls, mirrored ----------------------------------------------
+
+    def warmup(
+        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+    ) -> None:
+        self.engine.warmup(prompt_lengths, max_length)  # compiling launches nothing
+
+    def prefill(self, job: PrefillJob) -> Prefilled:
+        self._send("prefill", job)
+        return self.engine.prefill(job)
+
+    def insert(self, slot: int, row: DecodeRow) -> None:
+        self._send("insert", slot, row)
+        self.engine.insert(slot, row)
+
+    def generate(self):  # type: ignore[no-untyped-def]
+        self._send("generate")
+        return self.engine.generate()
+
+    def free(self, slot: int) -> None:
+        self._send("free", slot)
+        self.engine.free(slot)
+
+    def stage_adapter(
+        self, name: str, path: str, *, expect_sha256: str | None = None
+    ) -> StagedAdapter:
+        self._send("stage_adapter", name, path, expect_sha256)
+        try:
+            return self.engine.stage_adapter(name, path, expect_sha256=expect_sha256)
+        except RequestError:
+            self._send("drop_adapter", name)  # in case a follower's copy went through
+            raise
+
+    def drop_adapter(self, name: str) -> None:
+        self._send("drop_adapter", name)
+        self.engine.drop_adapter(name)
+
+    def load_adapter(self, name: str, slot: int) -> Payload:
+        return self.engine.load_adapter(name, slot)  # the followers load at install
+
+    def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
+        self._send("install_adapter", name, slot)
+        self.engine.install_adapter(name, slot, payload)
+
+    def memory(self) -> Memory:
+        return self.engine.memory()
+
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):  # a follower gone already
+            self._send("close")
+        for conn in self._followers:
+            conn.close()
+        self.engine.close()
+
+
+def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
+    """A follower's life: connect to the leader, make its calls until it closes; the
+    exit status (0: closed by the leader, 1: the leader went away)."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            conn = Client(_channel(coordinator), authkey=_key())
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    conn.send(("ready", process_id))
+    log.info("process %d follows the leader", process_id)
+    with conn:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                log.error("process %d: the leader went away", process_id)
+                return 1
+            if method == "close":
+                return 0
+            if method == "install_adapter":
+                name, slot = args
+                engine.install_adapter(name, slot, engine.load_adapter(name, slot))
+            elif method == "stage_adapter":
+                name, path, sha256 = args
+                try:
+                    engine.stage_adapter(name, path, expect_sha256=sha256)
+                except RequestError as err:  # the leader refuses it too
+                    log.info("process %d: adapter %r not staged: %s", process_id, name, err)
+            elif method == "drop_adapter":
+                if engine.store is not None and args[0] in engine.store:
+                    engine.drop_adapter(args[0])
+            else:
+                getattr(engine, method)(*args)

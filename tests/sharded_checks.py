@@ -1,0 +1,190 @@
+"""Checks that need a multi-device mesh, run in a process of their own with fake CPU
+devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N` must be set before jax
+loads, and the test session has loaded it already): tests/test_sharding.py runs
+
+    python -m tests.sharded_checks CASE [CASE ...]
+
+and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
+
+- `tokens:MODEL:PRESET:SCHEME:BACKEND:MODE`: greedy tokens of a mixed batch (base rows
+  and three adapters of different ranks and target sets, two device slots, so loads
+  and evictions happen) on the sharded engine and on a single-device one;
+- `memory:MODEL:PRESET:SCHEME`: each device's bytes of every parameter, of the KV
+  cache and of the adapter slots, and the whole arrays' bytes;
+- `hlo:MODEL:PRESET:SCHEME`: the collectives in the compiled decode step, with and
+  without LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ADAPTERS = (  # rank, targets: different ranks and target sets
+    (4, ("q_proj", "v_proj")),
+    (12, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    (32, ("o_proj", "gate_proj", "up_proj", "down_proj")),
+)
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _sharding(preset: str, scheme: str):
+    from configs import load_sharding
+
+    return load_sharding(preset).with_lora_sharding(scheme)
+
+
+def _adapters(config, root: Path) -> dict[str, Path]:
+    from jlora.adapters.peft import make_demo_adapters
+
+    paths = {}
+    for i, (rank, targets) in enumerate(ADAPTERS):
+        (path,) = make_demo_adapters(
+            config, root / f"a{i}", n=1, ranks=[rank], targets=targets, seed=20 + i
+        )
+        paths[f"a{i}-r{rank}"] = path
+    return paths
+
+
+def _engine(loaded, adapters, **config):
+    from tests.engine_helpers import make_engine
+
+    engine = make_engine(
+        loaded, max_slots=4, max_seq_len=128, min_bucket=16, max_loras=2, max_lora_rank=32,
+        lora_layer_groups=2, **config,
+    )  # fmt: skip
+    for name, path in adapters.items():
+        engine.register_adapter(name, path)
+    return engine
+
+
+def tokens(model: str, preset: str, scheme: str, backend: str, mode: str) -> dict:
+    from jlora.engine.api import SamplingParams
+    from jlora.model.loading import load_model
+    from tests.engine_helpers import run_to_completion
+
+    loaded = load_model(model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (5, 17, 9, 30, 12)]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = _adapters(loaded.config, Path(tmp))
+        names = list(adapters)
+        rows = [names[0], None, names[1], names[2], names[0]]
+        results = {}
+        for label, config in (
+            ("single", {"lora_backend": backend}),
+            (
+                "sharded",
+                {
+                    "lora_backend": backend,
+                    "sharding": _sharding(preset, scheme),
+                    "lora_mode": mode,
+                    "cpu_workers": 1,
+                    "emulated_link_gbps": 2e-4 if mode == "cpu-assist" else 0.0,
+                },
+            ),
+        ):
+            engine = _engine(loaded, adapters, **config)
+            try:
+                out = run_to_completion(engine, prompts, greedy, rows)
+                stats = engine.stats()
+                results[label] = [r["token_ids"] for r in out]
+                results[f"{label}_loads"] = stats.adapter_loads
+                results[f"{label}_evictions"] = stats.adapter_evictions
+                results[f"{label}_assisted"] = engine.counters["assisted_prefills"]
+            finally:
+                engine.close()
+    return results
+
+
+def memory(model: str, preset: str, scheme: str) -> dict:
+    import jax
+
+    from configs import EngineConfig
+    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.model.loading import load_model
+    from jlora.model.sharding import per_device_bytes
+
+    loaded = load_model(model)
+    config = EngineConfig(
+        max_slots=2, max_seq_len=64, min_bucket=16, max_loras=2, max_lora_rank=16,
+        sharding=_sharding(preset, scheme),
+    )  # fmt: skip
+    engine = LlamaEngine(
+        model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
+    )
+    try:
+
+        def describe(tree) -> dict:
+            flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+            return {
+                jax.tree_util.keystr(path): {
+                    "whole": int(leaf.nbytes),
+                    "per_device": sorted(per_device_bytes(leaf).values()),
+                    "spec": str(leaf.sharding.spec),
+                }
+                for path, leaf in flat
+            }
+
+        return {
+            "params": describe(engine.params),
+            "cache": describe(engine.cache),
+            "lora": describe(engine.lora.weights),
+            "devices": len(engine.mesh.devices.flat),
+        }
+    finally:
+        engine.close()
+
+
+def hlo(model: str, preset: str, scheme: str) -> dict:
+    from configs import EngineConfig
+    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.model.loading import load_model
+
+    loaded = load_model(model)
+    counts = {}
+    for label, loras in (("base", 0), ("lora", 2)):
+        config = EngineConfig(
+            max_slots=4, max_seq_len=64, min_bucket=16, max_loras=loras, max_lora_rank=8,
+            sharding=_sharding(preset, scheme),
+        )  # fmt: skip
+        engine = LlamaEngine(
+            model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
+        )
+        try:
+            state, weights = engine.state, None if engine.lora is None else engine.lora.weights
+            text = (
+                engine.steps._decode_jit.lower(
+                    engine.params,
+                    engine.cache,
+                    state.tokens,
+                    state.positions,
+                    state.block_tables[:, :4],
+                    state.sampling,
+                    weights,
+                    None if weights is None else state.lora_idx,
+                )  # fmt: skip
+                .compile()
+                .as_text()
+            )
+        finally:
+            engine.close()
+        counts[label] = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES}
+    return counts
+
+
+def main(cases: list[str]) -> None:
+    for case in cases:
+        kind, *args = case.split(":")
+        result = {"tokens": tokens, "memory": memory, "hlo": hlo}[kind](*args)
+        print(json.dumps({"case": case, "result": result}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
