@@ -12,7 +12,10 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
 - `memory:MODEL:PRESET:SCHEME`: each device's bytes of every parameter, of the KV
   cache and of the adapter slots, and the whole arrays' bytes;
 - `hlo:MODEL:PRESET:SCHEME`: the collectives in the compiled decode step, with and
-  without LoRA.
+  without LoRA;
+- `restore:MODEL:PRESET`: a `jlora convert` checkpoint restored straight into the
+  mesh's layout: each parameter's spec and per-device bytes as restored, and the
+  greedy tokens of an engine over it next to the single-device ones.
 """
 
 from __future__ import annotations
@@ -179,10 +182,52 @@ def hlo(model: str, preset: str, scheme: str) -> dict:
     return counts
 
 
+def restore(model: str, preset: str) -> dict:
+    import jax
+
+    from configs import load_sharding
+    from jlora.engine.api import SamplingParams
+    from jlora.model.checkpoint import save_checkpoint
+    from jlora.model.loading import load_model
+    from jlora.model.sharding import per_device_bytes
+    from tests.engine_helpers import make_engine, run_to_completion
+
+    loaded = load_model(model)
+    prompts = [[5, 9, 2, 77], [400, 3, 3, 12, 8]]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp) / "ckpt", loaded.config, loaded.params, None, model)
+        sharding = load_sharding(preset)
+        restored = load_model(str(Path(tmp) / "ckpt"), sharding=sharding)
+        flat = jax.tree_util.tree_flatten_with_path(restored.params)[0]
+        layout = {
+            jax.tree_util.keystr(path): {
+                "spec": str(leaf.sharding.spec),
+                "per_device": sorted(per_device_bytes(leaf).values()),
+                "whole": int(leaf.nbytes),
+            }
+            for path, leaf in flat
+        }
+        results = {"layout": layout}
+        for label, source, config in (
+            ("single", loaded, {}),
+            ("sharded", restored, {"sharding": sharding}),
+        ):
+            engine = make_engine(source, max_slots=2, max_seq_len=64, min_bucket=16, **config)
+            try:
+                results[label] = [
+                    r["token_ids"] for r in run_to_completion(engine, prompts, greedy)
+                ]
+            finally:
+                engine.close()
+    return results
+
+
 def main(cases: list[str]) -> None:
     for case in cases:
         kind, *args = case.split(":")
-        result = {"tokens": tokens, "memory": memory, "hlo": hlo}[kind](*args)
+        kinds = {"tokens": tokens, "memory": memory, "hlo": hlo, "restore": restore}
+        result = kinds[kind](*args)
         print(json.dumps({"case": case, "result": result}), flush=True)
 
 

@@ -161,6 +161,8 @@ def tiny_checks():
         "memory:cpu-tiny:tp4:fully-sharded",
         "hlo:cpu-tiny:tp2:follow-base",
         "hlo:cpu-tiny:tp2:fully-sharded",
+        "restore:cpu-tiny:tp2",
+        "restore:cpu-tiny:tp4",
     ]
     return run_checks(*cases)
 
@@ -242,6 +244,22 @@ def test_follow_base_adds_no_collective_and_fully_sharded_exactly_its_own(tiny_c
     }
 
 
+@pytest.mark.parametrize("preset", ["tp2", "tp4"])
+def test_a_checkpoint_restores_straight_into_the_mesh(tiny_checks, preset):
+    """`jlora convert` output read by each device's shards alone: the restored params
+    already carry their final split (tp4 widens k/v for its replicated KV heads, so those
+    two come back whole and are split when placed), and the engine's tokens are right."""
+    result = tiny_checks[f"restore:cpu-tiny:{preset}"]
+    assert result["sharded"] == result["single"]
+    size = int(preset[2:])
+    widened = {"['layers']['k_proj']['kernel']", "['layers']['v_proj']['kernel']"}
+    for name, dim in SPLIT.items():
+        entry = result["layout"][name]
+        split = dim is not None and not (preset == "tp4" and name in widened)
+        share = entry["whole"] // size if split else entry["whole"]
+        assert entry["per_device"] == [share] * size, name
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_tokens_equal_the_single_device_engines():
     """SmolLM2 on three devices: 9 heads and 3 KV heads, 3 per device and 1 per device."""
@@ -251,3 +269,120 @@ def test_smollm2_tp3_tokens_equal_the_single_device_engines():
     ]
     for result in run_checks(*cases).values():
         _assert_equal_tokens(result, "ondemand")
+
+
+# -- one worker over two processes ------------------------------------------------------
+
+
+class ProcessGroup:
+    """`jlora serve` as two processes with two fake devices each: one tp4 mesh."""
+
+    def __init__(self, tmp_path: Path, adapters: list[Path]) -> None:
+        import socket
+
+        with socket.socket() as probe:  # the coordinator's port; its followers use + 1
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+        }
+        self.port_file = tmp_path / "port"
+        common = [
+            sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny",
+            "--sharding", "tp4", "--port", "0", "--max-seq-len", "128", "--max-slots", "4",
+            "--max-loras", "2", "--max-lora-rank", "32",
+            *(flag for path in adapters for flag in ("--adapter", f"{path.name}={path}")),
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+        ]  # fmt: skip
+        self.processes = [
+            subprocess.Popen(
+                [*common, "--process-id", str(index)]
+                + (["--port-file", str(self.port_file)] if index == 0 else []),
+                cwd=ROOT,
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for index in range(2)
+        ]
+        import time
+
+        deadline = time.monotonic() + 300
+        while not (self.port_file.exists() and self.port_file.read_text().strip()):
+            for process in self.processes:
+                assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "the process group did not start"
+            time.sleep(0.2)
+        self.address = f"127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
+    """Two processes, two devices each, one tp4 mesh behind `jlora router`: concurrent
+    mixed-adapter streams get the single-device engine's greedy tokens; then a follower
+    dies, and the worker reports NOT_SERVING and exits (status 3) instead of hanging."""
+    import threading
+    import time
+
+    import grpc
+
+    from jlora.api import jlora_pb2 as pb
+    from jlora.api import jlora_pb2_grpc as pb_grpc
+    from jlora.engine.api import SamplingParams
+    from router.app import start_router
+    from tests.engine_helpers import make_engine, run_to_completion
+    from tests.sharded_checks import _adapters
+
+    paths = {path.name: path for path in _adapters(tiny.config, tmp_path / "adapters").values()}
+    names = sorted(paths)
+    prompts = [[5, 9, 2, 77], [400, 3, 3, 12, 8], [31, 7], [1, 2, 3, 4, 5, 6], [9, 9, 9]]
+    rows = [names[0], None, names[1], names[2], names[0]]
+    single = make_engine(
+        tiny, max_slots=4, max_seq_len=128, min_bucket=16, max_loras=2, max_lora_rank=32
+    )
+    for name, path in paths.items():
+        single.register_adapter(name, path)
+    expected = run_to_completion(
+        single, prompts, SamplingParams(max_tokens=8, ignore_eos=True), rows
+    )
+    single.close()
+
+    group = ProcessGroup(tmp_path, list(paths.values()))
+    router = start_router([group.address], poll_interval=0.1)
+    try:
+        got: dict[int, list[int]] = {}
+
+        def call(i: int) -> None:
+            with grpc.insecure_channel(router.address) as channel:
+                request = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=prompts[i]),
+                    adapter=rows[i] or "",
+                    sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True),
+                )
+                responses = pb_grpc.JloraStub(channel).Generate(request, timeout=120)
+                got[i] = [r.token_id for r in responses]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert [got[i] for i in range(len(prompts))] == [r["token_ids"] for r in expected]
+
+        leader, follower = group.processes
+        follower.kill()
+        assert leader.wait(timeout=60) == 3
+        deadline = time.monotonic() + 10
+        while router.workers[0].up:
+            assert time.monotonic() < deadline, "the router kept the lost worker"
+            time.sleep(0.05)
+    finally:
+        router.stop(grace=0)
+        group.close()

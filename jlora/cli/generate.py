@@ -231,7 +231,8 @@ def _load(
             "lora_targets": tuple({t for spec in specs for t in spec.targets}),
             **lora_engine_config(args),
         }
-    loaded = load_model(args.model, resolve_dtype(args.dtype))
+    sharding = sharding_config(args)
+    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise UsageError(
@@ -245,7 +246,7 @@ def _load(
             dtype=resolve_dtype(args.dtype),
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
-            sharding=sharding_config(args),
+            sharding=sharding,
             **lora,
         )
         engine = build_engine(

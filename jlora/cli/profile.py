@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be at least 1")
     kind = args.kind or ("mbgmv" if args.lora_backend == "mbgmv" else "bgmv")
-    loaded = load_model(args.model, resolve_dtype(args.dtype))
+    sharding = sharding_config(args)
+    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     longest = max(prompt_lens) + args.repeats + 2
     max_seq_len = -(-longest // 16) * 16
     if max_seq_len > loaded.config.max_context:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=max(ranks),
         lora_mode="cached",
         lora_backend=args.lora_backend,
-        sharding=sharding_config(args),
+        sharding=sharding,
     )
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config

@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} {value}: must be at least {low}")
     adapters = adapters_to_register(given_adapters(args), args.adapters_dir)
     expected = _registry_entries(args.registry, args.adapters_dir, adapters)
-    loaded = load_model(args.model, resolve_dtype(args.dtype))
+    sharding = sharding_config(args)
+    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
     config = EngineConfig(
         dtype=resolve_dtype(args.dtype),
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len - max_seq_len % 16,
         max_loras=args.max_loras or 8,
         max_lora_rank=args.max_lora_rank,
-        sharding=sharding_config(args),
+        sharding=sharding,
         **lora_engine_config(args),
     )
     local = LlamaEngine(

@@ -16,8 +16,10 @@ mesh must be launched by every process, in the same order, with the same inputs.
    they arrive, until the leader says close (or goes away).
 
 Adapters: every process stages an adapter into its own host store (the same path: the
-processes share a filesystem); the leader's loads run on its transfer thread as usual,
-and a follower loads and installs an adapter when the leader installs it.
+processes share a filesystem). Putting data on a mesh that spans processes waits for
+every process to put its part, so a load cannot run on the leader's transfer thread
+alone: every process copies an adapter to its devices and installs it at the leader's
+`install_adapter`, between two steps (the transfer thread only marks it ready to).
 
 Faults: with a process gone the mesh cannot step, and a step already waiting on it
 never returns. A follower whose connection closes makes the leader call `on_lost`
@@ -169,11 +171,11 @@ class Leader(DeviceEngine):
         self.engine.drop_adapter(name)
 
     def load_adapter(self, name: str, slot: int) -> Payload:
-        return self.engine.load_adapter(name, slot)  # the followers load at install
+        return None  # every process copies it at install (see the module docstring)
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         self._send("install_adapter", name, slot)
-        self.engine.install_adapter(name, slot, payload)
+        _load_and_install(self.engine, name, slot)
 
     def memory(self) -> Memory:
         return self.engine.memory()
@@ -211,8 +213,7 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
             if method == "close":
                 return 0
             if method == "install_adapter":
-                name, slot = args
-                engine.install_adapter(name, slot, engine.load_adapter(name, slot))
+                _load_and_install(engine, *args)
             elif method == "stage_adapter":
                 name, path, sha256 = args
                 try:
@@ -224,3 +225,8 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
                     engine.drop_adapter(args[0])
             else:
                 getattr(engine, method)(*args)
+
+
+def _load_and_install(engine: LlamaEngine, name: str, slot: int) -> None:
+    """Copy an adapter to this process's devices and install it (every process in turn)."""
+    engine.install_adapter(name, slot, engine.load_adapter(name, slot))

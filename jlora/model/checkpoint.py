@@ -54,23 +54,34 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def load_checkpoint(
-    path: Path, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
-) -> tuple[ModelConfig, Params, Tokenizer | None]:
-    """Restore into the serving dtype; `sharding` places every leaf (default: device 0)."""
-    import orbax.checkpoint as ocp
-
-    path = path.absolute()
-    meta = json.loads((path / MARKER).read_text())
+def checkpoint_config(path: Path) -> ModelConfig:
+    """The model config a checkpoint holds (its weights are not read)."""
+    meta = json.loads((path.absolute() / MARKER).read_text())
     if meta.get("format") != FORMAT_VERSION:
         raise WeightsError(
             f"{path / MARKER}: format={meta.get('format')!r} is not {FORMAT_VERSION}"
         )
-    config = ModelConfig.from_dict(meta["config"])
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return ModelConfig.from_dict(meta["config"])
+
+
+def load_checkpoint(
+    path: Path, dtype: jnp.dtype, shardings: Params | None = None
+) -> tuple[ModelConfig, Params, Tokenizer | None]:
+    """Restore into the serving dtype. `shardings` (a pytree like the parameters') puts
+    every leaf straight into its place on a mesh, each process reading only the shards
+    its devices hold (default: all on device 0)."""
+    import orbax.checkpoint as ocp
+
+    path = path.absolute()
+    config = checkpoint_config(path)
+    shapes = Llama(config, dtype).param_shapes()
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, shapes)
     abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
-        Llama(config, dtype).param_shapes(),
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding),
+        shapes,
+        shardings,
     )
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(path / "params", abstract)

@@ -15,10 +15,11 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from configs import ModelConfig, list_presets, load_preset
+from configs import ModelConfig, ShardingConfig, list_presets, load_preset
 from jlora.model import checkpoint
 from jlora.model.gguf import GGUFFile
 from jlora.model.llama import Llama, Params
+from jlora.model.sharding import TensorParallel
 from jlora.model.weights import Progress, WeightsError, load_safetensors_dir
 from jlora.tokenizer import Tokenizer
 
@@ -39,9 +40,14 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str, serving_dtype: DTypeLike = jnp.float32, progress: Progress | None = None
+    spec: str,
+    serving_dtype: DTypeLike = jnp.float32,
+    progress: Progress | None = None,
+    sharding: ShardingConfig | None = None,
 ) -> LoadedModel:
-    """`progress(done, total)` is called after each tensor read from a GGUF or HF file."""
+    """`progress(done, total)` is called after each tensor read from a GGUF or HF file.
+    With `sharding`, a checkpoint is restored straight into the mesh's layout (each
+    process reading only its shards); other formats are read whole and split later."""
     dtype = jnp.dtype(serving_dtype)
     if spec in list_presets():
         return _load_preset(spec, dtype, progress)
@@ -49,7 +55,12 @@ def load_model(
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dtype, progress)
     if path.is_dir() and checkpoint.is_checkpoint(path):
-        config, params, tokenizer = checkpoint.load_checkpoint(path, dtype)
+        shardings = None
+        if sharding is not None:
+            config = checkpoint.checkpoint_config(path)
+            tp = TensorParallel.build(config, sharding)
+            shardings = tp.restore_shardings(Llama(config, dtype).param_shapes())
+        config, params, tokenizer = checkpoint.load_checkpoint(path, dtype, shardings)
         return LoadedModel(config, params, tokenizer, f"orbax checkpoint {path}")
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)

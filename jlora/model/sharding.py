@@ -239,12 +239,33 @@ class TensorParallel:
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
+    def restore_shardings(self, shapes: Any) -> Any:
+        """Where a checkpoint's parameters (`shapes`, as stored) go when restored: their
+        final shards, except leaves the layout pads or widens (restored whole, then
+        placed by `place_params`)."""
+        reshaped = set(self._reshaped_paths())
+
+        def sharding(path: tuple, leaf: Any) -> NamedSharding:
+            keys = tuple(getattr(k, "key", k) for k in path)
+            spec = PartitionSpec() if keys in reshaped else self.spec(*PARAM_AXES[keys])
+            return NamedSharding(self.mesh, spec)
+
+        return jax.tree_util.tree_map_with_path(sharding, shapes)
+
+    def _reshaped_paths(self) -> list[tuple[str, ...]]:
+        paths: list[tuple[str, ...]] = []
+        if self.padded_vocab != self.config.vocab_size:
+            paths += [("embed", "embedding"), ("lm_head", "kernel")]
+        if self.kv_replicas > 1:
+            paths += [("layers", "k_proj", "kernel"), ("layers", "v_proj", "kernel")]
+        return paths
+
     def place_params(self, params: Any) -> Any:
         """The parameters laid out for the mesh (vocabulary padded, KV heads replicated
         where needed) and put on it, each device holding only its shards."""
         placed = self.layout_params(params)
         if jax.process_count() > 1:  # each process puts its devices' shards of its own copy
-            placed = jax.tree.map(np.asarray, placed)
+            placed = jax.tree.map(_host_if_local, placed)
         return jax.device_put(placed, self.named(self.param_specs(placed)))
 
     def layout_params(self, params: Any) -> Any:
@@ -263,6 +284,14 @@ class TensorParallel:
                 layers[name] = {"kernel": self.expand_kv(layers[name]["kernel"])}
             params["layers"] = layers
         return params
+
+
+def _host_if_local(array: Any) -> Any:
+    """A parameter one process holds whole, as numpy (to be split across processes); one
+    already on the mesh, as is."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        return array
+    return np.asarray(array)
 
 
 def to_host(array: jax.Array) -> np.ndarray:
