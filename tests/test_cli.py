@@ -191,6 +191,26 @@ def test_serve_refuses_bad_adapter_flags(tmp_path, cli_env, args, fragments):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--sharding", "tp4"], ["sharding 'tp4'", "needs 4 devices, 1 are present"]),
+        (["--sharding", "nope"], ["unknown sharding preset 'nope'", "tp1, tp2"]),
+        (["--num-processes", "2"], ["--num-processes 2", "needs --coordinator HOST:PORT"]),
+        (["--num-processes", "2", "--coordinator", "host"], ["--coordinator 'host'", "HOST:PORT"]),
+        (["--num-processes", "2", "--process-id", "2"], ["--process-id 2", "process id <"]),
+        (
+            ["--num-processes", "2", "--coordinator", "127.0.0.1:1", "--lora-mode", "auto"],
+            ["--lora-mode auto", "not offered across processes"],
+        ),
+    ],
+)
+def test_serve_refuses_bad_sharding_flags(tmp_path, cli_env, args, fragments):
+    _assert_usage_error(
+        _jlora(cli_env, "serve", "--model", "cpu-tiny", *args, cwd=tmp_path), fragments
+    )
+
+
 # -- generation ------------------------------------------------------------------------
 
 PROMPTS = [

@@ -91,8 +91,10 @@ def _process_group(args: argparse.Namespace) -> bool:
         )
     if count == 1:
         return False
-    if not args.coordinator or not args.coordinator.rpartition(":")[2].isdigit():
-        raise UsageError(f"--coordinator {args.coordinator!r}: HOST:PORT is needed with processes")
+    if not args.coordinator:
+        raise UsageError(f"--num-processes {count}: needs --coordinator HOST:PORT")
+    if not args.coordinator.rpartition(":")[2].isdigit():
+        raise UsageError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
     if args.lora_mode in ("cpu-assist", "auto"):
         raise UsageError(
             f"--lora-mode {args.lora_mode}: CPU assistance is not offered across processes "
