@@ -35,6 +35,7 @@ class Plan:
     rank: int = 16
     repeats: int = 3
     dtype: str = "float32"
+    backend: str = "reference"  # on a GPU: bgmv or mbgmv (the Pallas kernels)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presets", default=",".join(Plan.presets))
     parser.add_argument("--schemes", default=",".join(Plan.schemes))
     parser.add_argument("--dtype", default=Plan.dtype)
+    parser.add_argument("--lora-backend", default=Plan.backend, help="reference, bgmv or mbgmv")
     parser.add_argument("--batch", type=int, default=Plan.batch)
     parser.add_argument("--fake-devices", type=int, metavar="N", help="CPU only: N XLA devices")
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repetition")
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         schemes=tuple(args.schemes.split(",")),
         dtype=args.dtype,
         batch=args.batch,
+        backend=args.lora_backend,
     )
     if args.quick:
         plan = dataclasses.replace(plan, new_tokens=8, repeats=1)
@@ -107,7 +110,7 @@ def run(plan: Plan) -> tuple[list[dict], dict]:
                 config = EngineConfig(
                     dtype=plan.dtype, max_slots=plan.batch, max_seq_len=256,
                     max_loras=plan.adapters, max_lora_rank=plan.rank, lora_mode="cached",
-                    sharding=sharding,
+                    lora_backend=plan.backend, sharding=sharding,
                 )  # fmt: skip
                 engine = build_engine(
                     model_config=loaded.config,
@@ -155,8 +158,8 @@ def render(plan: Plan, rows: list[dict], facts: dict) -> str:
         f"{facts['load_avg_1min_end']:.1f}",
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, {plan.new_tokens} new "
-        f"tokens; {plan.adapters} adapters of rank {plan.rank} on all 7 projections (cached); "
-        "memory on the busiest device",
+        f"tokens; {plan.adapters} adapters of rank {plan.rank} on all 7 projections (cached, "
+        f"{plan.backend} backend); memory on the busiest device",
         "",
         "| preset | LoRA scheme | tokens/s | params MiB | KV cache MiB | adapter slots MiB |",
         "|---|---|---:|---:|---:|---:|",

@@ -88,6 +88,18 @@ def naive(y, x, adapters: list[Adapter], slots_by_row, layer: int, dtype) -> np.
     return out
 
 
+def naive_shrink(x, adapters: list[Adapter], slots_by_row, layer: int, dtype, rank_dim: int):
+    """The kernels' first half: v[s, :r] = x[s] @ A of the row's adapter in fp32 (r its
+    rank), zero past r and on rows without an adapter; f32[S, rank_dim]."""
+    xs = rounded(x, dtype)
+    v = np.zeros((len(slots_by_row), rank_dim), np.float32)
+    for row, slot in enumerate(slots_by_row):
+        if slot >= 0:
+            a = rounded(adapters[slot][0][layer], dtype)
+            v[row, : a.shape[1]] = xs[row] @ a
+    return v
+
+
 def stacked(adapters: list[Adapter], rank_dim: int, dtype):
     """BGMV layout: a [L, N, R, in] (rank rows of A^T), b [L, N, R, out], ranks i32[N].
     Rows at or beyond a slot's rank are NaN."""

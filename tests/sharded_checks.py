@@ -36,6 +36,26 @@ ADAPTERS = (  # rank, targets: different ranks and target sets
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
+TINY_X3 = "tiny-x3"  # cpu-tiny widened so that three devices divide it (6 heads, 3 KV heads)
+
+
+def _load(model: str):
+    """A model preset, or TINY_X3 (random weights)."""
+    import dataclasses
+
+    from configs import load_preset
+    from jlora.model.llama import Llama
+    from jlora.model.loading import LoadedModel, load_model
+
+    if model != TINY_X3:
+        return load_model(model)
+    config = dataclasses.replace(
+        load_preset("cpu-tiny").config,
+        name=TINY_X3, hidden_size=96, intermediate_size=192, num_heads=6, num_kv_heads=3,
+    )  # fmt: skip
+    return LoadedModel(config, Llama(config).init_params(0), None, TINY_X3)
+
+
 def _sharding(preset: str, scheme: str):
     from configs import load_sharding
 
@@ -68,10 +88,9 @@ def _engine(loaded, adapters, **config):
 
 def tokens(model: str, preset: str, scheme: str, backend: str, mode: str) -> dict:
     from jlora.engine.api import SamplingParams
-    from jlora.model.loading import load_model
     from tests.engine_helpers import run_to_completion
 
-    loaded = load_model(model)
+    loaded = _load(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (5, 17, 9, 30, 12)]
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)

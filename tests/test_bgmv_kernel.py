@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.bgmv import batch_rank, bgmv, bgmv_reference
+from pallas_kernels.bgmv import batch_rank, bgmv, bgmv_reference, bgmv_shrink
 from pallas_kernels.common import KernelArgumentError
 from tests import kernel_cases
 from tests.tolerances import assert_close
@@ -120,6 +120,30 @@ class TestBgmv:
         rng = np.random.default_rng(5)
         _, slots, args = make_case(rng, ranks, 16, "float32", "distinct")
         self.check(args, slots, 1, "float32")
+
+    @pytest.mark.parametrize("dtype", kernel_cases.DTYPES)
+    def test_shrink_alone_and_split_on_the_rank(self, dtype):
+        """The first half alone is x @ A (zero past each rank); two devices each holding
+        half the rank rows, with ranks clipped to their half, give its two halves."""
+        rng = np.random.default_rng(8)
+        adapters, slots, (_, x, a, _, idx, ranks) = make_case(
+            rng, kernel_cases.WIDE_RANKS, 16, dtype, rank_dim=64
+        )
+        v = bgmv_shrink(x, a, idx, ranks, 1, interpret=self.INTERPRET)
+        expected = kernel_cases.naive_shrink(x, adapters, slots, 1, dtype, 64)
+        assert_close(v, expected, dtype, "float32", scope="op")
+        parts = [
+            bgmv_shrink(
+                x,
+                a[:, :, k * 32 : (k + 1) * 32],
+                idx,
+                jnp.clip(ranks - k * 32, 0, 32),
+                1,
+                interpret=self.INTERPRET,
+            )  # fmt: skip
+            for k in range(2)
+        ]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1), np.asarray(v))
 
     def test_smollm2_shape(self):
         rng = np.random.default_rng(6)

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import ConfigError
 from configs.engine import LORA_BACKENDS
 from jlora.adapters.backends import BACKENDS, Segments, layer_group, make_backend
-from jlora.adapters.backends.pallas import PagePool, rank_dim
+from jlora.adapters.backends.pallas import PagePool, kernel_rank_dim
 from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
 
@@ -141,6 +142,77 @@ def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts):
     assert_untouched(y, out, row_slots)
 
 
+def _rows(form: str):
+    """(the backend's rows argument, each row's slot): a mixed batch, both forms."""
+    if form == "decode":
+        row_slots = [2, -1, 0, -1, 1, 1, 3]
+        return jnp.array(row_slots), row_slots
+    segment_slots, starts = [2, -1, 0, 3], [0, 3, 4, 7, 9]
+    row_slots = [
+        slot
+        for slot, a, b in zip(segment_slots, starts[:-1], starts[1:], strict=True)
+        for _ in range(b - a)
+    ]
+    return Segments(slot=jnp.array(segment_slots), start=jnp.array(starts)), row_slots
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_the_two_halves_match_the_loop(slots, dtype, form):
+    """shrink, then expand (the form a LoRA split across devices takes) give the loop's
+    answer; in a Pallas backend, bit for bit the fused kernels'."""
+    (backend, weights), adapters = slots[0][dtype], slots[1]
+    rows, row_slots = _rows(form)
+    y, x = _activations(len(row_slots), "q_proj", 5, dtype)
+    layer = jnp.int32(1)
+    xa = backend.shrink(weights, "q_proj", layer, x, rows)
+    assert xa.dtype == jnp.float32
+    out = backend.expand(weights, "q_proj", layer, xa.astype(dtype), y, rows)
+    assert_close(
+        out, _naive(adapters, "q_proj", 1, y, x, row_slots, dtype), dtype, dtype, scope="op"
+    )
+    assert_untouched(y, out, row_slots)
+    if backend.name != "reference":
+        fused = (backend.bgmv if form == "decode" else backend.sgmv)(
+            weights, "q_proj", layer, x, y, rows
+        )
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(fused, np.float32))
+
+
+@pytest.mark.parametrize("name", [n for n in LORA_BACKENDS if "rank" in BACKENDS[n].layout["a"]])
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_a_rank_split_over_two_devices_matches_the_loop(name, form):
+    """Fully-sharded stacked slots: two devices each hold half of every slot's rank rows
+    of A (ranks above, across and below the halves' boundary); each shrinks with its
+    part's index, the halves joined (the all-gather) and expanded give the loop's answer."""
+    backend, rng = make_backend(name), np.random.default_rng(9)
+    ranks = (40, 17, 5, 33)
+    adapters = [_adapter(rng, rank) for rank in ranks]
+    weights = backend.allocate(
+        num_layers=LAYERS, num_slots=SLOTS, max_rank=48, shapes=SHAPES, dtype="float32",
+        rank_shards=2,
+    )  # fmt: skip
+    for slot, tensors in enumerate(adapters):
+        payload = backend.pack(
+            tensors, slot=slot, shapes=SHAPES, max_rank=48, dtype="float32", rank_shards=2
+        )
+        weights = backend.install(weights, jnp.int32(slot), jnp.int32(0), payload)
+    axis = backend.layout["a"].index("rank")
+    half = weights["q_proj"]["a"].shape[axis] // 2
+    assert half >= 24  # the rank dim holds max_rank 48 in two equal parts
+    rows, row_slots = _rows(form)
+    y, x = _activations(len(row_slots), "q_proj", 6, "float32")
+    parts = []
+    for k in range(2):
+        a_part = jnp.take(weights["q_proj"]["a"], jnp.arange(k * half, (k + 1) * half), axis)
+        part = {"q_proj": {**weights["q_proj"], "a": a_part}}
+        parts.append(backend.shrink(part, "q_proj", jnp.int32(2), x, rows, jnp.int32(k)))
+    xa = jnp.concatenate(parts, axis=1)
+    out = backend.expand(weights, "q_proj", jnp.int32(2), xa, y, rows)
+    expected = _naive(adapters, "q_proj", 2, y, x, row_slots)
+    assert_close(out, expected, "float32", "float32", scope="op")
+
+
 def test_replacing_a_slot_changes_only_its_rows(slots):
     """Install a rank-3 adapter over slot 1: slot 1's rows follow it, other rows don't
     move (in the page pool, the new adapter's pages must not clobber other slots')."""
@@ -166,7 +238,23 @@ def test_the_page_pool_never_runs_out_and_never_shares_a_page():
 
 
 def test_rank_dim_is_a_power_of_two_of_at_least_16():
-    assert [rank_dim(r) for r in (1, 5, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
+    assert [kernel_rank_dim(r) for r in (1, 5, 16, 17, 64, 65)] == [16, 16, 16, 32, 64, 128]
+
+
+@pytest.mark.parametrize(
+    "name, shards, expected",
+    [("reference", 1, 20), ("reference", 3, 21), ("bgmv", 1, 32), ("bgmv", 2, 32), ("bgmv", 4, 64)],
+)
+def test_a_split_rank_dim_gives_each_device_an_equal_part_the_kernels_take(name, shards, expected):
+    """Max rank 20: the reference pads it to a multiple of the devices, the Pallas
+    backends give every device a power of two of at least 16 rank rows."""
+    assert make_backend(name).rank_dim(20, shards) == expected
+
+
+def test_kernels_refuse_rank_rows_split_in_three():
+    """3 × 16 rows is no power of two, which the expand half reads whole."""
+    with pytest.raises(ConfigError, match=r"lora_backend='bgmv'.*tensor=3 devices.*'mbgmv'"):
+        make_backend("bgmv").rank_dim(20, 3)
 
 
 @pytest.mark.parametrize("name", ["bgmv", "mbgmv"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
-from pallas_kernels.mbgmv import mbgmv, mbgmv_reference
+from pallas_kernels.mbgmv import mbgmv, mbgmv_reference, mbgmv_shrink
 from tests import kernel_cases
 from tests.tolerances import assert_close
 
@@ -122,6 +122,14 @@ class TestMbgmv:
     def test_wide_ranks(self, popularity, dtype):
         args, _, slots = _paged_case(3, kernel_cases.WIDE_RANKS, 64, 16, popularity, dtype)
         self._check(args, slots)
+
+    @pytest.mark.parametrize("dtype", kernel_cases.DTYPES)
+    def test_shrink_alone(self, dtype):
+        args, adapters, slots = _paged_case(4, kernel_cases.WIDE_RANKS, 64, 16, "uniform", dtype)
+        _, x, a_pool, _, idx, pages, ranks, layer = args
+        v = mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, interpret=self.INTERPRET)
+        expected = kernel_cases.naive_shrink(x, adapters, slots, layer, dtype, 64)
+        assert_close(v, expected, dtype, "float32", scope="op")
 
     def test_rank_zero_slots_add_nothing(self):
         args, _, slots = _paged_case(4, (0, 5, 16, 0), 16, 16, "distinct", "float32")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
-from pallas_kernels.sgmv import check_sgmv_args, sgmv, sgmv_reference
+from pallas_kernels.sgmv import check_sgmv_args, sgmv, sgmv_reference, sgmv_shrink
 from tests import kernel_cases
 from tests.tolerances import assert_close
 
@@ -167,6 +167,16 @@ class TestSgmv:
     def test_wide_ranks(self, popularity, dtype):
         args, _, slots = _case(3, kernel_cases.WIDE_RANKS, 64, 40, popularity, dtype)
         self._check(args, slots)
+
+    @pytest.mark.parametrize("dtype", kernel_cases.DTYPES)
+    def test_shrink_alone(self, dtype):
+        args, adapters, slots = _case(5, kernel_cases.WIDE_RANKS, 64, 21, "uniform", dtype)
+        _, x, a_pool, _, seg_slot, seg_start, pages, ranks, layer = args
+        v = sgmv_shrink(
+            x, a_pool, seg_slot, seg_start, pages, ranks, layer, interpret=self.INTERPRET
+        )
+        expected = kernel_cases.naive_shrink(x, adapters, slots, layer, dtype, 64)
+        assert_close(v, expected, dtype, "float32", scope="op")
 
     @pytest.mark.parametrize("dtype", kernel_cases.DTYPES)
     def test_hand_made_segments(self, dtype):

@@ -139,23 +139,26 @@ def test_a_mesh_larger_than_the_devices_present_is_refused_by_the_engine(tiny):
 
 # -- the sharded engine on fake devices ----------------------------------------------
 
-TOKEN_CASES = [
-    ("tp2", "follow-base", "reference", "ondemand"),
-    ("tp2", "fully-sharded", "reference", "ondemand"),
-    ("tp4", "follow-base", "reference", "ondemand"),
-    ("tp4", "fully-sharded", "reference", "ondemand"),
-    ("tp2", "follow-base", "bgmv", "ondemand"),
-    ("tp2", "follow-base", "mbgmv", "ondemand"),
-    ("tp2", "fully-sharded", "bgmv", "ondemand"),
-    ("tp4", "fully-sharded", "mbgmv", "ondemand"),
-    ("tp2", "follow-base", "reference", "cpu-assist"),
-    ("tp4", "fully-sharded", "reference", "cpu-assist"),
+TOKEN_CASES = [  # model, preset, LoRA scheme, backend, lora_mode
+    ("cpu-tiny", "tp2", "follow-base", "reference", "ondemand"),
+    ("cpu-tiny", "tp2", "fully-sharded", "reference", "ondemand"),
+    ("cpu-tiny", "tp4", "follow-base", "reference", "ondemand"),
+    ("cpu-tiny", "tp4", "fully-sharded", "reference", "ondemand"),
+    ("cpu-tiny", "tp2", "follow-base", "bgmv", "ondemand"),
+    ("cpu-tiny", "tp2", "follow-base", "mbgmv", "ondemand"),
+    ("cpu-tiny", "tp2", "fully-sharded", "bgmv", "ondemand"),
+    ("cpu-tiny", "tp4", "fully-sharded", "mbgmv", "ondemand"),
+    # Three devices: rank rows split in three (max rank 32: 11 each), whole pages.
+    ("tiny-x3", "tp3", "fully-sharded", "reference", "ondemand"),
+    ("tiny-x3", "tp3", "fully-sharded", "mbgmv", "ondemand"),
+    ("cpu-tiny", "tp2", "follow-base", "reference", "cpu-assist"),
+    ("cpu-tiny", "tp4", "fully-sharded", "reference", "cpu-assist"),
 ]
 
 
 @pytest.fixture(scope="module")
 def tiny_checks():
-    cases = [f"tokens:cpu-tiny:{':'.join(case)}" for case in TOKEN_CASES]
+    cases = [f"tokens:{':'.join(case)}" for case in TOKEN_CASES]
     cases += [
         "memory:cpu-tiny:tp4:follow-base",
         "memory:cpu-tiny:tp4:fully-sharded",
@@ -176,7 +179,7 @@ def _assert_equal_tokens(result: dict, mode: str) -> None:
 
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=["-".join(case) for case in TOKEN_CASES])
 def test_sharded_tokens_equal_the_single_device_engines(tiny_checks, case):
-    _assert_equal_tokens(tiny_checks[f"tokens:cpu-tiny:{':'.join(case)}"], case[3])
+    _assert_equal_tokens(tiny_checks[f"tokens:{':'.join(case)}"], case[4])
 
 
 SPLIT = {  # parameter -> the dim tp4 splits (None: replicated)

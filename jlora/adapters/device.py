@@ -86,6 +86,7 @@ class DeviceSlots:
         self.dtype = dtype
         self.groups = layer_groups(model_config.num_layers, layer_groups_per_load)
         self._tp = tp
+        self.rank_shards = tp.rank_shards(backend.layout)
         shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
         self.shapes = {target: shapes[target] for target in targets}
         weights = backend.allocate(
@@ -94,8 +95,10 @@ class DeviceSlots:
             max_rank=max_rank,
             shapes=self.shapes,
             dtype=dtype,
+            rank_shards=self.rank_shards,
         )
-        self.specs = tp.lora_specs(weights, backend.layout)
+        split_rank = self.rank_shards > 1
+        self.specs = tp.lora_specs(weights, backend.layout, split_rank=split_rank)
         shardings = tp.named(self.specs)
         self.weights: LoraWeights = jax.device_put(weights, shardings)
         # Compiled once per group size here, so installing never compiles while serving.
@@ -110,7 +113,8 @@ class DeviceSlots:
                 for target, (fan_in, fan_out) in self.shapes.items()
             }
             packed = self._pack(empty, slot=0)
-            self._payload_shardings = tp.named(tp.lora_specs(packed, backend.payload_layout))
+            payload_specs = tp.lora_specs(packed, backend.payload_layout, split_rank=split_rank)
+            self._payload_shardings = tp.named(payload_specs)
             payload = jax.tree.map(
                 lambda leaf, sharding: jax.ShapeDtypeStruct(
                     leaf.shape, leaf.dtype, sharding=sharding
@@ -204,8 +208,9 @@ class DeviceSlots:
 
     def _pack(self, tensors: HostTensors, *, slot: int) -> Payload:
         return self.backend.pack(
-            tensors, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype
-        )
+            tensors, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype,
+            rank_shards=self.rank_shards,
+        )  # fmt: skip
 
 
 def _measure_link_bytes_per_s() -> float:

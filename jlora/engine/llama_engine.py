@@ -131,7 +131,7 @@ class LlamaEngine(DeviceEngine):
                 model_config,
                 backend=backend,
                 num_slots=cfg.max_loras,
-                max_rank=self.tp.lora_rank(cfg.max_lora_rank),
+                max_rank=cfg.max_lora_rank,
                 targets=cfg.lora_targets,
                 dtype=self.model.dtype,
                 tp=self.tp,

@@ -285,28 +285,30 @@ class Llama:
     def _split_lora(self, weights, target, layer, x, y, rows) -> jax.Array:
         """A fully-sharded adapter's delta (configs.sharding.LORA_SHARDINGS): x·A on each
         device, then its collective (an all-gather over the rank where A is split on it,
-        an all-reduce where x is split, i.e. row-parallel), then ·B. A row-parallel
-        target's B is split on its output: each device adds its slice into its partial
-        sum, and the base all-reduce completes it."""
+        an all-reduce where x is split, i.e. row-parallel), then ·B, each half the
+        backend's (its kernels' halves in the Pallas backends). A row-parallel target's B
+        is split on its output: each device adds its columns into its partial sum, and
+        the base all-reduce completes it."""
         backend, tp = self.lora, self.tp
         assert backend is not None and tp is not None and tp.lora_axis is not None
         axis = tp.lora_axis
         gather, reduce = tp.lora_split(target, backend.layout)
         slots = rows.slot if isinstance(rows, Segments) else rows
+        part = jax.lax.axis_index(axis)
 
         def compute() -> jax.Array:
-            xa, adapted = backend.shrink(weights, target, layer, x, rows)
+            xa = backend.shrink(weights, target, layer, x, rows, part if gather else None)
             if gather:
                 xa = jax.lax.all_gather(xa, axis, axis=1, tiled=True)
             if reduce:
                 xa = jax.lax.psum(xa, axis)
-            delta = backend.expand(weights, target, layer, xa.astype(x.dtype), rows)
-            if reduce:  # this device's slice of the output, into its partial sum
-                start = jax.lax.axis_index(axis) * delta.shape[1]
-                whole = jnp.zeros((delta.shape[0], y.shape[1]), jnp.float32)
-                delta = jax.lax.dynamic_update_slice(whole, delta, (0, start))
-            summed = (y.astype(jnp.float32) + delta).astype(y.dtype)
-            return jnp.where(adapted[:, None], summed, y)
+            xa = xa.astype(x.dtype)
+            if not reduce:
+                return backend.expand(weights, target, layer, xa, y, rows)
+            width = y.shape[1] // tp.size  # this device's columns of the partial sum
+            columns = jax.lax.dynamic_slice_in_dim(y, part * width, width, axis=1)
+            columns = backend.expand(weights, target, layer, xa, columns, rows)
+            return jax.lax.dynamic_update_slice_in_dim(y, columns, part * width, axis=1)
 
         return jax.lax.cond(jnp.any(slots >= 0), compute, lambda: y)
 

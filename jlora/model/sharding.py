@@ -166,17 +166,18 @@ class TensorParallel:
         fully = self.sharding.lora_sharding == "fully-sharded"
         return (self._split("heads") or self._split("mlp")) if fully else None
 
-    def lora_rank(self, max_rank: int) -> int:
-        """The slots' rank dim: max_rank, rounded up to a multiple of the devices that
-        split it (fully-sharded; the extra rank rows are zeros)."""
-        return math.ceil(max_rank / self.size) * self.size if self.lora_axis else max_rank
+    def rank_shards(self, layout: dict[str, tuple[str, ...]]) -> int:
+        """The devices that split a column-parallel target's A on its rank in slots of
+        this layout: fully-sharded stacked slots (a "rank" dim); 1 for follow-base and
+        for a page pool (whose pages stay whole)."""
+        return self.size if self.lora_axis and "rank" in layout["a"] else 1
 
     def lora_split(self, target: str, layout: dict[str, tuple[str, ...]]) -> tuple[bool, bool]:
         """A fully-sharded target's collectives on x·A: (all-gather it over the rank: A
         is split on its rank, the column-parallel case; all-reduce it: x is split, the
         row-parallel case, whose B is then split on its output)."""
         in_axis, out_axis = (self._split(a) for a in TARGET_AXES[target])
-        return out_axis is not None and "rank" in layout["a"], in_axis is not None
+        return out_axis is not None and self.rank_shards(layout) > 1, in_axis is not None
 
     # -- where the arrays live --------------------------------------------------------
 
@@ -199,14 +200,17 @@ class TensorParallel:
     def kv_spec(self) -> PartitionSpec:
         return self.spec(*KV_AXES)
 
-    def lora_specs(self, weights: Any, layouts: dict[str, tuple[str, ...]]) -> Any:
-        """A PartitionSpec for every part of the adapter slots.
+    def lora_specs(
+        self, weights: Any, layouts: dict[str, tuple[str, ...]], *, split_rank: bool
+    ) -> Any:
+        """A PartitionSpec for every part of the adapter slots (or of a packed adapter).
 
         layouts: part -> its dims, by name: "layers", "slot", "page" (replicated),
-        "rank", "in", "out" (the backend's layout). Under follow-base, "in" and "out"
-        follow the target's base kernel and the rank is replicated; under
-        fully-sharded, a column-parallel target's A is split on its rank and a
-        row-parallel target's B on its output.
+        "rank", "in", "out" (the backend's layout or payload layout). Under
+        follow-base, "in" and "out" follow the target's base kernel and the rank is
+        replicated; under fully-sharded, a row-parallel target's B is split on its
+        output and, where `split_rank` (`rank_shards` of the slots' layout > 1), a
+        column-parallel target's A on its rank.
         """
         fully = self.sharding.lora_sharding == "fully-sharded"
         tensor = self._split("heads") or self._split("mlp")
@@ -221,7 +225,7 @@ class TensorParallel:
                 elif dim == "out":
                     axes.append(out_axis or (tensor if fully and in_axis else None))
                 elif dim == "rank":
-                    axes.append(tensor if fully and is_a and out_axis else None)
+                    axes.append(tensor if split_rank and is_a and out_axis else None)
                 else:
                     axes.append(None)
             return PartitionSpec(*axes)

@@ -10,6 +10,9 @@ beyond the row's own rank are masked to zero before they are multiplied.
 2. v is rounded to x.dtype (common.py's arithmetic rule);
 3. expand, grid (S, out tiles): y[s, tile] += v[s] @ B[:, tile], written in place
    (y's buffer is the output), and only for rows with an adapter.
+
+`bgmv_shrink` and `bgmv_expand` are the two halves alone, for a LoRA split across
+devices (a collective runs on v between them).
 """
 
 from __future__ import annotations
@@ -30,17 +33,38 @@ OUT_BLOCK_CAP = 512  # `out` elements per expand program
 
 def check_bgmv_args(y: Any, x: Any, a: Any, b: Any, idx: Any, ranks: Any) -> int:
     """Checks shapes and dtypes (see `bgmv`); returns the rank chunk, min(8, R)."""
-    rows, fan_in, fan_out = common.expect_activations(y, x)
-    common.expect_shape("a", a, (None, None, None, fan_in))
-    common.expect_dtype("a", a, (x.dtype,))
-    layers, slots, rank_dim, _ = a.shape
-    common.expect_shape("b", b, (layers, slots, rank_dim, fan_out))
+    common.expect_activations(y, x)
+    chunk = _check_shrink_args(x, a, idx, ranks)
+    common.expect_shape("b", b, (*a.shape[:3], y.shape[1]))
     common.expect_dtype("b", b, (x.dtype,))
+    return chunk
+
+
+def _check_shrink_args(x: Any, a: Any, idx: Any, ranks: Any) -> int:
+    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
+    common.expect_dtype("x", x, common.FLOAT_DTYPES)
+    common.expect_shape("a", a, (None, None, None, x.shape[1]))
+    common.expect_dtype("a", a, (x.dtype,))
+    _check_routing(idx, ranks, x.shape[0], a.shape[1])
+    return common.expect_rank_dim("a", a.shape[2])
+
+
+def _check_expand_args(y: Any, v: Any, b: Any, idx: Any, ranks: Any) -> int:
+    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
+    common.expect_dtype("y", y, common.FLOAT_DTYPES)
+    common.expect_shape("v", v, (y.shape[0], None))
+    common.expect_dtype("v", v, (y.dtype,))
+    common.expect_shape("b", b, (None, None, v.shape[1], y.shape[1]))
+    common.expect_dtype("b", b, (y.dtype,))
+    _check_routing(idx, ranks, y.shape[0], b.shape[1])
+    return common.expect_rank_dim("b", b.shape[2])
+
+
+def _check_routing(idx: Any, ranks: Any, rows: int, slots: int) -> None:
     common.expect_shape("idx", idx, (rows,))
     common.expect_dtype("idx", idx, (jnp.int32,))
     common.expect_shape("ranks", ranks, (slots,))
     common.expect_dtype("ranks", ranks, (jnp.int32,))
-    return common.expect_rank_dim("a", rank_dim)
 
 
 def batch_rank(idx: jax.Array, ranks: jax.Array) -> jax.Array:
@@ -141,6 +165,7 @@ def bgmv(
     y in f32 and rounded once). Rows with idx[s] == -1 are not written (bit-identical).
     Every row reads cdiv(R_batch, 8) chunks of rank rows, R_batch = max over adapted
     rows of ranks[idx[s]]; rows at or beyond a slot's rank are ignored (may hold NaN).
+    It is `bgmv_expand(y, bgmv_shrink(x, ...).astype(x.dtype), ...)`.
 
     Args:
       y: [S, out], f32 or bf16; the updated copy is returned.
@@ -154,19 +179,35 @@ def bgmv(
     Returns:
       y's updated copy, [S, out], y.dtype.
     """
-    chunk = check_bgmv_args(y, x, a, b, idx, ranks)
-    rows, fan_in = x.shape
-    fan_out = y.shape[1]
-    rank_dim = a.shape[2]
-    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
-    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
-    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
-    routing_specs = [common.whole(array.shape) for array in routing]
+    check_bgmv_args(y, x, a, b, idx, ranks)
+    v = bgmv_shrink(x, a, idx, ranks, layer, interpret=interpret)
+    return bgmv_expand(y, v.astype(x.dtype), b, idx, ranks, layer, interpret=interpret)
 
-    shrunk = pl.pallas_call(
-        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def bgmv_shrink(
+    x: jax.Array, a: jax.Array, idx: jax.Array, ranks: jax.Array, layer: Any, *, interpret=False
+) -> jax.Array:
+    """BGMV's first half: v[s, :r] = x[s] @ a[layer, idx[s], :r].T in f32, r the slot's
+    rank; v is 0 past it and on rows without an adapter. Returns f32[S, R].
+
+    Alone, it serves a LoRA split across devices: a device holding rank rows
+    [k, k + R) of every slot passes ranks clipped to them, `clip(ranks - k, 0, R)`.
+    """
+    chunk = _check_shrink_args(x, a, idx, ranks)
+    rows, fan_in = x.shape
+    rank_dim = a.shape[2]
+    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    return pl.pallas_call(
+        functools.partial(
+            _shrink_kernel, chunk=chunk, block_in=common.pow2_block(fan_in, IN_BLOCK_CAP)
+        ),
         grid=(rows,),
-        in_specs=[*routing_specs, common.whole(x.shape), common.whole(a.shape)],
+        in_specs=[
+            *(common.whole(r.shape) for r in routing),
+            common.whole(x.shape),
+            common.whole(a.shape),
+        ],
         out_specs=pl.BlockSpec((None, rank_dim), lambda s: (s, 0)),
         out_shape=jax.ShapeDtypeStruct((rows, rank_dim), jnp.float32),
         compiler_params=common.triton_params(),
@@ -174,13 +215,34 @@ def bgmv(
         name="bgmv_shrink",
     )(*routing, x, a)
 
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def bgmv_expand(
+    y: jax.Array,
+    v: jax.Array,
+    b: jax.Array,
+    idx: jax.Array,
+    ranks: jax.Array,
+    layer: Any,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """BGMV's second half: y[s] += v[s, :r] @ b[layer, idx[s], :r] in f32, r the slot's
+    rank, rounded to y.dtype once; rows without an adapter are not written.
+
+    v: [S, R], y's dtype (the caller rounds `bgmv_shrink`'s f32 result, common.py).
+    """
+    chunk = _check_expand_args(y, v, b, idx, ranks)
+    rows, fan_out = y.shape
+    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
+    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
     tile_spec = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
     return pl.pallas_call(
         functools.partial(_expand_kernel, chunk=chunk),
         grid=(rows, fan_out // block_out),
         in_specs=[
-            *routing_specs,
-            pl.BlockSpec((None, rank_dim), lambda s, t: (s, 0)),
+            *(common.whole(r.shape) for r in routing),
+            pl.BlockSpec((None, v.shape[1]), lambda s, t: (s, 0)),
             common.whole(b.shape),
             tile_spec,
         ],
@@ -190,4 +252,4 @@ def bgmv(
         compiler_params=common.triton_params(),
         interpret=interpret,
         name="bgmv_expand",
-    )(*routing, shrunk.astype(x.dtype), b, y)
+    )(*routing, v, b, y)

@@ -7,6 +7,9 @@ proportional to the sum of the rows' ranks). Expand: one program per (row, out t
 adds v[s] @ B to y in place. A chunk's rank rows are gathered from the pool through
 the slot's page table; rows of the last chunk at or beyond the rank are masked out
 before they are multiplied, so whatever their pages hold (NaN included) is ignored.
+
+`mbgmv_shrink` and `mbgmv_expand` are the two halves alone, for a LoRA split across devices
+(a collective runs on v between them).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _shrink_kernel(
     pages_ref,  # [N, R]
     x_ref,  # [S, in]
     a_ref,  # [L, P, in]
-    v_ref,  # [R]: this row's v; entries past its rank's last chunk are not written
+    v_ref,  # [R]: this row's v, 0 past its rank and on a row without an adapter
     *,
     chunk: int,
     block_in: int,
@@ -61,6 +64,7 @@ def _shrink_kernel(
     slot = idx_ref[row]
     num_pages = a_ref.shape[1]
     num_in_blocks = x_ref.shape[1] // block_in
+    v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
     @pl.when(slot >= 0)
     def _():
@@ -144,29 +148,57 @@ def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = F
 
     Returns:
       [S, out] in y's dtype.
-    """
-    chunk = check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
-    rows, fan_in = x.shape
-    fan_out = y.shape[1]
-    rank_dim = pages.shape[1]
-    layer = common.as_layer(layer)
-    tables = (idx, layer, ranks, pages)
-    table_specs = [common.whole(t.shape) for t in tables]
-    params = common.triton_params()
 
+    It is `mbgmv_expand(y, mbgmv_shrink(x, ...).astype(x.dtype), ...)`.
+    """
+    check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
+    v = mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, interpret=interpret)
+    return mbgmv_expand(y, v.astype(x.dtype), b_pool, idx, pages, ranks, layer, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False) -> jax.Array:
+    """MBGMV's first half: v[s, j] = x[s] . a_pool[layer, pages[n, j]] in f32 for
+    j < ranks[n], n = idx[s]; 0 past the rank and on rows without an adapter.
+    Returns f32[S, R] (R = pages.shape[1])."""
+    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
+    common.expect_dtype("x", x, common.FLOAT_DTYPES)
+    common.expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
+    common.expect_dtype("a_pool", a_pool, (x.dtype,))
+    chunk = _check_routing(idx, pages, ranks, x.shape[0])
+    rows, fan_in = x.shape
+    tables = (idx, common.as_layer(layer), ranks, pages)
     block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
-    v = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
-        out_shape=jax.ShapeDtypeStruct((rows, rank_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows, pages.shape[1]), jnp.float32),
         grid=(rows,),
-        in_specs=[*table_specs, common.whole(x.shape), common.whole(a_pool.shape)],
-        out_specs=pl.BlockSpec((None, rank_dim), lambda s: (s, 0)),
+        in_specs=[
+            *(common.whole(t.shape) for t in tables),
+            common.whole(x.shape),
+            common.whole(a_pool.shape),
+        ],
+        out_specs=pl.BlockSpec((None, pages.shape[1]), lambda s: (s, 0)),
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=common.triton_params(),
         name="mbgmv_shrink",
     )(*tables, x, a_pool)
-    v = v.astype(x.dtype)
 
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = False) -> jax.Array:
+    """MBGMV's second half: y[s] += sum_{j < ranks[n]} v[s, j] * b_pool[layer,
+    pages[n, j]] in f32, n = idx[s], rounded to y.dtype once; rows without an adapter
+    are not written. v: [S, R] in y's dtype (the caller rounds `mbgmv_shrink`'s)."""
+    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
+    common.expect_dtype("y", y, common.FLOAT_DTYPES)
+    common.expect_shape("v", v, (y.shape[0], pages.shape[1]))
+    common.expect_dtype("v", v, (y.dtype,))
+    common.expect_shape("b_pool", b_pool, (None, None, y.shape[1]))
+    common.expect_dtype("b_pool", b_pool, (y.dtype,))
+    chunk = _check_routing(idx, pages, ranks, y.shape[0])
+    rows, fan_out = y.shape
+    tables = (idx, common.as_layer(layer), ranks, pages)
     block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
     row_tile = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
     return pl.pallas_call(
@@ -174,14 +206,20 @@ def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = F
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(rows, fan_out // block_out),
         in_specs=[
-            *table_specs,
-            pl.BlockSpec((None, rank_dim), lambda s, t: (s, 0)),
+            *(common.whole(t.shape) for t in tables),
+            pl.BlockSpec((None, pages.shape[1]), lambda s, t: (s, 0)),
             common.whole(b_pool.shape),
             row_tile,
         ],
         out_specs=row_tile,
         input_output_aliases={len(tables) + 2: 0},
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=common.triton_params(),
         name="mbgmv_expand",
     )(*tables, v, b_pool, y)
+
+
+def _check_routing(idx, pages, ranks, rows: int) -> int:
+    common.expect_shape("idx", idx, (rows,))
+    common.expect_dtype("idx", idx, (jnp.int32,))
+    return common.expect_page_table(pages, ranks)

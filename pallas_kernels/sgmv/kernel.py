@@ -8,6 +8,9 @@ the tile's rows inside the segment. Expand: one program per (row tile, out tile)
 adds v @ B the same way. Rank rows at or beyond a slot's rank are masked out before
 the dots, so whatever their pages hold (NaN included) is ignored; rows outside every
 adapted segment are written back with their own bits.
+
+`sgmv_shrink` and `sgmv_expand` are the two halves alone, for a LoRA split across devices
+(a collective runs on v between them).
 """
 
 from __future__ import annotations
@@ -38,23 +41,32 @@ def check_sgmv_args(
     """
     rows, fan_in, fan_out = common.expect_activations(y, x)
     common.expect_pool(x, y, a_pool, b_pool)
+    rank_dim = _check_segments(seg_slot, seg_start, pages, ranks, compiled)
+    for name, dim in (("x (in)", fan_in), ("y (out)", fan_out)):
+        _check_compiled(name, dim, compiled)
+    return rows, fan_in, fan_out, rank_dim
+
+
+def _check_segments(seg_slot, seg_start, pages, ranks, compiled: bool) -> int:
+    """The segments and the page table (R >= 16 where `compiled`); returns R."""
     common.expect_shape("seg_slot", seg_slot, (None,))
     common.expect_dtype("seg_slot", seg_slot, (jnp.int32,))
     common.expect_shape("seg_start", seg_start, (seg_slot.shape[0] + 1,))
     common.expect_dtype("seg_start", seg_start, (jnp.int32,))
     common.expect_page_table(pages, ranks)
     rank_dim = pages.shape[1]
-    if compiled:
-        for name, dim in (("x (in)", fan_in), ("y (out)", fan_out)):
-            common.expect(
-                dim % DOT_MIN == 0,
-                f"{name} has feature size {dim}; compiled Triton dots need a multiple of 16",
-            )
-        common.expect(
-            rank_dim >= DOT_MIN,
-            f"pages has rank dimension {rank_dim}; compiled Triton dots need R >= 16",
-        )
-    return rows, fan_in, fan_out, rank_dim
+    common.expect(
+        not compiled or rank_dim >= DOT_MIN,
+        f"pages has rank dimension {rank_dim}; compiled Triton dots need R >= 16",
+    )
+    return rank_dim
+
+
+def _check_compiled(name: str, dim: int, compiled: bool) -> None:
+    common.expect(
+        not compiled or dim % DOT_MIN == 0,
+        f"{name} has feature size {dim}; compiled Triton dots need a multiple of 16",
+    )
 
 
 def _segment(g, first_row, seg_slot_ref, seg_start_ref, ranks_ref, block_t):
@@ -193,41 +205,77 @@ def sgmv(
       interpret: run the Pallas interpreter (CPU) instead of compiling for GPU; it
         accepts any sizes, while the compiled dots need `in`, `out` multiples of 16
         and R >= 16.
-    """
-    rows, fan_in, fan_out, rank_dim = check_sgmv_args(
-        y, x, a_pool, b_pool, seg_slot, seg_start, pages, ranks, compiled=not interpret
-    )
-    if rows == 0 or seg_slot.shape[0] == 0:
-        return y
-    padded_rows = pl.cdiv(rows, BLOCK_T) * BLOCK_T
-    pad = ((0, padded_rows - rows), (0, 0))  # padded rows lie in no segment
-    x_tiles, y_tiles = jnp.pad(x, pad), jnp.pad(y, pad)
-    num_tiles = padded_rows // BLOCK_T
-    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
-    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
-    indices = (common.as_layer(layer), seg_slot, seg_start, ranks, pages)
-    index_specs = [common.whole(a.shape) for a in indices]
 
+    It is `sgmv_expand(y, sgmv_shrink(x, ...).astype(x.dtype), ...)`.
+    """
+    check_sgmv_args(y, x, a_pool, b_pool, seg_slot, seg_start, pages, ranks, compiled=not interpret)
+    segments = (seg_slot, seg_start, pages, ranks, layer)
+    v = sgmv_shrink(x, a_pool, *segments, interpret=interpret)
+    return sgmv_expand(y, v.astype(x.dtype), b_pool, *segments, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def sgmv_shrink(
+    x, a_pool, seg_slot, seg_start, pages, ranks, layer, *, interpret: bool = False
+) -> jax.Array:
+    """SGMV's first half: v[t, j] = x[t] . a_pool[layer, pages[n, j]] in f32 for
+    j < ranks[n], n the slot of t's segment; 0 past the rank and on rows in no adapted
+    segment. Returns f32[T, R] (R = pages.shape[1])."""
+    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
+    common.expect_dtype("x", x, common.FLOAT_DTYPES)
+    common.expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
+    common.expect_dtype("a_pool", a_pool, (x.dtype,))
+    rank_dim = _check_segments(seg_slot, seg_start, pages, ranks, not interpret)
+    _check_compiled("x (in)", x.shape[1], not interpret)
+    rows, fan_in = x.shape
+    if rows == 0 or seg_slot.shape[0] == 0:
+        return jnp.zeros((rows, rank_dim), jnp.float32)
+    x_tiles = _pad_rows(x)
+    indices = (common.as_layer(layer), seg_slot, seg_start, ranks, pages)
     v = pl.pallas_call(
-        functools.partial(_shrink_kernel, block_in=block_in),
-        grid=(num_tiles,),
+        functools.partial(_shrink_kernel, block_in=common.pow2_block(fan_in, IN_BLOCK_CAP)),
+        grid=(x_tiles.shape[0] // BLOCK_T,),
         in_specs=[
-            *index_specs,
+            *(common.whole(i.shape) for i in indices),
             pl.BlockSpec((BLOCK_T, fan_in), lambda t: (t, 0)),
             common.whole(a_pool.shape),
         ],
         out_specs=pl.BlockSpec((BLOCK_T, rank_dim), lambda t: (t, 0)),
-        out_shape=jax.ShapeDtypeStruct((padded_rows, rank_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((x_tiles.shape[0], rank_dim), jnp.float32),
         compiler_params=common.triton_params(),
         interpret=interpret,
         name="sgmv_shrink",
     )(*indices, x_tiles, a_pool)
+    return v[:rows]
 
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def sgmv_expand(
+    y, v, b_pool, seg_slot, seg_start, pages, ranks, layer, *, interpret: bool = False
+) -> jax.Array:
+    """SGMV's second half: y[t] += sum_{j < ranks[n]} v[t, j] * b_pool[layer,
+    pages[n, j]] in f32, n the slot of t's segment, rounded to y.dtype once; rows in no
+    adapted segment are not written. v: [T, R] in y's dtype (the caller rounds
+    `sgmv_shrink`'s)."""
+    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
+    common.expect_dtype("y", y, common.FLOAT_DTYPES)
+    common.expect_shape("v", v, (y.shape[0], pages.shape[1]))
+    common.expect_dtype("v", v, (y.dtype,))
+    common.expect_shape("b_pool", b_pool, (None, None, y.shape[1]))
+    common.expect_dtype("b_pool", b_pool, (y.dtype,))
+    rank_dim = _check_segments(seg_slot, seg_start, pages, ranks, not interpret)
+    _check_compiled("y (out)", y.shape[1], not interpret)
+    rows, fan_out = y.shape
+    if rows == 0 or seg_slot.shape[0] == 0:
+        return y
+    v_tiles, y_tiles = _pad_rows(v), _pad_rows(y)
+    block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
+    indices = (common.as_layer(layer), seg_slot, seg_start, ranks, pages)
     y_tiles = pl.pallas_call(
         _expand_kernel,
-        grid=(num_tiles, fan_out // block_out),
+        grid=(y_tiles.shape[0] // BLOCK_T, fan_out // block_out),
         in_specs=[
-            *index_specs,
+            *(common.whole(i.shape) for i in indices),
             pl.BlockSpec((BLOCK_T, rank_dim), lambda t, o: (t, 0)),
             common.whole(b_pool.shape),
             pl.BlockSpec((BLOCK_T, block_out), lambda t, o: (t, o)),
@@ -238,5 +286,11 @@ def sgmv(
         compiler_params=common.triton_params(),
         interpret=interpret,
         name="sgmv_expand",
-    )(*indices, v.astype(x.dtype), b_pool, y_tiles)
+    )(*indices, v_tiles, b_pool, y_tiles)
     return y_tiles[:rows]
+
+
+def _pad_rows(array: jax.Array) -> jax.Array:
+    """Rows padded to a multiple of BLOCK_T (padded rows lie in no segment)."""
+    padded = pl.cdiv(array.shape[0], BLOCK_T) * BLOCK_T
+    return jnp.pad(array, ((0, padded - array.shape[0]), (0, 0)))

@@ -20,6 +20,7 @@ entry per target, so a target no slot holds is absent from the weights.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any
 
 import jax
@@ -66,6 +67,12 @@ class LoraBackend(abc.ABC):
     layout: dict[str, tuple[str, ...]]
     payload_layout: dict[str, tuple[str, ...]]
 
+    def rank_dim(self, max_rank: int, shards: int = 1) -> int:
+        """The slots' rank dimension for adapters of rank <= max_rank, split over
+        `shards` devices (fully-sharded splits A on its rank): a multiple of `shards`,
+        each device's part as the backend needs it. Rows past a rank are zeros."""
+        return shards * math.ceil(max_rank / shards)
+
     @abc.abstractmethod
     def allocate(
         self,
@@ -75,10 +82,12 @@ class LoraBackend(abc.ABC):
         max_rank: int,
         shapes: dict[str, tuple[int, int]],
         dtype: Any,
+        rank_shards: int = 1,
     ) -> LoraWeights:
         """Zeroed device slots for `num_slots` adapters of rank <= max_rank.
 
         shapes: target -> (in_features, out_features), the targets the slots hold.
+        rank_shards: the devices a "rank" dim of the layout is split over (`rank_dim`).
         """
 
     @abc.abstractmethod
@@ -90,6 +99,7 @@ class LoraBackend(abc.ABC):
         shapes: dict[str, tuple[int, int]],
         max_rank: int,
         dtype: Any,
+        rank_shards: int = 1,
     ) -> Payload:
         """One adapter's host tensors in the layout `install` takes for `slot` (numpy).
 
@@ -143,23 +153,39 @@ class LoraBackend(abc.ABC):
         adapter's rank zero."""
 
     def shrink(
-        self, weights: LoraWeights, target: str, layer: jax.Array, x: jax.Array, rows: Rows
-    ) -> tuple[jax.Array, jax.Array]:
-        """Semantics: xa[t] = x[t] @ A[slot(t)] in fp32 (zero where a row has no adapter).
+        self,
+        weights: LoraWeights,
+        target: str,
+        layer: jax.Array,
+        x: jax.Array,
+        rows: Rows,
+        rank_part: jax.Array | None = None,
+    ) -> jax.Array:
+        """Semantics: xa[t] = x[t] @ A[slot(t)] in fp32, zero where a row has no adapter.
 
-        rows: i32[T] slots per row (decode) or `Segments` (prefill). Returns xa f32[T, R]
-        and which rows have an adapter, bool[T]. With `expand`, the BGMV/SGMV product
-        in two halves, so a collective can run between them (plain jnp over gathered
-        factors: the fused kernels serve the unsplit path).
+        rows: i32[T] slots per row (decode) or `Segments` (prefill). Returns f32[T, R].
+        rank_part: where this device holds only part k of A's rank rows (R of them:
+        rows [k R, (k + 1) R) of each adapter), k. With `expand`, the BGMV/SGMV product
+        in two halves, so a collective can run between them. This default is plain jnp
+        over gathered factors (whose rank rows past a rank are zeros, so it needs no k);
+        the Pallas backends run their kernels' halves.
         """
-        return self._per_adapter(weights, target, layer, rows, x, 0)
+        return self._per_adapter(weights, target, layer, rows, x, 0)[0]
 
     def expand(
-        self, weights: LoraWeights, target: str, layer: jax.Array, xa: jax.Array, rows: Rows
+        self,
+        weights: LoraWeights,
+        target: str,
+        layer: jax.Array,
+        xa: jax.Array,
+        y: jax.Array,
+        rows: Rows,
     ) -> jax.Array:
-        """Semantics: delta[t] = xa[t] @ B[slot(t)] in fp32 (xa: [T, R], rounded as the
-        caller wants); zero where a row has no adapter."""
-        return self._per_adapter(weights, target, layer, rows, xa, 1)[0]
+        """Semantics: y[t] += xa[t] @ B[slot(t)] in fp32, rounded to y.dtype once; rows
+        without an adapter keep y's bits. xa: [T, R] in y's dtype (the caller rounds
+        `shrink`'s)."""
+        delta, adapted = self._per_adapter(weights, target, layer, rows, xa, 1)
+        return jnp.where(adapted[:, None], (y.astype(jnp.float32) + delta).astype(y.dtype), y)
 
     def _per_adapter(
         self, weights: LoraWeights, target: str, layer: jax.Array, rows: Rows, lhs, which: int

@@ -7,26 +7,31 @@ Kernels run compiled (Triton) on a GPU and with `interpret=True` anywhere else.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import ConfigError
 from jlora.adapters.backends.base import (
     HostTensors,
     LoraBackend,
     LoraWeights,
     Payload,
+    Rows,
+    Segments,
     set_slot,
 )
-from pallas_kernels.bgmv import bgmv
-from pallas_kernels.common import stacked_pages
-from pallas_kernels.mbgmv import mbgmv
-from pallas_kernels.sgmv import sgmv, sgmv_reference
+from pallas_kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink
+from pallas_kernels.common import is_pow2, stacked_pages
+from pallas_kernels.mbgmv import mbgmv, mbgmv_expand, mbgmv_shrink
+from pallas_kernels.sgmv import sgmv, sgmv_expand, sgmv_reference, sgmv_shrink
 
 MIN_RANK_DIM = 16  # Triton's dots in SGMV need every dimension >= 16
 
 
-def rank_dim(max_rank: int) -> int:
+def kernel_rank_dim(max_rank: int) -> int:
     """The kernels' rank dimension R: a power of two, at least MIN_RANK_DIM."""
     return max(MIN_RANK_DIM, 1 << (max_rank - 1).bit_length())
 
@@ -50,15 +55,74 @@ def rank_rows(tensors: HostTensors, shapes, rdim: int, dtype) -> Payload:
 
 
 class _PallasBackend(LoraBackend):
+    """What both share: prefill with SGMV over `_pool` (the slots as a pool of rank
+    rows and its page table), and the kernels' halves for a split LoRA."""
+
     def __init__(self, interpret: bool | None = None) -> None:
         self.interpret = jax.default_backend() != "gpu" if interpret is None else interpret
 
-    def _prefill(self, y, x, a_pool, b_pool, segments, pages, ranks, layer) -> jax.Array:
-        """SGMV, or its jnp reference where compiled Triton dots cannot take the shapes."""
-        args = (y, x, a_pool, b_pool, segments.slot, segments.start, pages, ranks, layer)
-        if self.interpret or (x.shape[-1] % 16 == 0 and y.shape[-1] % 16 == 0):
+    def rank_dim(self, max_rank: int, shards: int = 1) -> int:
+        """Each device's part a power of two; so is the whole, which `expand` reads
+        after the all-gather: ConfigError where `shards` is not one."""
+        if not is_pow2(shards):
+            raise ConfigError(
+                f"lora_backend={self.name!r} with fully-sharded adapters splits every "
+                f"slot's rank rows over the tensor={shards} devices, and its kernels need "
+                "a power-of-two rank dimension: use a power-of-two mesh, follow-base, or "
+                "lora_backend 'mbgmv' or 'reference'"
+            )
+        return shards * kernel_rank_dim(math.ceil(max_rank / shards))
+
+    def _pool(self, w: dict[str, jax.Array], part: str) -> tuple[jax.Array, jax.Array]:
+        """A target's A or B slots (part "a" or "b") as a pool of rank rows [L, P, in or
+        out] and its page table i32[N, R] (in a split LoRA, R may differ between A's
+        part on this device and B)."""
+        raise NotImplementedError
+
+    def _dots_take(self, *dims: int) -> bool:
+        """Whether SGMV runs at these feature sizes: compiled Triton dots need multiples
+        of 16 (tiny test models compiled on a GPU fall back to jnp); interpreted, any."""
+        return self.interpret or all(dim % 16 == 0 for dim in dims)
+
+    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
+        w = weights[target]
+        (a_pool, pages), (b_pool, _) = self._pool(w, "a"), self._pool(w, "b")
+        args = (y, x, a_pool, b_pool, segments.slot, segments.start, pages, w["rank"], layer)
+        if self._dots_take(x.shape[-1], y.shape[-1]):
             return sgmv(*args, interpret=self.interpret)
         return sgmv_reference(*args)
+
+    def shrink(self, weights, target, layer, x, rows: Rows, rank_part=None) -> jax.Array:
+        w = weights[target]
+        a_pool, pages = self._pool(w, "a")
+        ranks = w["rank"]
+        if rank_part is not None:  # this device holds rank rows [k R, (k + 1) R) of each
+            ranks = jnp.clip(ranks - rank_part * pages.shape[1], 0, pages.shape[1])
+        if not isinstance(rows, Segments):
+            return self._decode_shrink(w, x, rows, ranks, layer)
+        if not self._dots_take(x.shape[-1]):
+            return super().shrink(weights, target, layer, x, rows, rank_part)
+        return sgmv_shrink(
+            x, a_pool, rows.slot, rows.start, pages, ranks, layer, interpret=self.interpret
+        )
+
+    def expand(self, weights, target, layer, xa, y, rows: Rows) -> jax.Array:
+        w = weights[target]
+        b_pool, pages = self._pool(w, "b")
+        if not isinstance(rows, Segments):
+            return self._decode_expand(w, xa, y, rows, layer)
+        if not self._dots_take(y.shape[-1]):
+            return super().expand(weights, target, layer, xa, y, rows)
+        return sgmv_expand(
+            y, xa, b_pool, rows.slot, rows.start, pages, w["rank"], layer,
+            interpret=self.interpret,
+        )  # fmt: skip
+
+    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
+        raise NotImplementedError
+
+    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
+        raise NotImplementedError
 
 
 class BgmvBackend(_PallasBackend):
@@ -78,8 +142,10 @@ class BgmvBackend(_PallasBackend):
     }
     payload_layout = {"a": ("layers", "rank", "in"), "b": ("layers", "rank", "out"), "rank": ()}
 
-    def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
-        rdim = rank_dim(max_rank)
+    def allocate(
+        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
+    ) -> LoraWeights:
+        rdim = self.rank_dim(max_rank, rank_shards)
         return {
             target: {
                 "a": jnp.zeros((num_layers, num_slots, rdim, fan_in), dtype),
@@ -89,8 +155,8 @@ class BgmvBackend(_PallasBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
-        return rank_rows(tensors, shapes, rank_dim(max_rank), dtype)
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
+        return rank_rows(tensors, shapes, self.rank_dim(max_rank, rank_shards), dtype)
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
         return set_slot(weights, slot, layer_start, payload)
@@ -103,13 +169,15 @@ class BgmvBackend(_PallasBackend):
         w = weights[target]
         return bgmv(y, x, w["a"], w["b"], idx, w["rank"], layer, interpret=self.interpret)
 
-    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        w = weights[target]
-        layers, slots, rdim, fan_in = w["a"].shape
-        a_pool = w["a"].reshape(layers, slots * rdim, fan_in)
-        b_pool = w["b"].reshape(layers, slots * rdim, -1)
-        pages = stacked_pages(slots, rdim)
-        return self._prefill(y, x, a_pool, b_pool, segments, pages, w["rank"], layer)
+    def _pool(self, w, part):
+        layers, slots, rdim, width = w[part].shape
+        return w[part].reshape(layers, slots * rdim, width), stacked_pages(slots, rdim)
+
+    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
+        return bgmv_shrink(x, w["a"], idx, ranks, layer, interpret=self.interpret)
+
+    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
+        return bgmv_expand(y, xa, w["b"], idx, w["rank"], layer, interpret=self.interpret)
 
 
 class PagePool:
@@ -161,9 +229,11 @@ class MbgmvBackend(_PallasBackend):
         "pages": ("index",),
     }
 
-    def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
+    def allocate(
+        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
+    ) -> LoraWeights:
         self.pool = PagePool(num_slots, max_rank)
-        rdim = rank_dim(max_rank)
+        rdim = self.rank_dim(max_rank)  # the page tables: never split (no "rank" dim)
         return {
             target: {
                 "a": jnp.zeros((num_layers, self.pool.num_pages, fan_in), dtype),
@@ -174,8 +244,8 @@ class MbgmvBackend(_PallasBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
-        rdim = rank_dim(max_rank)
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
+        rdim = self.rank_dim(max_rank)
         rank = next(iter(tensors.values()))[0].shape[-1]
         pages = self.pool.assign(slot, rank)
         table = np.full(rdim, pages[0] if pages else 0, np.int32)
@@ -216,6 +286,13 @@ class MbgmvBackend(_PallasBackend):
             y, x, w["a"], w["b"], idx, w["pages"], w["rank"], layer, interpret=self.interpret
         )
 
-    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        w = weights[target]
-        return self._prefill(y, x, w["a"], w["b"], segments, w["pages"], w["rank"], layer)
+    def _pool(self, w, part):
+        return w[part], w["pages"]
+
+    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
+        return mbgmv_shrink(x, w["a"], idx, w["pages"], ranks, layer, interpret=self.interpret)
+
+    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
+        return mbgmv_expand(
+            y, xa, w["b"], idx, w["pages"], w["rank"], layer, interpret=self.interpret
+        )

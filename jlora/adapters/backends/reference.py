@@ -41,21 +41,25 @@ class ReferenceBackend(LoraBackend):
     layout = {"a": ("layers", "slot", "in", "rank"), "b": ("layers", "slot", "rank", "out")}
     payload_layout = {"a": ("layers", "in", "rank"), "b": ("layers", "rank", "out")}
 
-    def allocate(self, *, num_layers, num_slots, max_rank, shapes, dtype) -> LoraWeights:
+    def allocate(
+        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
+    ) -> LoraWeights:
+        rdim = self.rank_dim(max_rank, rank_shards)
         return {
             target: {
-                "a": jnp.zeros((num_layers, num_slots, fan_in, max_rank), dtype),
-                "b": jnp.zeros((num_layers, num_slots, max_rank, fan_out), dtype),
+                "a": jnp.zeros((num_layers, num_slots, fan_in, rdim), dtype),
+                "b": jnp.zeros((num_layers, num_slots, rdim, fan_out), dtype),
             }
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype) -> Payload:
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
         payload: Payload = {}
+        rdim = self.rank_dim(max_rank, rank_shards)
         layers = next(iter(tensors.values()))[0].shape[0]
         for target, (fan_in, fan_out) in shapes.items():
-            a = np.zeros((layers, fan_in, max_rank), dtype)
-            b = np.zeros((layers, max_rank, fan_out), dtype)
+            a = np.zeros((layers, fan_in, rdim), dtype)
+            b = np.zeros((layers, rdim, fan_out), dtype)
             if target in tensors:
                 lora_a, lora_b = tensors[target]
                 rank = lora_a.shape[-1]
