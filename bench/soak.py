@@ -490,7 +490,7 @@ def render(plan: Plan, facts: dict, result: dict, summary: dict) -> str:
     def fmt(value: Any) -> str:
         return "—" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
 
-    ttft, latency = summary["ttft_s"], summary["latency_s"]
+    ttft, latency, events = summary["ttft_s"], summary["latency_s"], result["events"]
     lines = [
         f"# Soak: {plan.minutes:g} minutes against `jlora up` ({plan.workers} workers, "
         f"{plan.model})",
@@ -515,10 +515,10 @@ def render(plan: Plan, facts: dict, result: dict, summary: dict) -> str:
         "Events: "
         + "; ".join(
             f"{event['what']}" + (f" ({event['seconds']} s)" if "seconds" in event else "")
-            for event in result["events"]
+            for event in events
             if event["what"] not in ("register", "unregister")
         )
-        + f"; {sum(e['what'] == 'register' and e['status'] == 200 for e in result['events'])} registrations.",
+        + f"; {sum(e['what'] == 'register' and e['status'] == 200 for e in events)} registrations.",
         "",
         "| resource | first | end of load | after the load | slope, 2nd half (/10 min) |",
         "|---|---:|---:|---:|---:|",
