@@ -2,10 +2,10 @@
 
 Threads of a running router: the event loop thread (`jlora-router`) runs everything, the
 worker pollers (workers.py), the front door (frontdoor.py), the grpc.aio server with the
-`jlora.v1.Jlora` service (service.py), health and reflection, and the aiohttp server
-with the OpenAI API, /metrics and /health (http.py); the caller's thread gets a
-`RouterHandle` back once both listen and every worker has been polled once (or the
-poll timed out).
+`jlora.v1.Jlora` service (service.py), health and reflection (built as a worker's server
+is: jlora.contract.grpc_server), and the aiohttp server with the OpenAI API, /metrics
+and /health (http.py); the caller's thread gets a `RouterHandle` back once both listen
+and every worker has been polled once (or the poll timed out).
 
 Stopping (`RouterHandle.stop(grace)`, or SIGTERM after `stop_on_signals`) drains:
 
@@ -33,15 +33,15 @@ from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
-from jlora.api import SERVICE_NAME, jlora_pb2_grpc
-from jlora.contract.auth import ApiKeyInterceptor
+from jlora.api import SERVICE_NAME
+from jlora.contract.grpc_server import start_server
 from jlora.contract.registry import Registry
 from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
 from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
+from router.http_body import HttpLimits
 from router.metrics import RouterMetrics
 from router.perf_model import PerfProfile
 from router.policies import Policy, PolicyError, make_policy
@@ -128,11 +128,14 @@ class RouterHandle:
         request_timeout: float | None,
         poll_interval: float,
         poll_timeout: float,
+        missed_probes: int,
         api_key: str | None,
+        http_limits: HttpLimits | None = None,
     ) -> None:
         self.host = host
         self.registry = registry
         self._api_key = api_key
+        self._http_limits = http_limits
         self._loop = asyncio.new_event_loop()
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -150,6 +153,7 @@ class RouterHandle:
                 workers,
                 poll_interval=poll_interval,
                 poll_timeout=poll_timeout,
+                missed_probes=missed_probes,
                 on_up=lambda worker: front.adapters.register_missing(worker),
                 on_change=lambda: front.workers_changed(),
                 api_key=api_key,
@@ -233,27 +237,23 @@ class RouterHandle:
         self, port: int, http_port: int | None, request_timeout: float | None
     ) -> tuple[int, int | None]:
         await self.front.pool.start()
-        interceptors = []
-        if self._api_key is not None:
-            open_services = (health.SERVICE_NAME, reflection.SERVICE_NAME)
-            interceptors.append(ApiKeyInterceptor(self._api_key, open_services))
-        server = grpc.aio.server(interceptors=interceptors)
-        jlora_pb2_grpc.add_JloraServicer_to_server(RouterServicer(self.front), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        self._server, bound = await start_server(
+            RouterServicer(self.front),
+            self._health,
+            host=self.host,
+            port=port,
+            api_key=self._api_key,
         )
-        try:
-            bound = server.add_insecure_port(f"{self.host}:{port}")
-        except RuntimeError as err:
-            raise OSError(f"cannot listen on {self.host}:{port}: {err}") from None
-        await server.start()
-        self._server = server
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         bound_http = None
         if http_port is not None:
-            api = OpenAIApi(self.front, request_timeout=request_timeout, api_key=self._api_key)
+            api = OpenAIApi(
+                self.front,
+                request_timeout=request_timeout,
+                api_key=self._api_key,
+                limits=self._http_limits,
+            )
             self._runner, bound_http = await start_http(api, self.host, http_port)
         return bound, bound_http
 
@@ -294,7 +294,9 @@ def start_router(
     request_timeout: float | None = None,
     poll_interval: float = 0.25,
     poll_timeout: float = 1.0,
+    missed_probes: int = 3,
     api_key: str | None = None,
+    http_limits: HttpLimits | None = None,
 ) -> RouterHandle:
     """Start a router in front of `workers` ("host:port,..." or a list) and return once it
     listens.
@@ -308,8 +310,10 @@ def start_router(
     paths relative to it. `model_name`: the base model's id (default: the workers' own).
     `max_queue`: requests that may wait in the router for a worker with room; more get
     RESOURCE_EXHAUSTED. `request_timeout`: the HTTP API's deadline in seconds.
-    `poll_interval` / `poll_timeout`: the workers' health and stats polling. `api_key`:
-    required of clients on both front doors, and sent to the workers.
+    `poll_interval` / `poll_timeout`: the workers' health and stats polling;
+    `missed_probes` health probes missed in a row mark a worker down. `api_key`:
+    required of clients on both front doors, and sent to the workers. `http_limits`: the
+    HTTP API's body size, body and idle timeouts (default: `HttpLimits()`'s).
     """
     addresses = parse_workers(workers)
     chosen = build_policy(
@@ -340,5 +344,7 @@ def start_router(
         request_timeout=request_timeout,
         poll_interval=poll_interval,
         poll_timeout=poll_timeout,
+        missed_probes=missed_probes,
         api_key=api_key,
+        http_limits=http_limits,
     )

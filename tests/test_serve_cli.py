@@ -185,26 +185,3 @@ def test_sigterm_drains_and_exits(worker):
     rest = list(stream)  # the running request finishes during the drain
     assert len([first, *rest]) == 30 and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert process.wait(timeout=60) == 0
-
-
-def test_serve_registers_the_shared_registrys_adapters_checking_sha256(tiny, tmp_path):
-    """`jlora serve --registry`: a registry entry whose file no longer has the registered
-    sha256 stops the worker at start (exit 2, naming the adapter and both hashes)."""
-    import dataclasses
-
-    from jlora.contract.registry import Registry, entry_from_directory
-
-    adapters_dir = tmp_path / "adapters"
-    (path,) = make_demo_adapters(tiny.config, adapters_dir, n=1, ranks=[4], seed=2)
-    entry = entry_from_directory("shared", path, adapters_dir=adapters_dir, base_model="cpu-tiny")
-    with Registry(tmp_path / "registry.sqlite") as registry:
-        registry.register(dataclasses.replace(entry, sha256="f" * 64))
-    result = subprocess.run(
-        [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny", "--port", "0",
-         "--max-seq-len", "32", "--adapters-dir", str(adapters_dir),
-         "--registry", str(tmp_path / "registry.sqlite")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    message = result.stderr.strip().splitlines()[-1]
-    assert "'shared'" in message and "f" * 64 in message and entry.sha256 in message

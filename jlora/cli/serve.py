@@ -4,7 +4,11 @@
    adapters given by `--adapter NAME=PATH` or vLLM's `--lora-modules NAME=PATH ...`,
    every adapter directory under `--adapters-dir` and every entry of the shared
    `--registry` (each checked against the registry's sha256 on the bytes loaded), and
-   compile every step shape (warm-up).
+   compile every step shape (warm-up). An adapter named on the command line that cannot
+   be served stops the start (exit 2), as in vLLM; one found in `--adapters-dir` or the
+   registry that cannot (corrupt, truncated, a file linking out of the directory, a
+   changed sha256) is left out with a warning naming it and why, and the rest are
+   served (the router answers requests for it with the reason).
 2. Serve (`jlora.server.serve`) and say on stderr where it listens (and write the
    port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
 3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -33,6 +38,8 @@ from jlora.cli.common import (
     resolve_dtype,
     sharding_config,
 )
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -150,26 +157,44 @@ def given_adapters(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def adapters_to_register(
-    pairs: list[tuple[str, str]], adapters_dir: Path | None
+    pairs: list[tuple[str, str]],
+    adapters_dir: Path | None,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, Path]:
     """NAME -> PEFT directory, from the subdirectories of `--adapters-dir` holding an
-    adapter_config.json (named after the directory), then the adapters given by name."""
+    adapter_config.json (named after the directory, through the path guard: one that
+    leads out of the directory is left out, and why goes to `skipped`), then the
+    adapters given by name (as given)."""
+    from jlora.contract.adapters import CONFIG_FILE, resolve_adapter_dir
+    from jlora.contract.errors import RequestError
+
     found: dict[str, Path] = {}
     if adapters_dir is not None:
         if not adapters_dir.is_dir():
             raise UsageError(f"--adapters-dir {adapters_dir}: not a directory")
         for directory in sorted(adapters_dir.iterdir()):
-            if (directory / "adapter_config.json").is_file():
-                found[directory.name] = directory
+            if not (directory / CONFIG_FILE).is_file():
+                continue
+            try:
+                found[directory.name] = resolve_adapter_dir(directory.name, adapters_dir)
+            except RequestError as err:
+                if skipped is not None:
+                    skipped[directory.name] = err.message
     for name, path in pairs:
         found[name] = Path(path).expanduser()
+        if skipped is not None:
+            skipped.pop(name, None)
     return found
 
 
 def _registry_entries(
-    registry: Path | None, adapters_dir: Path | None, adapters: dict[str, Path]
+    registry: Path | None,
+    adapters_dir: Path | None,
+    adapters: dict[str, Path],
+    skipped: dict[str, str],
 ) -> dict[str, str]:
-    """Add the registry's adapters to `adapters`; returns name -> registered sha256."""
+    """Add the registry's adapters to `adapters` (one whose path the guard refuses goes
+    to `skipped`); returns name -> registered sha256."""
     if registry is None:
         return {}
     from jlora.contract.adapters import resolve_adapter_dir
@@ -183,11 +208,42 @@ def _registry_entries(
     try:
         with Registry(registry) as opened:
             entries = opened.list()
-        for entry in entries:
-            adapters[entry.name] = resolve_adapter_dir(entry.path, adapters_dir)
     except RequestError as err:
         raise UsageError(f"--registry {registry}: {err.message}") from None
+    for entry in entries:
+        try:
+            adapters[entry.name] = resolve_adapter_dir(entry.path, adapters_dir)
+        except RequestError as err:
+            adapters.pop(entry.name, None)
+            skipped[entry.name] = err.message
     return {entry.name: entry.sha256 for entry in entries}
+
+
+def _register_adapters(
+    engine,
+    adapters: dict[str, Path],
+    expected: dict[str, str],
+    *,
+    required: set[str],
+    skipped: dict[str, str],
+) -> int:
+    """Register `adapters` (each checked against its `expected` sha256) and return how
+    many are; one that cannot be served stops the start if it is `required` (named on
+    the command line), else is left out with a warning, as are those in `skipped`."""
+    from jlora.contract.errors import RequestError
+
+    registered = 0
+    for name, path in adapters.items():
+        try:
+            engine.register_adapter(name, path, expect_sha256=expected.get(name))
+            registered += 1
+        except RequestError as err:
+            if name in required:
+                raise
+            skipped[name] = err.message
+    for name, why in skipped.items():
+        log.warning("adapter %r is not served: %s", name, why)
+    return registered
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
     from jlora.server import serve
 
     several = _process_group(args)
+    if args.port and args.process_id == 0:  # before minutes of loading and compiling
+        from jlora.contract.grpc_server import bind_failure
+
+        if why := bind_failure(args.host, args.port):
+            raise UsageError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: {why}")
     if several:  # before anything else touches jax
         from jlora.engine.multiprocess import Leader, follow, join
 
@@ -213,8 +274,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and value < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
-    adapters = adapters_to_register(given_adapters(args), args.adapters_dir)
-    expected = _registry_entries(args.registry, args.adapters_dir, adapters)
+    given = given_adapters(args)
+    skipped: dict[str, str] = {}  # adapter -> why it is not served
+    adapters = adapters_to_register(given, args.adapters_dir, skipped)
+    expected = _registry_entries(args.registry, args.adapters_dir, adapters, skipped)
     sharding = sharding_config(args)
     loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
@@ -247,8 +310,10 @@ def run(args: argparse.Namespace) -> int:
         )
     engine = Orchestrator(device)
     try:
-        for name, path in adapters.items():  # checked against the registry's sha256
-            engine.register_adapter(name, path, expect_sha256=expected.get(name))
+        required = {name for name, _ in given}
+        registered = _register_adapters(
+            engine, adapters, expected, required=required, skipped=skipped
+        )
         print("jlora serve: compiling...", file=sys.stderr, flush=True)
         engine.warmup()
         server = serve(
@@ -264,8 +329,11 @@ def run(args: argparse.Namespace) -> int:
         )
         servers.append(server)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        served = f"{registered} adapters" + (
+            f", {len(skipped)} left out: {', '.join(sorted(skipped))}" if skipped else ""
+        )
         print(
-            f"jlora serve: listening on {server.address} ({len(adapters)} adapters{metrics})",
+            f"jlora serve: listening on {server.address} ({served}{metrics})",
             file=sys.stderr,
             flush=True,
         )

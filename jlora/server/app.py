@@ -3,7 +3,9 @@
 Threads of a running worker:
 
 - the event loop thread (`jlora-grpc`) runs the grpc.aio server: the `jlora.v1.Jlora`
-  handlers (servicer.py), the standard health service and server reflection;
+  handlers (servicer.py), the standard health service and server reflection (v1alpha
+  and v1), built as the router's is (jlora.contract.grpc_server: a port of its own, a
+  request that does not parse answered INVALID_ARGUMENT);
 - the scheduler thread (`jlora-scheduler`) owns the engine (scheduler.py);
 - the metrics HTTP server's thread, if `metrics_port` is given;
 - the caller's thread gets a `WorkerServer` back at once and may `wait()` on it.
@@ -37,11 +39,10 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
-from jlora.api import SERVICE_NAME, jlora_pb2_grpc
-from jlora.contract.auth import ApiKeyInterceptor
+from jlora.api import SERVICE_NAME
+from jlora.contract.grpc_server import start_server
 from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server.convert import TextEncoder
@@ -164,22 +165,9 @@ class WorkerServer:
     # -- on the event loop ------------------------------------------------------------
 
     async def _start(self, port: int) -> int:
-        interceptors = []
-        if self._api_key is not None:
-            open_services = (health.SERVICE_NAME, reflection.SERVICE_NAME)
-            interceptors.append(ApiKeyInterceptor(self._api_key, open_services))
-        server = grpc.aio.server(interceptors=interceptors)
-        jlora_pb2_grpc.add_JloraServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        self._server, bound = await start_server(
+            self.servicer, self._health, host=self.host, port=port, api_key=self._api_key
         )
-        try:
-            bound = server.add_insecure_port(f"{self.host}:{port}")
-        except RuntimeError as err:  # grpc's way of saying the address is taken
-            raise OSError(f"cannot listen on {self.host}:{port}: {err}") from None
-        await server.start()
-        self._server = server
         await self._set_health(SERVING)
         return bound
 
