@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP on the router (aiohttp), plus /metrics and /health.
 
-Routes: GET /v1/models; POST /v1/completions and /v1/chat/completions, one JSON answer
-or, with `"stream": true`, server-sent events (`data: {chunk}` ... `data: [DONE]`);
+Routes: GET /v1/models and /v1/models/{id}; POST /v1/completions and
+/v1/chat/completions, one JSON answer or, with `"stream": true`, server-sent events
+(`data: {chunk}` ... `data: [DONE]`);
 POST /v1/load_lora_adapter (`{"lora_name", "lora_path"}`) and /v1/unload_lora_adapter
 (`{"lora_name"}`), vLLM's adapter endpoints, which register and unregister through the
 same catalog as gRPC RegisterAdapter/UnregisterAdapter; GET /metrics (Prometheus text);
@@ -28,7 +29,15 @@ request or the router drains, 504 past the deadline, 500 otherwise); `param` fro
 field it names, renamed to the request body's (`sampling.top_p` is `top_p`, `adapter`
 is `model`, `prompt.chat.messages[0].role` is `messages[0].role`); `code` from its
 reason in lower case. A stream that fails after its first chunk ends with one
-`data: {"error": ...}` event and no [DONE] (the `openai` client raises APIError).
+`data: {"error": ...}` event and no [DONE] (the `openai` client raises APIError). An
+exception no handler expected is a 500 in the same shape (`code` "internal_error"),
+logged with its traceback.
+
+Limits (`HttpLimits`; `router.http_body` reads and checks the body): a body too large
+is 413, one that does not arrive in time 408 (and the connection is closed), one that is
+not JSON, too deep or not valid Unicode 400, all before anything is queued; a
+connection idle without a whole request head is closed. HTTP/1.1 serves one request at
+a time per connection.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -49,8 +59,11 @@ from jlora.api import jlora_pb2 as pb
 from jlora.contract.auth import authorized, missing_key
 from jlora.contract.errors import Code, RequestError
 from router.frontdoor import FrontDoor
+from router.http_body import HttpError, HttpLimits, answer, read_json_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+log = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -92,31 +105,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
 }
 
 
-class HttpError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
 def http_error(err: RequestError, params: Callable[[str], str | None]) -> HttpError:
     """The HTTP error for a RequestError: status by its code, `param` the request body's
     name for its field (`params`), OpenAI's `code` from its reason."""
@@ -154,15 +142,25 @@ class OpenAIApi:
     """The aiohttp application's handlers, bound to one front door."""
 
     def __init__(
-        self, front: FrontDoor, *, request_timeout: float | None, api_key: str | None = None
+        self,
+        front: FrontDoor,
+        *,
+        request_timeout: float | None,
+        api_key: str | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self._front = front
         self._request_timeout = request_timeout
         self._api_key = api_key
-        self.app = web.Application(middlewares=[self._errors])
+        self.limits = limits or HttpLimits()
+        self._started = int(time.time())  # `created` of the models the registry lacks
+        self.app = web.Application(
+            middlewares=[self._errors], client_max_size=self.limits.max_body_bytes
+        )
         self.app.add_routes(
             [
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/v1/load_lora_adapter", self.load_lora_adapter),
@@ -181,28 +179,56 @@ class OpenAIApi:
                 raise http_error(missing_key(), lora_param)
             return await handler(request)
         except HttpError as err:
-            return web.json_response(err.body(), status=err.status)
+            return await answer(request, err)
         except web.HTTPException as err:  # aiohttp's own 404/405
             error = HttpError(err.status, f"{request.method} {request.path}: {err.reason}")
             return web.json_response(error.body(), status=err.status)
+        except ConnectionError:
+            raise  # the client went away: nobody to answer
+        except Exception:
+            if request.writer.output_size > 0:
+                raise  # an answer already under way: aiohttp drops the connection
+            return web.json_response(_internal_error(request).body(), status=500)
 
     # -- routes -----------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [
-            {
-                "id": model.id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "jlora",
-                "root": model.parent or model.id,
-                "parent": model.parent or None,
-                "max_model_len": model.max_seq_len,
-                "lora_rank": model.rank,
-            }
-            for model in self._front.models()
-        ]
+        created = await self._created()
+        data = [self._model(model, created) for model in self._front.models()]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model (the `openai` client's `models.retrieve`)."""
+        model_id = request.match_info["model"]
+        for model in self._front.models():
+            if model.id == model_id:
+                return web.json_response(self._model(model, await self._created()))
+        raise HttpError(
+            404,
+            f"model={model_id!r} is not served here (see /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _model(self, model: pb.Model, created: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": model.id,
+            "object": "model",
+            "created": created.get(model.id, self._started),
+            "owned_by": "jlora",
+            "root": model.parent or model.id,
+            "parent": model.parent or None,
+            "max_model_len": model.max_seq_len,
+            "lora_rank": model.rank,
+        }
+
+    async def _created(self) -> dict[str, int]:
+        """The registered adapters' registration times, in seconds since the epoch."""
+        try:
+            entries = await asyncio.to_thread(self._front.adapters.registry.list)
+        except RequestError as err:
+            raise http_error(err, lambda field: None) from None
+        return {entry.name: int(entry.created_at) for entry in entries}
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._front.metrics.registry)
@@ -220,7 +246,7 @@ class OpenAIApi:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's endpoint: register the adapter at `lora_path` as `lora_name`."""
-        body = await _json_body(request)
+        body = await read_json_body(request, self.limits)
         message = pb.RegisterAdapterRequest(
             name=_typed(body, "lora_name", str, default=""),
             path=_typed(body, "lora_path", str, default=""),
@@ -233,7 +259,7 @@ class OpenAIApi:
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         """vLLM's endpoint: unregister the adapter `lora_name` (refused while in use)."""
-        body = await _json_body(request)
+        body = await read_json_body(request, self.limits)
         name = _typed(body, "lora_name", str, default="")
         try:
             await self._front.adapters.unregister(name)
@@ -242,13 +268,13 @@ class OpenAIApi:
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await read_json_body(request, self.limits)
         message = _base_request(body, chat=False)
         _prompt(body, message)
         return await self._generate(request, body, message, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await read_json_body(request, self.limits)
         message = _base_request(body, chat=True)
         _messages(body, message)
         return await self._generate(request, body, message, chat=True)
@@ -294,6 +320,11 @@ class OpenAIApi:
                     last = response
             except RequestError as err:
                 await _event(sse, http_error(err, params).body())
+                return sse
+            except Exception as err:
+                if isinstance(err, ConnectionError):
+                    raise
+                await _event(sse, _internal_error(request).body())
                 return sse
             if include_usage:
                 await _event(sse, shape.usage_chunk(last))
@@ -371,6 +402,18 @@ class _Shape:
         return chunk
 
 
+def _internal_error(request: web.Request) -> HttpError:
+    """The answer to an exception no handler expected (logged here, with its traceback)."""
+    log.exception("%s %s failed", request.method, request.path)
+    return HttpError(
+        500,
+        f"{request.method} {request.path}: the router failed on this request (its log has "
+        "the traceback)",
+        kind="server_error",
+        code="internal_error",
+    )
+
+
 def _finish(response: pb.GenerateResponse) -> str | None:
     return FINISH_REASONS.get(response.finish_reason)
 
@@ -389,18 +432,6 @@ async def _event(sse: web.StreamResponse, data: dict[str, Any]) -> None:
 
 
 # -- request bodies --------------------------------------------------------------------
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise HttpError(
-            400, f"the request body is not valid JSON ({err})", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
-        raise HttpError(400, f"the request body must be a JSON object, not {type(body).__name__}")
-    return body
 
 
 def _base_request(body: dict[str, Any], *, chat: bool) -> pb.GenerateRequest:
@@ -534,8 +565,14 @@ def _typed(body: dict[str, Any], field: str, kind: type, *, default: Any, prefix
 async def start_http(api: OpenAIApi, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve `api` on host:port (0: a free port); the runner and the bound port.
 
-    A client that disconnects cancels its handler (and so its worker call)."""
-    runner = web.AppRunner(api.app, handler_cancellation=True, access_log=None)
+    A client that disconnects cancels its handler (and so its worker call); a connection
+    without a whole request head for `api.limits.idle_timeout` seconds is closed."""
+    runner = web.AppRunner(
+        api.app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=api.limits.idle_timeout,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,8 +50,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from router.http_body import HttpLimits
     from router.policies import POLICIES
 
+    limits = HttpLimits()
     parser.add_argument(
         "--workers",
         required=True,
@@ -63,6 +66,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen.add_argument("--port", type=int, default=50050, help="gRPC port (0: a free one)")
     listen.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI HTTP, /metrics, /health (0: free)"
+    )
+    listen.add_argument(
+        "--http-max-body-mb",
+        type=float,
+        default=limits.max_body_bytes / 2**20,
+        metavar="MIB",
+        help="largest HTTP request body, in MiB (more: 413; default %(default)g)",
+    )
+    listen.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=limits.body_timeout,
+        metavar="SECONDS",
+        help="time for a request body to arrive after its headers (then 408, closed; "
+        "default %(default)g)",
+    )
+    listen.add_argument(
+        "--http-idle-timeout",
+        type=float,
+        default=limits.idle_timeout,
+        metavar="SECONDS",
+        help="an HTTP connection without a whole request head is closed after it "
+        "(default %(default)g)",
     )
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", choices=list(POLICIES), default="most-idle")
@@ -133,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import resolve_api_key
     from jlora.contract.registry import RegistryError
     from router.app import start_router
+    from router.http_body import HttpLimits
     from router.perf_model import ProfileError
     from router.policies import PolicyError
 
@@ -141,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} {value}: must be a port number (0 picks a free one)")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue {args.max_queue}: must be >= 0")
+    for flag, value in (
+        ("--http-max-body-mb", args.http_max_body_mb),
+        ("--http-body-timeout", args.http_body_timeout),
+        ("--http-idle-timeout", args.http_idle_timeout),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag} {value}: must be a positive number")
     if args.adapters_dir is not None and not args.adapters_dir.is_dir():
         raise UsageError(f"--adapters-dir {args.adapters_dir}: no such directory")
     if args.profile is not None and not args.profile.is_file():
@@ -163,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             request_timeout=args.request_timeout,
             api_key=resolve_api_key(args.api_key),
+            http_limits=HttpLimits(
+                max_body_bytes=max(1, int(args.http_max_body_mb * 2**20)),
+                body_timeout=args.http_body_timeout,
+                idle_timeout=args.http_idle_timeout,
+            ),
         )
     except (PolicyError, ProfileError) as err:
         raise UsageError(str(err)) from None
