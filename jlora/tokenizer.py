@@ -240,7 +240,9 @@ class Tokenizer:
     # -- use ------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch gives the same ids and releases the GIL while it works; encode
+        # holds it throughout (1.5 s for a 3 MB prompt, and no other thread runs meanwhile).
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids

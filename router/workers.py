@@ -3,14 +3,21 @@
 Each worker has a poller task on the router's event loop. Every `poll_interval` seconds,
 or at once after `WorkerPool.poke()`, it:
 
-1. asks the worker's standard health service about `jlora.v1.Jlora`; an error, a
-   timeout (`poll_timeout`) or NOT_SERVING (a draining or failed worker) marks it down:
-   no new request goes there;
+1. probes the worker's standard health service about `jlora.v1.Jlora`. NOT_SERVING (a
+   draining or failed worker) marks it down at once: no new request goes there. An
+   error or a timeout (`poll_timeout`) is a missed probe; `missed_probes` in a row
+   (3 by default) mark it down. One or two misses are what a loaded machine gives (a
+   worker stepping a long prefill, a router loop busy with a large body, a burst of
+   streams), not a dead worker: a dead one answers the probes with a refused
+   connection, three of them within a second, and the calls sent to it fail at once;
 2. reads Stats (the running batch with ranks, the queue, max_slots and max_queue),
    ListAdapters (which adapters it serves, which are on its device) and, once, Models
-   (the base model it serves);
-3. when the worker comes (back) up, first awaits `on_up(worker)` (the front door
-   registers the adapters of the registry the worker lacks), then marks it up.
+   (the base model it serves). These wait for the worker's scheduler thread to finish
+   its current step, so a busy worker that passed its probe may not answer them in
+   time: one that is up keeps its last snapshot then;
+3. when the worker comes (back) up, or passes a probe after missing one (it may have
+   been restarted in between), first awaits `on_up(worker)` (the front door registers
+   the adapters of the registry the worker lacks), then marks it up.
 
 Between two polls the router's own traffic keeps the view fresh: every Generate call
 the router sends is a `Dispatch` on its worker until it ends, and `Worker.view()`
@@ -21,8 +28,9 @@ folds in the health check, draining, a base model that is not the router's, and 
 worker queue (running + queued >= max_slots + max_queue), so no policy picks a worker
 that would refuse the request.
 
-A call that finds the worker unreachable (`mark_down`) takes it out of routing at once,
-before the next health check confirms; the next passing check brings it back.
+A call that finds the worker unreachable (UNAVAILABLE: refused, reset, draining;
+`mark_down`) takes it out of routing at once, without waiting for the probes; the next
+passing check brings it back.
 """
 
 from __future__ import annotations
@@ -87,6 +95,7 @@ class Worker:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.up = False
         self.reason = "not checked yet"  # why it is down
+        self.missed = 0  # health probes missed in a row
         self.base_model: str | None = None
         self.max_seq_len = 0  # the base model's context, from Models
         self.stats: pb.StatsResponse | None = None
@@ -116,6 +125,20 @@ class Worker:
         self._ended[dispatch.request_id] = (now, dispatch)
         while (oldest := next(iter(self._ended.values())))[0] < now - ENDED_MEMORY:
             del self._ended[oldest[1].request_id]
+
+    def miss(self, reason: str, limit: int) -> None:
+        """A health probe failed (`reason`): down once `limit` have in a row."""
+        self.missed += 1
+        if self.up and self.missed < limit:
+            log.info(
+                "worker %s missed health probe %d of %d: %s",
+                self.address,
+                self.missed,
+                limit,
+                reason,
+            )
+            return
+        self.mark_down(reason if self.missed == 1 else f"{reason} ({self.missed} probes in a row)")
 
     def mark_down(self, reason: str) -> None:
         if self.up:
@@ -167,13 +190,28 @@ class Worker:
     # -- polling ----------------------------------------------------------------------
 
     async def poll(self, timeout: float) -> bool:
-        """One health check and snapshot; True if the worker is serving."""
+        """One health probe and snapshot; True if the worker is serving. The probe's
+        error (a missed probe) is raised; so is the snapshot's, unless the worker is up
+        and the snapshot only timed out (it is busy: the last snapshot stays)."""
         check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
         reply = await self.health.Check(check, timeout=timeout)
         if reply.status != SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             self.mark_down(f"its health check says {status}")
             return False
+        try:
+            await self._snapshot(timeout)
+        except grpc.aio.AioRpcError as err:
+            if not self.up or err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            log.info("worker %s is busy: no snapshot within %.1f s", self.address, timeout)
+            return True
+        if self.stats is not None and self.stats.draining:
+            self.mark_down("it is draining")
+            return False
+        return True
+
+    async def _snapshot(self, timeout: float) -> None:
         if self.base_model is None:
             models = await self.stub.Models(pb.ModelsRequest(), timeout=timeout)
             base = next((m for m in models.models if m.kind == pb.MODEL_KIND_BASE), None)
@@ -184,10 +222,6 @@ class Worker:
         await self.refresh_adapters(timeout)
         self.stats, self.stats_at = stats, sent
         self.full = False
-        if stats is not None and stats.draining:
-            self.mark_down("it is draining")
-            return False
-        return True
 
     async def refresh_adapters(self, timeout: float) -> None:
         reply = await _optional(self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout))
@@ -208,8 +242,10 @@ class WorkerPool:
     """The workers, in the router's fixed order, each polled by its own task.
 
     Build and `start()` it on the router's event loop. `on_up(worker)` runs before a
-    worker that was down (or never seen) takes requests; `on_change()` after every poll.
-    `api_key`: sent with every call, for workers that require one.
+    worker that was down (or never seen) takes requests, and when one passes a probe
+    after missing some; `on_change()` after every poll. `missed_probes`: health probes
+    missed in a row that mark a worker down. `api_key`: sent with every call, for
+    workers that require one.
     """
 
     def __init__(
@@ -218,6 +254,7 @@ class WorkerPool:
         *,
         poll_interval: float = 0.25,
         poll_timeout: float = 1.0,
+        missed_probes: int = 3,
         on_up: Callable[[Worker], Awaitable[None]] | None = None,
         on_change: Callable[[], None] = lambda: None,
         api_key: str | None = None,
@@ -226,8 +263,11 @@ class WorkerPool:
         self._api_key = api_key
         if not self.addresses:
             raise ValueError("workers: at least one worker address is needed")
+        if missed_probes < 1:
+            raise ValueError(f"missed_probes={missed_probes} must be at least 1")
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+        self.missed_probes = missed_probes
         self._on_up = on_up
         self._on_change = on_change
         self.workers: list[Worker] = []
@@ -300,18 +340,25 @@ class WorkerPool:
         while True:
             try:
                 serving = await worker.poll(self.poll_timeout)
-                if serving and not worker.up:
+                if serving and (not worker.up or worker.missed):
                     if self._on_up is not None:
                         await self._on_up(worker)
+                    if not worker.up:
+                        log.info(
+                            "worker %s is up (base model %r)", worker.address, worker.base_model
+                        )
                     worker.up, worker.reason = True, ""
-                    log.info("worker %s is up (base model %r)", worker.address, worker.base_model)
+                worker.missed = 0
             except grpc.aio.AioRpcError as err:
-                worker.mark_down(f"{err.code().name}: {err.details()}")
+                worker.miss(f"{err.code().name}: {err.details()}", self.missed_probes)
             except Exception as err:  # a bug here must not end the polling
                 log.exception("polling worker %s failed", worker.address)
                 worker.mark_down(f"polling failed: {err!r}")
             polled.set()
-            self._on_change()
+            try:
+                self._on_change()
+            except Exception:  # the caller's bug must not end the polling either
+                log.exception("on_change after polling worker %s failed", worker.address)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), self.poll_interval)
             wake.clear()

@@ -13,6 +13,7 @@ import sys
 
 from jlora.cli import adapters, convert, generate, profile, router, serve, up
 from jlora.cli.common import UsageError
+from jlora.contract.lifetime import die_with_parent
 
 
 def _configure_runtime(verbose: bool, command: str) -> None:
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # a worker `jlora up` started does not outlive it
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_runtime(args.verbose, args.command)

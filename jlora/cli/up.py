@@ -5,12 +5,15 @@
    once under `--state-dir`.
 2. N workers: `jlora serve` processes on free ports, each registering every adapter;
    their logs go to this process's stderr. With `--processes-per-worker P`, a worker is
-   P processes forming one mesh (`jax.distributed`; process 0 serves).
+   P processes forming one mesh (`jax.distributed`; process 0 serves). They are
+   supervised (supervisor.py): one that exits is restarted on its port, after a backoff,
+   with the registry's adapters; and they die with this process, even a SIGKILLed one.
 3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
    `--port`, OpenAI-compatible HTTP on `--http-port`, the registry in `--state-dir`.
    Where it listens is printed on stderr once every worker is warm.
 4. SIGTERM or SIGINT: the router drains, then the workers (SIGTERM: each finishes its
-   running requests), then this process exits.
+   running requests), then this process exits. SIGKILL: each worker gets SIGTERM from
+   the kernel (its parent-death signal) and stops the same way.
 
 With `--api-key` (or $JLORA_API_KEY) the router and the workers require the key; the
 workers get it through their environment, never on a command line.
@@ -21,11 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 from jlora.cli.common import (
@@ -38,6 +38,7 @@ from jlora.cli.common import (
     sharding_flags,
 )
 from jlora.cli.serve import adapters_to_register, add_adapter_args, given_adapters
+from jlora.cli.supervisor import Supervisor
 
 DEMO_RANKS = (8, 16, 32)
 START_TIMEOUT_S = 900.0  # a cold worker compiles every step shape first
@@ -91,10 +92,13 @@ def _demo_adapters(model: str, state_dir: Path) -> Path:
     return directory
 
 
-def _worker_command(args: argparse.Namespace, adapters_dir: Path | None) -> list[str]:
+def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: int) -> list[str]:
+    """A worker's `jlora serve` command line, asked again at each (re)start: the registry
+    exists after the router's first start, with the adapters registered through it."""
     command = [
         sys.executable, "-m", "jlora.cli.main", *(["-v"] if args.verbose else []), "serve",
-        "--model", args.model, "--dtype", args.dtype, "--host", args.host, "--port", "0",
+        "--model", args.model, "--dtype", args.dtype, "--host", args.host,
+        "--port", str(port),
         "--grace", str(args.grace),
         "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
         "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
@@ -114,12 +118,12 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None) -> list
     return command
 
 
-def _process_group(port_file: Path, count: int) -> list[list[str]]:
+def _process_group(port_file: str, count: int) -> list[list[str]]:
     """The extra flags of a worker's `count` processes (none for one): a coordinator on
     two free ports (jax.distributed's, and the leader's for its followers), and the
     port file for process 0 alone."""
     if count == 1:
-        return [["--port-file", str(port_file)]]
+        return [["--port-file", port_file]]
     coordinator = f"127.0.0.1:{_free_port_pair()}"
     group = ["--coordinator", coordinator, "--num-processes", str(count)]
     return [
@@ -127,7 +131,7 @@ def _process_group(port_file: Path, count: int) -> list[list[str]]:
             *group,
             "--process-id",
             str(index),
-            *(["--port-file", str(port_file)] if not index else []),
+            *(["--port-file", port_file] if not index else []),
         ]
         for index in range(count)
     ]
@@ -150,20 +154,6 @@ def _free_port_pair() -> int:
     raise UsageError("no two consecutive free ports for a worker's coordinator")
 
 
-def _wait_for_ports(processes: list[subprocess.Popen], port_files: list[Path]) -> list[int]:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        for index, process in enumerate(processes):
-            if process.poll() is not None:
-                raise UsageError(f"worker process {index} exited with code {process.returncode}")
-        texts = [f.read_text().strip() if f.exists() else "" for f in port_files]
-        if all(texts):
-            return [int(text) for text in texts]
-        if time.monotonic() > deadline:
-            raise UsageError(f"workers not listening after {START_TIMEOUT_S:.0f} s")
-        time.sleep(0.2)
-
-
 def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import API_KEY_ENV, resolve_api_key
     from router.app import start_router
@@ -184,58 +174,46 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    processes: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix="jlora-up-") as tmp:
-        port_files = [Path(tmp) / f"worker-{index}.port" for index in range(args.workers)]
-        try:
-            command = _worker_command(args, adapters_dir)
-            for port_file in port_files:
-                for flags in _process_group(port_file, args.processes_per_worker):
-                    processes.append(
-                        subprocess.Popen([*command, *flags], start_new_session=True, env=env)
-                    )
-            print(
-                f"jlora up: starting {args.workers} worker(s) of {args.model} "
-                f"(adapters: {', '.join(names) or 'none'})...",
-                file=sys.stderr,
-                flush=True,
-            )
-            ports = _wait_for_ports(processes, port_files)
-            args.state_dir.mkdir(parents=True, exist_ok=True)
-            router = start_router(
-                [f"{args.host}:{port}" for port in ports],
-                host=args.host,
-                port=args.port,
-                http_port=args.http_port,
-                policy=args.policy,
-                profile=args.profile,
-                registry=args.state_dir / "registry.sqlite",
-                adapters_dir=adapters_dir,
-                model_name=Path(args.model).name,
-                api_key=api_key,
-            )
-            print(
-                f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
-                f"on http://{args.host}:{router.http_port}/v1 (models: "
-                f"{', '.join([Path(args.model).name, *names])}; workers: "
-                f"{', '.join(f'{args.host}:{port}' for port in ports)}); Ctrl-C stops",
-                file=sys.stderr,
-                flush=True,
-            )
-            while not stop.wait(0.5):
-                if any(p.poll() is not None for p in processes):
-                    print("jlora up: a worker exited; the router serves the others",
-                          file=sys.stderr)  # fmt: skip
-                    break
-            stop.wait()
-            router.stop(args.grace)
-        finally:
-            for process in processes[:: args.processes_per_worker]:  # followers exit with them
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            for process in processes:
-                try:
-                    process.wait(timeout=args.grace + 30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+
+    def launch(port: int, port_file: str) -> list[list[str]]:
+        command = _worker_command(args, adapters_dir, port)
+        return [
+            [*command, *flags] for flags in _process_group(port_file, args.processes_per_worker)
+        ]
+
+    supervisor = Supervisor(launch, args.workers, env=env, host=args.host)
+    try:
+        print(
+            f"jlora up: starting {args.workers} worker(s) of {args.model} "
+            f"(adapters: {', '.join(names) or 'none'})...",
+            file=sys.stderr,
+            flush=True,
+        )
+        ports = supervisor.start(START_TIMEOUT_S)
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+        router = start_router(
+            [f"{args.host}:{port}" for port in ports],
+            host=args.host,
+            port=args.port,
+            http_port=args.http_port,
+            policy=args.policy,
+            profile=args.profile,
+            registry=args.state_dir / "registry.sqlite",
+            adapters_dir=adapters_dir,
+            model_name=Path(args.model).name,
+            api_key=api_key,
+        )
+        print(
+            f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
+            f"on http://{args.host}:{router.http_port}/v1 (models: "
+            f"{', '.join([Path(args.model).name, *names])}; workers: "
+            f"{', '.join(f'{args.host}:{port}' for port in ports)}); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            supervisor.tick()
+        router.stop(args.grace)
+    finally:
+        supervisor.stop(args.grace)
     return 0

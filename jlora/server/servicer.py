@@ -3,7 +3,9 @@
 Threads: the event loop runs every handler and owns the stream table; the scheduler
 thread owns the engine (scheduler.py). A Generate call's life:
 
-1. The handler validates the message into an engine `Request` (convert.py). It refuses
+1. The handler validates the message into an engine `Request` (convert.py), tokenizing
+   a text or chat prompt on a worker thread: a long one takes seconds, and the loop
+   meanwhile answers health probes and streams other calls' tokens. It refuses
    with UNAVAILABLE while the server drains, ALREADY_EXISTS for a request id in flight,
    and RESOURCE_EXHAUSTED when max_slots + max_queue calls are in flight already.
    Nothing has reached the engine.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -161,7 +164,7 @@ class JloraServicer(pb_grpc.JloraServicer):
         outcome = self._metrics.requests
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            engine_request = self._admissible(request, request_id, arrival)
+            engine_request = await self._admissible(request, request_id, arrival)
         except RequestError as err:
             outcome.labels(failed_outcome(err.code)).inc()
             await _fail(context, err)
@@ -198,11 +201,14 @@ class JloraServicer(pb_grpc.JloraServicer):
                 # and blocks. Harmless if the request never reached the engine.
                 self._scheduler.abort(request_id)
 
-    def _admissible(self, request: pb.GenerateRequest, request_id: str, arrival: float) -> Request:
+    async def _admissible(
+        self, request: pb.GenerateRequest, request_id: str, arrival: float
+    ) -> Request:
         """The engine request of a Generate call this server may take now."""
         if self.draining:
             raise Unavailable("the server is draining; send it elsewhere", reason="DRAINING")
-        engine_request = convert.to_request(
+        convert_request = functools.partial(
+            convert.to_request,
             request,
             request_id=request_id,
             tokenizer=self._tokenizer,
@@ -210,6 +216,14 @@ class JloraServicer(pb_grpc.JloraServicer):
             base_model=self.model_name,
             arrival_time=arrival,
         )
+        if request.WhichOneof("prompt") in ("text", "chat"):
+            # Tokenizing takes seconds for a long prompt (2 s for 3 MB): on a worker
+            # thread, so the loop keeps answering health probes and streaming meanwhile.
+            engine_request = await asyncio.to_thread(convert_request)
+        else:
+            engine_request = convert_request()
+        if self.draining:
+            raise Unavailable("the server is draining; send it elsewhere", reason="DRAINING")
         if request_id in self._streams:
             raise AlreadyExists(
                 f"request_id={request_id!r} is already in flight", field="request_id"
