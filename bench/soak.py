@@ -30,6 +30,7 @@ The report (markdown and raw JSON) goes to `--out` (bench/results by default).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -127,19 +128,19 @@ class Up:
                 raise RuntimeError("jlora up exited:\n" + "".join(self.log[-30:]))
 
     def worker_pids(self) -> dict[int, int]:
-        """Worker index -> the pid of its `jlora serve` process now (known by its port
-        file, `worker-<index>.port`)."""
+        """Worker index -> the pid of the `jlora serve` process now listening on that
+        worker's address (`self.workers[index]`)."""
+        ports = {int(address.rsplit(":", 1)[1]): i for i, address in enumerate(self.workers)}
+        listening = _listening_ports()  # socket inode -> port
         pids = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or _parent(int(entry.name)) != self.process.pid:
                 continue
-            try:
-                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            port_file = next((arg for arg in args if arg.endswith(".port")), "")
-            if "serve" in args and (match := re.search(r"worker-(\d+)\.port$", port_file)):
-                pids[int(match.group(1))] = int(entry.name)
+            with contextlib.suppress(OSError):
+                for fd in (entry / "fd").iterdir():
+                    port = listening.get(os.readlink(fd))
+                    if port in ports:
+                        pids[ports[port]] = int(entry.name)
         return pids
 
     def stop(self, timeout: float = 120.0) -> int:
@@ -373,6 +374,18 @@ def _shm_entries() -> int:
 
 def _temp_dirs() -> set[str]:
     return {path.name for path in Path(tempfile.gettempdir()).glob("jlora-*")}
+
+
+def _listening_ports() -> dict[str, int]:
+    """ "socket:[inode]" -> its port, for the TCP sockets listening on this machine."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    found[f"socket:[{fields[9]}]"] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
 
 
 def _parent(pid: int) -> int | None:
