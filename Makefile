@@ -20,7 +20,7 @@ serve: $(STAMP)
 	$(BIN)/jlora up
 
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow"

@@ -98,6 +98,29 @@ def expect_pool(x: Any, y: Any, a_pool: Any, b_pool: Any) -> None:
     expect_dtype("b_pool", b_pool, (x.dtype,))
 
 
+def expect_shrink_operands(x: Any, name: str, a: Any, lead: tuple[None, ...]) -> None:
+    """A shrink's operands: x [rows, in] of a float dtype, and A (`name`) [*lead, in]
+    in x's dtype."""
+    expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
+    expect_dtype("x", x, FLOAT_DTYPES)
+    expect_shape(name, a, (*lead, x.shape[1]))
+    expect_dtype(name, a, (x.dtype,))
+
+
+def expect_expand_operands(
+    y: Any, v: Any, name: str, b: Any, lead: tuple[None, ...], rank_dim: int | None = None
+) -> None:
+    """An expand's operands: y [rows, out] of a float dtype, v [rows, R] and B (`name`)
+    in y's dtype. Stacked slots (no `rank_dim`): B [*lead, R, out], R v's. A page pool
+    (`rank_dim`, its page table's R): B [*lead, P, out], P any."""
+    expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
+    expect_dtype("y", y, FLOAT_DTYPES)
+    expect_shape("v", v, (y.shape[0], rank_dim))
+    expect_dtype("v", v, (y.dtype,))
+    expect_shape(name, b, (*lead, None if rank_dim else v.shape[1], y.shape[1]))
+    expect_dtype(name, b, (y.dtype,))
+
+
 def expect_page_table(pages: Any, ranks: Any) -> int:
     """pages i32[N, R] (N >= 1) and ranks i32[N]; returns the rank chunk (see below)."""
     expect_shape("pages", pages, (None, None))

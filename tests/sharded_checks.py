@@ -20,6 +20,7 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -39,6 +40,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 TINY_X3 = "tiny-x3"  # cpu-tiny widened so that three devices divide it (6 heads, 3 KV heads)
 
 
+@functools.cache
 def _load(model: str):
     """A model preset, or TINY_X3 (random weights)."""
     import dataclasses
@@ -87,6 +89,20 @@ def _engine(loaded, adapters, **config):
 
 
 def tokens(model: str, preset: str, scheme: str, backend: str, mode: str) -> dict:
+    single = _greedy(model, backend, None)
+    sharded = _greedy(model, backend, (preset, scheme, mode))
+    return {
+        "single": single["tokens"],
+        "sharded": sharded["tokens"],
+        **{f"sharded_{key}": sharded[key] for key in ("loads", "evictions", "assisted")},
+    }
+
+
+@functools.cache
+def _greedy(model: str, backend: str, sharded: tuple[str, str, str] | None) -> dict:
+    """The mixed batch's greedy tokens and the engine's counters, on the mesh of
+    `sharded` (preset, LoRA scheme, lora_mode) or on one device (None: computed once
+    for all the cases of a model and backend)."""
     from jlora.engine.api import SamplingParams
     from tests.engine_helpers import run_to_completion
 
@@ -94,35 +110,31 @@ def tokens(model: str, preset: str, scheme: str, backend: str, mode: str) -> dic
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (5, 17, 9, 30, 12)]
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    config: dict = {"lora_backend": backend}
+    if sharded is not None:
+        preset, scheme, mode = sharded
+        config |= {
+            "sharding": _sharding(preset, scheme),
+            "lora_mode": mode,
+            "cpu_workers": 1,
+            "emulated_link_gbps": 2e-4 if mode == "cpu-assist" else 0.0,
+        }
     with tempfile.TemporaryDirectory() as tmp:
         adapters = _adapters(loaded.config, Path(tmp))
         names = list(adapters)
         rows = [names[0], None, names[1], names[2], names[0]]
-        results = {}
-        for label, config in (
-            ("single", {"lora_backend": backend}),
-            (
-                "sharded",
-                {
-                    "lora_backend": backend,
-                    "sharding": _sharding(preset, scheme),
-                    "lora_mode": mode,
-                    "cpu_workers": 1,
-                    "emulated_link_gbps": 2e-4 if mode == "cpu-assist" else 0.0,
-                },
-            ),
-        ):
-            engine = _engine(loaded, adapters, **config)
-            try:
-                out = run_to_completion(engine, prompts, greedy, rows)
-                stats = engine.stats()
-                results[label] = [r["token_ids"] for r in out]
-                results[f"{label}_loads"] = stats.adapter_loads
-                results[f"{label}_evictions"] = stats.adapter_evictions
-                results[f"{label}_assisted"] = engine.counters["assisted_prefills"]
-            finally:
-                engine.close()
-    return results
+        engine = _engine(loaded, adapters, **config)
+        try:
+            out = run_to_completion(engine, prompts, greedy, rows)
+            stats = engine.stats()
+            return {
+                "tokens": [r["token_ids"] for r in out],
+                "loads": stats.adapter_loads,
+                "evictions": stats.adapter_evictions,
+                "assisted": engine.counters["assisted_prefills"],
+            }
+        finally:
+            engine.close()
 
 
 def memory(model: str, preset: str, scheme: str) -> dict:

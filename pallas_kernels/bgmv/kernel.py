@@ -41,21 +41,13 @@ def check_bgmv_args(y: Any, x: Any, a: Any, b: Any, idx: Any, ranks: Any) -> int
 
 
 def _check_shrink_args(x: Any, a: Any, idx: Any, ranks: Any) -> int:
-    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
-    common.expect_dtype("x", x, common.FLOAT_DTYPES)
-    common.expect_shape("a", a, (None, None, None, x.shape[1]))
-    common.expect_dtype("a", a, (x.dtype,))
+    common.expect_shrink_operands(x, "a", a, (None, None, None))
     _check_routing(idx, ranks, x.shape[0], a.shape[1])
     return common.expect_rank_dim("a", a.shape[2])
 
 
 def _check_expand_args(y: Any, v: Any, b: Any, idx: Any, ranks: Any) -> int:
-    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
-    common.expect_dtype("y", y, common.FLOAT_DTYPES)
-    common.expect_shape("v", v, (y.shape[0], None))
-    common.expect_dtype("v", v, (y.dtype,))
-    common.expect_shape("b", b, (None, None, v.shape[1], y.shape[1]))
-    common.expect_dtype("b", b, (y.dtype,))
+    common.expect_expand_operands(y, v, "b", b, (None, None))
     _check_routing(idx, ranks, y.shape[0], b.shape[1])
     return common.expect_rank_dim("b", b.shape[2])
 

@@ -161,10 +161,7 @@ def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False
     """MBGMV's first half: v[s, j] = x[s] . a_pool[layer, pages[n, j]] in f32 for
     j < ranks[n], n = idx[s]; 0 past the rank and on rows without an adapter.
     Returns f32[S, R] (R = pages.shape[1])."""
-    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
-    common.expect_dtype("x", x, common.FLOAT_DTYPES)
-    common.expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
-    common.expect_dtype("a_pool", a_pool, (x.dtype,))
+    common.expect_shrink_operands(x, "a_pool", a_pool, (None, None))
     chunk = _check_routing(idx, pages, ranks, x.shape[0])
     rows, fan_in = x.shape
     tables = (idx, common.as_layer(layer), ranks, pages)
@@ -190,12 +187,7 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
     """MBGMV's second half: y[s] += sum_{j < ranks[n]} v[s, j] * b_pool[layer,
     pages[n, j]] in f32, n = idx[s], rounded to y.dtype once; rows without an adapter
     are not written. v: [S, R] in y's dtype (the caller rounds `mbgmv_shrink`'s)."""
-    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
-    common.expect_dtype("y", y, common.FLOAT_DTYPES)
-    common.expect_shape("v", v, (y.shape[0], pages.shape[1]))
-    common.expect_dtype("v", v, (y.dtype,))
-    common.expect_shape("b_pool", b_pool, (None, None, y.shape[1]))
-    common.expect_dtype("b_pool", b_pool, (y.dtype,))
+    common.expect_expand_operands(y, v, "b_pool", b_pool, (None,), pages.shape[1])
     chunk = _check_routing(idx, pages, ranks, y.shape[0])
     rows, fan_out = y.shape
     tables = (idx, common.as_layer(layer), ranks, pages)

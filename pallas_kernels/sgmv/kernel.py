@@ -221,10 +221,7 @@ def sgmv_shrink(
     """SGMV's first half: v[t, j] = x[t] . a_pool[layer, pages[n, j]] in f32 for
     j < ranks[n], n the slot of t's segment; 0 past the rank and on rows in no adapted
     segment. Returns f32[T, R] (R = pages.shape[1])."""
-    common.expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
-    common.expect_dtype("x", x, common.FLOAT_DTYPES)
-    common.expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
-    common.expect_dtype("a_pool", a_pool, (x.dtype,))
+    common.expect_shrink_operands(x, "a_pool", a_pool, (None, None))
     rank_dim = _check_segments(seg_slot, seg_start, pages, ranks, not interpret)
     _check_compiled("x (in)", x.shape[1], not interpret)
     rows, fan_in = x.shape
@@ -257,12 +254,7 @@ def sgmv_expand(
     pages[n, j]] in f32, n the slot of t's segment, rounded to y.dtype once; rows in no
     adapted segment are not written. v: [T, R] in y's dtype (the caller rounds
     `sgmv_shrink`'s)."""
-    common.expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
-    common.expect_dtype("y", y, common.FLOAT_DTYPES)
-    common.expect_shape("v", v, (y.shape[0], pages.shape[1]))
-    common.expect_dtype("v", v, (y.dtype,))
-    common.expect_shape("b_pool", b_pool, (None, None, y.shape[1]))
-    common.expect_dtype("b_pool", b_pool, (y.dtype,))
+    common.expect_expand_operands(y, v, "b_pool", b_pool, (None,), pages.shape[1])
     rank_dim = _check_segments(seg_slot, seg_start, pages, ranks, not interpret)
     _check_compiled("y (out)", y.shape[1], not interpret)
     rows, fan_out = y.shape
