@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_DEVICES = 4
 
 
-def run_checks(*cases: str, timeout: float = 900) -> dict[str, dict]:
-    """tests/sharded_checks.py's results, by case, from a process with fake devices."""
+def run_checks(*cases: str, timeout: float = 900, processes: int = 2) -> dict[str, dict]:
+    """tests/sharded_checks.py's results, by case, from `processes` processes with fake
+    devices side by side (compiling takes one core each). Token cases of one model and
+    backend stay in one process, which runs their single-device reference once."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={FAKE_DEVICES}",
@@ -40,17 +43,41 @@ def run_checks(*cases: str, timeout: float = 900) -> dict[str, dict]:
         "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "xla-sharded"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.sharded_checks", *cases],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {line["case"]: line["result"] for line in lines}
+    groups: dict[str, list[str]] = {}
+    for case in cases:
+        kind, model, *args = case.split(":")
+        key = f"{model}:{args[2]}" if kind == "tokens" else case  # tokens: model, backend
+        groups.setdefault(key, []).append(case)
+    shares: list[list[str]] = [[] for _ in range(processes)]
+    for group in sorted(groups.values(), key=len, reverse=True):
+        min(shares, key=len).extend(group)
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.sharded_checks", *share],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for share in shares
+        if share
+    ]
+    results = {}
+    deadline = time.monotonic() + timeout
+    for process in running:
+        try:
+            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in running:
+                other.kill()
+            raise
+        assert process.returncode == 0, stderr[-4000:]
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                result = json.loads(line)
+                results[result["case"]] = result["result"]
+    return results
 
 
 # -- configs -------------------------------------------------------------------------
