@@ -24,7 +24,8 @@
 5. SIGTERM: `jlora up` drains and exits; /dev/shm and the temporary directories must
    be as they were before it started.
 
-The report (markdown and raw JSON) goes to `--out` (bench/results by default).
+The table goes to `--markdown` (bench/results/), every request and sample to `--json`
+(bench/out/).
 """
 
 from __future__ import annotations
@@ -560,7 +561,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(
             f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
         )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    stem = f"{datetime.date.today().isoformat()}-cpu-soak"
+    parser.add_argument("--markdown", type=Path, default=ROOT / "bench" / "results" / f"{stem}.md")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / f"{stem}.json")
     args = parser.parse_args(argv)
     plan = Plan(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Plan)})
     facts = machine_facts()
@@ -568,10 +571,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(result)
     text = render(plan, facts, result, summary)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-cpu-soak"
-    (args.out / f"{stem}.md").write_text(text)
-    write_report(args.out / f"{stem}.json", facts, plan, [summary], raw=result)
+    for path in (args.markdown, args.json):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(text)
+    write_report(args.json, facts, plan, [summary], raw=result)  # every request, every sample
 
 
 if __name__ == "__main__":

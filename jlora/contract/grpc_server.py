@@ -46,8 +46,13 @@ log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # Health and reflection need no API key; their service names.
 OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
-# grpc.aio.server options: a second server on this port must fail to bind, not share it.
-SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+MAX_STREAMS_PER_CONNECTION = 128  # HTTP/2 streams in flight on one client connection
+# grpc.aio.server options: a second server on this port must fail to bind, not share it;
+# a connection's streams past the cap wait (HTTP/2 flow control) until one ends.
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+)
 
 
 async def start_server(
