@@ -36,7 +36,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -53,11 +52,9 @@ import openai
 from bench.report import machine_facts, write_report
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
+from jlora.cli.up import LISTENING
 
 ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(
-    r"router gRPC on ([\d.]+:\d+), OpenAI-compatible HTTP on (\S+/v1) .*workers: ([^)]*)\)"
-)
 PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -9,7 +9,6 @@ an API key (401 without it).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,11 +22,9 @@ import pytest
 
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
+from jlora.cli.up import LISTENING
 
 ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(
-    r"router gRPC on ([\d.]+:\d+), OpenAI-compatible HTTP on (\S+/v1) .*workers: ([^)]*)\)"
-)
 
 
 class Up:

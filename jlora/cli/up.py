@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -41,6 +42,11 @@ from jlora.cli.serve import adapters_to_register, add_adapter_args, given_adapte
 from jlora.cli.supervisor import Supervisor
 
 DEMO_RANKS = (8, 16, 32)
+# The line `run` prints once the router listens, for programs that start `jlora up`:
+# the router's gRPC address, its OpenAI base URL, and the workers' addresses.
+LISTENING = re.compile(
+    r"router gRPC on ([\d.]+:\d+), OpenAI-compatible HTTP on (\S+/v1) .*workers: ([^)]*)\)"
+)
 START_TIMEOUT_S = 900.0  # a cold worker compiles every step shape first
 
 
