@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,12 +48,12 @@ import grpc
 import numpy as np
 import openai
 
+from bench.processes import ROOT, ServerProcess
 from bench.report import machine_facts, write_report
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -98,32 +97,18 @@ class Outcome:
     changed: bool = False
 
 
-class Up:
-    """`jlora up` as a user starts it, in its own session."""
+class Up(ServerProcess):
+    """`jlora up` as a user starts it: its router's gRPC and HTTP addresses, its workers'."""
 
     def __init__(self, plan: Plan, state_dir: Path) -> None:
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "jlora.cli.main", "up", "--model", plan.model,
              "--workers", str(plan.workers), "--port", "0", "--http-port", "0",
              "--state-dir", str(state_dir)],
-            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            LISTENING,
         )  # fmt: skip
-        self.log: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                self.log.append(line)
-                if match := LISTENING.search(line):
-                    self.grpc, self.http, workers = match.groups()
-                    self.workers = workers.split(", ")
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        while not ready.wait(0.5):
-            if self.process.poll() is not None:
-                raise RuntimeError("jlora up exited:\n" + "".join(self.log[-30:]))
+        self.grpc, self.http, workers = self.groups
+        self.workers = workers.split(", ")
 
     def worker_pids(self) -> dict[int, int]:
         """Worker index -> the pid of the `jlora serve` process now listening on that
@@ -140,10 +125,6 @@ class Up:
                     if port in ports:
                         pids[ports[port]] = int(entry.name)
         return pids
-
-    def stop(self, timeout: float = 120.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
 
 
 def _openai(up: Up, api: str, prompt: str, model: str, plan: Plan, out: Outcome) -> None:
