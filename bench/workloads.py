@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-inference-2023"
+DATA_DIR = Path(__file__).resolve().parent / "data" / "azure-llm-inference-2023"  # CC BY 4.0
 TRACES = ("code", "conv")
 FORMAT, VERSION = "jlora-workload", 1
 REQUEST_KEYS = ("id", "arrival_s", "prompt", "prompt_tokens", "max_tokens", "adapter", "rank")

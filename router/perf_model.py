@@ -132,6 +132,10 @@ class PerfModel:
         """
         if not ranks:
             return 0.0
+        if tokens is None:  # a decode step: `rank_feature` with one row each, without lists
+            count = len(ranks)
+            feature = count * max(ranks) if self.kind == "bgmv" else sum(ranks)
+            return self.alpha * float(feature) + self.gamma * count + self.beta
         rows = _rows(ranks, tokens)
         return (
             self.alpha * rank_feature(self.kind, ranks, rows) + self.gamma * sum(rows) + self.beta

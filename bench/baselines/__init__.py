@@ -1,0 +1,1 @@
+"""The systems jlora is measured against, each started as its users start it."""
