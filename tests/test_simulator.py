@@ -187,7 +187,6 @@ def test_slo_attainment_counts_requests_with_a_tpt():
     assert row["mean_tpt_ms"] == pytest.approx((10 + 15 + 15.0001 + 20) / 4)
 
 
-
 def test_json_rows_and_plots(tmp_path):
     rows_path = tmp_path / "rows.json"
     simulator.main([
