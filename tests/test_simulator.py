@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import router.app
-from bench import simulator
-from bench.simulator import InstanceConfig, Request, RunResult, simulate
+from bench import cluster, simulator
+from bench.cluster import InstanceConfig, Request, RunResult, simulate
 from router.perf_model import PerfModel, PerfProfile, rank_feature
 from router.policies import (
     POLICIES,
@@ -208,8 +208,8 @@ def test_json_rows_and_plots(tmp_path):
 
 def test_deterministic_under_a_seed():
     def run(seed: int) -> tuple[list[Request], RunResult]:
-        spec = simulator.WorkloadSpec(rate=4.0, duration_s=30.0, seed=seed)
-        requests = simulator.make_workload(spec)
+        spec = cluster.WorkloadSpec(rate=4.0, duration_s=30.0, seed=seed)
+        requests = cluster.make_workload(spec)
         policy = simulator.make_policy(
             "random", simulator.paper_profile(), requests, InstanceConfig(), seed=seed
         )
