@@ -219,7 +219,7 @@ class Registry:
         except sqlite3.Error as err:
             raise RegistryUnavailable(f"{self.path}: cannot open the registry ({err})") from err
         try:
-            self._execute("PRAGMA journal_mode = WAL")
+            self._enable_wal(timeout_s)
             self._migrate()
         except BaseException:
             self.close()
@@ -350,6 +350,27 @@ class Registry:
         if version < 0:
             raise SchemaError(f"{self.path}: user_version {version} is not a registry version")
         return version
+
+    def _enable_wal(self, timeout_s: float) -> None:
+        """Switch the file to write-ahead logging (readers never wait for a writer).
+
+        When several processes open a file that is not in WAL mode yet, SQLite may answer
+        one of them SQLITE_BUSY at once, without waiting in its busy handler (seen with
+        four processes creating one file on a loaded machine), so the switch is retried
+        for up to `timeout_s`, as every other statement waits that long."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with self._lock:
+                    self._connection().execute("PRAGMA journal_mode = WAL").fetchall()
+                return
+            except sqlite3.OperationalError as err:
+                busy = err.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+                if not busy or time.monotonic() > deadline:
+                    raise _storage_error(self.path, err) from err
+                time.sleep(0.01)
+            except sqlite3.Error as err:
+                raise _storage_error(self.path, err) from err
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
