@@ -1,11 +1,12 @@
 """`make bench`: one trace replayed through every system, side by side, on this machine.
 
-`python -m bench.suite [--quick] [--systems a,b,...]`:
+`python -m bench.suite [--quick] [--gpu] [--systems a,b,...]`; what it runs is a `Plan`
+(the defaults fit a 2-core CPU in about 13 minutes; `GPU_PLAN` for `--gpu`):
 
-1. Adapters: `--adapters` demo PEFT adapters of mixed ranks (`make_demo_adapters`, the
+1. Adapters: `Plan.adapters` demo PEFT adapters of mixed ranks (`make_demo_adapters`, the
    same files for every system) in a temporary directory.
 2. The workload (`bench.workloads`): a window of the Azure 2023 code trace, its real
-   inter-arrival times compressed by `--rate-scale` and its real prompt and output
+   inter-arrival times stretched by `Plan.rate_scale` and its real prompt and output
    lengths scaled and clipped to fit a 2-core CPU; adapters drawn from a seeded Zipf
    popularity with a share of base-model requests. Saved as JSONL beside the results,
    so the run can be repeated as is (`python -m bench.serve --workload ...`).
@@ -13,14 +14,16 @@
    with the system's flags, or the PyTorch baseline's server), warmed up with a few
    base-model requests (compilation and first-touch are not what is measured), then
    driven open-loop over its OpenAI-compatible HTTP API by `bench.serve` — the same
-   client, the same requests, the same schedule — and stopped.
+   client, the same requests, the same schedule — and stopped. A model without a
+   tokenizer (`--gpu`: Llama-2-7B shapes, random weights) gets a workload of
+   `WordTokenizer` words, sent as token ids over jlora's gRPC API instead.
 4. One table (throughput, TTFT, time per output token, end-to-end latency; ratios to
    the PyTorch baseline; how many greedy outputs equal the baseline's), CDF plots of
    TTFT and time per token, and every request's record as JSON, under bench/results/.
 
 Systems (`SYSTEMS`): jlora's four adapter modes on its default (jnp) LoRA backend —
 `cached` (every adapter on the device before serving), `ondemand` (loaded when first
-needed, the prefill waits; `--max-loras` slots, fewer than the adapters, so they are
+needed, the prefill waits; `Plan.max_loras` slots, fewer than the adapters, so they are
 evicted and come back cold), CaraServe-style `cpu-assist` (the prefill starts at once,
 layers whose adapter is still in flight run their LoRA on CPU workers) and `auto` (a
 cost model picks) — S-LoRA-style (on-demand loading with the MBGMV page-pool kernel),
