@@ -222,7 +222,7 @@ class JloraGrpcClient:
     ) -> None:
         self.address = address
         self.base_model = base_model or ""
-        self.word_ids = word_ids
+        self._words = WordTokenizer() if word_ids else None
         self._metadata = call_metadata(api_key)
         self._channels: list[grpc.aio.Channel] = []
         self._in_flight: list[int] = []
@@ -245,8 +245,8 @@ class JloraGrpcClient:
 
     async def stream(self, request: WorkloadRequest) -> AsyncIterator[StreamEvent]:
         message = pb.GenerateRequest(adapter=request.adapter or self.base_model)
-        if self.word_ids:
-            message.token_ids.ids.extend(WordTokenizer().encode(request.prompt))
+        if self._words is not None:
+            message.token_ids.ids.extend(self._words.encode(request.prompt))
         else:
             message.text = request.prompt
         message.sampling.max_tokens = request.max_tokens

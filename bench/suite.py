@@ -176,8 +176,8 @@ def has_tokenizer(model: str) -> bool:
     return model not in list_presets() or load_preset(model).weights.format != "random"
 
 
-def make_workload(plan: Plan) -> Workload:
-    tokenizer = load_tokenizer(plan.model) if has_tokenizer(plan.model) else WordTokenizer()
+def make_workload(plan: Plan, *, word_ids: bool) -> Workload:
+    tokenizer = WordTokenizer() if word_ids else load_tokenizer(plan.model)
     return azure_workload(
         trace=plan.trace,
         start_s=plan.start_s,
@@ -196,16 +196,17 @@ def make_workload(plan: Plan) -> Workload:
     )
 
 
-def measure(system: System, plan: Plan, workload: Workload, adapters: Path) -> dict[str, Any]:
-    """Start `system`, warm it up, replay `workload`, stop it: its summary and records."""
+def measure(
+    system: System, plan: Plan, workload: Workload, adapters: Path, *, word_ids: bool
+) -> dict[str, Any]:
+    """Start `system`, warm it up, replay `workload` (as token ids over gRPC if
+    `word_ids`), stop it: its summary and records."""
     print(f"bench: {system.name}: starting", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-state-") as state:
         server = ServerProcess(system.command(plan, adapters, Path(state)), system.ready)
         try:
-            word_ids = not has_tokenizer(plan.model)
-            if word_ids and system.grpc_url is None:
-                raise ValueError(f"{system.name} needs a model with a tokenizer")
-            url = system.grpc_url(server.groups) if word_ids else system.url(server.groups)
+            grpc_url = system.grpc_url if word_ids else None  # main checked it is there
+            url = grpc_url(server.groups) if grpc_url else system.url(server.groups)
             warmup = Workload(
                 {"warmup": True},
                 tuple(
@@ -346,19 +347,24 @@ def main(argv: list[str] | None = None) -> None:
         plan = dataclasses.replace(plan, max_requests=16, duration_s=40.0)
     if args.gpu and args.systems == parser.get_default("systems"):
         names = [name for name in SYSTEMS if name != BASELINE]
+    word_ids = not has_tokenizer(plan.model)
+    if word_ids and (no_grpc := [name for name in names if SYSTEMS[name].grpc_url is None]):
+        parser.error(f"--systems: {no_grpc} need a model with a tokenizer ({plan.model} has none)")
 
     facts = machine_facts()
     device = "gpu" if args.gpu else "cpu"
     stem = f"{datetime.date.today().isoformat()}-{device}-serving"
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(plan)
+    workload = make_workload(plan, word_ids=word_ids)
     workload.save(out_dir / f"{stem}-workload.jsonl")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-adapters-") as adapters:
         make_demo_adapters(model_config(plan.model), adapters, n=plan.adapters, ranks=plan.ranks)
         for name in names:
-            results.append(measure(SYSTEMS[name], plan, workload, Path(adapters)))
+            results.append(
+                measure(SYSTEMS[name], plan, workload, Path(adapters), word_ids=word_ids)
+            )
 
     table = render(facts, plan, workload, results)
     (out_dir / f"{stem}.md").write_text(table)
