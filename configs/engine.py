@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the default
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
+MERGE_MODES = ("never", "auto", "always")  # the first is the default
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -52,6 +53,14 @@ class EngineConfig:
     lora_backend: the batched-LoRA implementation:
       "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
       (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
+    merge: dLoRA's merged inference (§4.1-4.2), one adapter folded into the base weights
+      (W + B·A) so that its rows run with no LoRA work: "never" always serves unmerged
+      (adapters of any mix batched together, each row's delta added); "auto" switches
+      between merged and unmerged dynamically (dLoRA's Algorithms 1-3); "always" is
+      merged-only, serving one adapter at a time, merged. Needs max_loras > 0 and
+      lora_mode "ondemand" or "cached". While
+      merged the device holds the pristine and the merged copies of that adapter's
+      target weights.
     host_store_mib: capacity of the shared-memory arena holding registered adapters.
     emulated_link_gbps: if positive, adapter transfers to the device are throttled to
       this many gigabytes per second (a test and benchmark knob: a CPU-only machine
@@ -74,6 +83,7 @@ class EngineConfig:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     lora_mode: str = "ondemand"
     lora_backend: str = "reference"
+    merge: str = "never"
     host_store_mib: int = 1024
     emulated_link_gbps: float = 0.0
     cpu_workers: int = 0
@@ -126,6 +136,19 @@ class EngineConfig:
         if self.lora_backend not in LORA_BACKENDS:
             raise ConfigError(
                 f"EngineConfig.lora_backend={self.lora_backend!r} must be one of {LORA_BACKENDS}"
+            )
+        if self.merge not in MERGE_MODES:
+            raise ConfigError(f"EngineConfig.merge={self.merge!r} must be one of {MERGE_MODES}")
+        if self.merge != "never" and not self.max_loras:
+            raise ConfigError(
+                f"EngineConfig.merge={self.merge!r} needs adapters: max_loras="
+                f"{self.max_loras} must be positive (or merge='never')"
+            )
+        if self.merge != "never" and self.lora_mode not in ("ondemand", "cached"):
+            raise ConfigError(
+                f"EngineConfig.merge={self.merge!r} works with lora_mode 'ondemand' or "
+                f"'cached', not {self.lora_mode!r}: a merged batch runs only adapters already "
+                "on the device, so CPU-assisted cold starts would never be used"
             )
         if self.kv_cache_tokens < 0:
             raise ConfigError(f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is negative")

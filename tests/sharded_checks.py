@@ -15,7 +15,12 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
   without LoRA;
 - `restore:MODEL:PRESET`: a `jlora convert` checkpoint restored straight into the
   mesh's layout: each parameter's spec and per-device bytes as restored, and the
-  greedy tokens of an engine over it next to the single-device ones.
+  greedy tokens of an engine over it next to the single-device ones;
+- `merge:MODEL:PRESET:SCHEME`: merged inference (dLoRA) of the all-target adapter, on
+  the mesh and on one device: greedy tokens of the base model, and of the adapter
+  unmerged and merged, each merged kernel's
+  spec next to its base kernel's, the largest difference between the two engines'
+  merged kernels, and whether unmerging put every parameter back bit for bit.
 """
 
 from __future__ import annotations
@@ -254,10 +259,73 @@ def restore(model: str, preset: str) -> dict:
     return results
 
 
+def merge(model: str, preset: str, scheme: str) -> dict:
+    import jax
+
+    from configs import EngineConfig
+    from jlora.engine.llama_engine import LlamaEngine
+    from tests.test_merge import drive
+
+    loaded = _load(model)
+    prompts = [[5, 9, 2, 77], [400, 3, 3, 12, 8]]
+    results: dict = {}
+    merged_kernels = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = _adapters(loaded.config, Path(tmp))
+        name = next(name for name in adapters if "r12" in name)  # all seven targets
+        for label, sharding in (("single", None), ("sharded", _sharding(preset, scheme))):
+            config = EngineConfig(
+                max_slots=2, max_seq_len=32, min_bucket=16, max_loras=1, max_lora_rank=16,
+                merge="always", sharding=sharding,
+            )  # fmt: skip
+            device = LlamaEngine(
+                model_config=loaded.config,
+                params=loaded.params,
+                tokenizer=None,
+                engine_config=config,
+            )
+            try:
+                device.stage_adapter(name, str(adapters[name]))
+                device.install_adapter(name, 0, device.load_adapter(name, 0))
+                before = [np.asarray(leaf) for leaf in jax.tree.leaves(device.params)]
+                unmerged = drive(device, prompts, [0, 0], 8)
+                base_tokens = drive(device, prompts, [-1, -1], 8)
+                device.merge(name)
+                layers, base = device.params["layers"], device.base_params["layers"]
+                specs = {  # the targets merged: [base kernel's spec, merged kernel's]
+                    target: [str(tree[target]["kernel"].sharding.spec) for tree in (base, layers)]
+                    for target in layers
+                    if layers[target] is not base[target]
+                }
+                kernels = {target: np.asarray(layers[target]["kernel"]) for target in specs}
+                merged = drive(device, prompts, [0, 0], 8)
+                device.unmerge()
+                after = [np.asarray(leaf) for leaf in jax.tree.leaves(device.params)]
+            finally:
+                device.close()
+            if label == "sharded":  # the single-device k/v as wide as the mesh's
+                widen = device.tp.expand_kv
+                for target in ("k_proj", "v_proj"):
+                    merged_kernels["single"][target] = widen(merged_kernels["single"][target])
+            merged_kernels[label] = kernels
+            results[label] = {
+                "base": base_tokens,
+                "unmerged": unmerged,
+                "merged": merged,
+                "specs": specs,
+                "restored": len(before) == len(after)
+                and all(np.array_equal(b, a) for b, a in zip(before, after, strict=True)),
+            }
+    single, sharded = merged_kernels["single"], merged_kernels["sharded"]
+    results["max_diff"] = max(float(np.abs(single[t] - sharded[t]).max()) for t in single)
+    return results
+
+
 def main(cases: list[str]) -> None:
     for case in cases:
         kind, *args = case.split(":")
         kinds = {"tokens": tokens, "memory": memory, "hlo": hlo, "restore": restore}
+        kinds["merge"] = merge
         result = kinds[kind](*args)
         print(json.dumps({"case": case, "result": result}), flush=True)
 

@@ -19,6 +19,16 @@ thread, so registration never stalls the steps); `load_adapter` copies a staged
 adapter towards a device slot (the transfer thread); `install_adapter` makes it
 usable (the scheduler thread); `drop_adapter` frees its host memory.
 
+Merged inference (dLoRA §4.1): `merge(name)` folds one staged adapter into the base
+weights (W' = W + B·A for each of its target projections, computed on the device), and
+from then on `prefill` and `generate` run the compiled steps without LoRA weights, the
+cost of a base-model step. The orchestrator guarantees that while merged only that
+adapter's rows are live and only its jobs are prefilled; rows and jobs carry its
+device slot as usual, and an engine checks the invariant cheaply (AssertionError: a
+scheduler bug). `unmerge()` puts the pristine weights back, bit for bit. Both run on
+the scheduler thread, between steps, and block until done, so the caller can time
+the switch.
+
 `LlamaEngine` (llama_engine.py) is the JAX implementation; `MockEngine` (mock.py)
 replaces it in server and router tests.
 """
@@ -121,6 +131,7 @@ class Memory:
     host_store_capacity: int = 0
     device_in_use: int = -1
     device_limit: int = -1
+    merged_weights: int = 0  # the merged copies of a merged adapter's targets (all devices)
 
 
 class DeviceEngine(abc.ABC):
@@ -189,6 +200,38 @@ class DeviceEngine(abc.ABC):
         """The cost model's inputs for prefilling `prompt_len` tokens of `name` (loading
         into `slot`) with CPU assistance; None: this engine cannot assist."""
         return None
+
+    # -- merged inference (dLoRA §4.1) -------------------------------------------------
+
+    @property
+    def can_merge(self) -> bool:
+        """Whether `merge` is offered (the policy is `config.merge`)."""
+        return False
+
+    @property
+    def merged(self) -> str | None:
+        """The merged adapter's name; None while unmerged."""
+        return None
+
+    def merge(self, name: str) -> None:
+        """The scheduler thread, the engine unmerged, `name` staged: fold its LoRA delta
+        into the base weights (W' = W + B·A, scaling included, for every target projection
+        of every layer it has; its own rank and targets, from host memory), blocking until
+        the merged weights are ready. Until `unmerge()`, `prefill` and `generate` run no
+        LoRA work at all. Rows and jobs keep carrying the adapter's device slot (the slot
+        it was last loaded into, landed or not; the merged steps never read it): a live
+        row at `generate`, or a job at `prefill`, whose `adapter_slot` is not that slot
+        (another adapter's, or -1, the base model) raises AssertionError, as does a merge
+        while merged or of an adapter not staged. A job's `assist` is ignored while
+        merged (the merged weights hold the whole adapter). The device holds the pristine
+        and the merged copies of the adapter's target weights while merged."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge adapters")
+
+    def unmerge(self) -> None:
+        """The scheduler thread, merged: put the pristine base weights back (the very
+        arrays, bit for bit; never by subtracting) and free the merged copies; rows of
+        any adapter and of the base model may run again. AssertionError if not merged."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge adapters")
 
     # -- the rest ----------------------------------------------------------------------
 

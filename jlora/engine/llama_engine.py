@@ -19,11 +19,23 @@ serving a known shape. In `cpu-assist` and `auto` modes a prefill whose adapter 
 still in flight runs layer group by layer group instead (`assisted.py`): the landed
 groups are installed before each segment, and the layers of the groups still in
 flight compute their LoRA on the CPU workers (`cpu_assist.py`).
+
+Merged inference (dLoRA §4.1; device.py has the contract): `merge(name)` folds a staged
+adapter, read from the host store, into a copy of its target kernels
+(`jlora.model.merge`, one compiled call, the outputs split like the base kernels) and
+serves `params` = those merged kernels beside the untouched rest; `base_params` keeps
+the pristine arrays, which `unmerge()` puts back. While merged, prefill and decode run
+`merged_steps`, compiled without LoRA weights (the kind a max_loras=0 engine runs), and
+each step first checks that its rows carry the merged adapter's slot (`_slot_adapter`:
+the adapter each slot was last loaded with). With `merge` other than "never", warm-up
+also compiles those steps and the merge of every staged adapter's shape (targets,
+rank), and staging compiles a new adapter's, so switching never compiles while serving.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -60,6 +72,7 @@ from jlora.engine.sampling import SamplingArrays
 from jlora.engine.steps import CompiledSteps, StepSpecs, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
+from jlora.model.merge import WeightMerger
 from jlora.model.sharding import TensorParallel, to_host
 from jlora.tokenizer import Tokenizer
 
@@ -106,7 +119,8 @@ class LlamaEngine(DeviceEngine):
             model_config, cfg.sharding or load_sharding(DEFAULT_SHARDING)
         )
         self.mesh = self.tp.mesh
-        self.params = self.tp.place_params(params)
+        self.params = self.tp.place_params(params)  # what the steps run: merged or not
+        self.base_params = self.params  # the pristine parameters, never modified
         backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
         self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend, tp=self.tp)
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
@@ -146,6 +160,14 @@ class LlamaEngine(DeviceEngine):
             lora=None if self.lora is None else self.lora.specs,
         )
         self.steps = CompiledSteps(self.model, specs)
+        # Merged inference: the steps without LoRA weights, the fold, and its state.
+        self.merged_steps: CompiledSteps | None = None
+        self.merger: WeightMerger | None = None
+        if self.lora is not None:
+            self.merged_steps = CompiledSteps(self.model, dataclasses.replace(specs, lora=None))
+            self.merger = WeightMerger(self.tp, self.params)
+        self._merged: str | None = None
+        self._slot_adapter: dict[int, str] = {}  # slot -> the adapter last loaded into it
         self.cpu: CpuAssist | None = None
         self.assisted: AssistedPrefill | None = None
         if (
@@ -217,11 +239,26 @@ class LlamaEngine(DeviceEngine):
                 self.assisted.compile(self.params, self.cache, size)
             if cfg.lora_mode == "auto":
                 self.cache = self.assisted.measure(self.params, self.cache, prefill)
-        for size in cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]:
+        decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
+        for size in decode:
             self.steps.compile_decode(
                 self.params, self.cache, cfg.max_slots, size // cfg.block_size, self._weights
             )
         self.steps.warmed_up = True
+        if cfg.merge != "never" and self.merged_steps is not None and self.merger is not None:
+            for size in prefill:
+                self.merged_steps.compile_prefill(
+                    self.params, self.cache, size, cfg.blocks_per_seq, None
+                )
+            for size in decode:
+                self.merged_steps.compile_decode(
+                    self.params, self.cache, cfg.max_slots, size // cfg.block_size, None
+                )
+            assert self.store is not None
+            for name in self.store.names():
+                spec = self.store.get(name).spec
+                self.merger.compile(spec.targets, spec.rank)
+            self.merged_steps.warmed_up = self.merger.warmed_up = True
 
     def prefill(self, job: PrefillJob) -> Prefilled:
         cfg = self.config
@@ -230,6 +267,9 @@ class LlamaEngine(DeviceEngine):
         tokens[: len(job.tokens)] = job.tokens
         sampling = host_sampling(1)
         _set_sampling(sampling, 0, job.sampling)
+        if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
+            steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
+            return Prefilled(self._run_prefill(steps, None, job, tokens, sampling))
         if job.assist is not None:
             assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
             token, self.cache, routes = self.assisted.run(
@@ -248,11 +288,25 @@ class LlamaEngine(DeviceEngine):
                     reason="CPU_ASSIST_FAILED",
                 ) from failure
             return Prefilled(token, routes)
-        weights = self._weights
-        segments = None if weights is None else Segments.single(job.adapter_slot, size)
-        self.steps.compile_prefill(self.params, self.cache, size, cfg.blocks_per_seq, weights)
         start = time.perf_counter()
-        sampled, self.cache = self.steps.prefill(
+        first = self._run_prefill(self.steps, self._weights, job, tokens, sampling)
+        if self.assisted is not None:  # keep the cost model's estimate current
+            self.assisted.observe_prefill(size, time.perf_counter() - start)
+        return Prefilled(first)
+
+    def _run_prefill(
+        self,
+        steps: CompiledSteps,
+        weights: LoraWeights | None,
+        job: PrefillJob,
+        tokens: np.ndarray,
+        sampling: SamplingArrays,
+    ) -> int:
+        """One compiled prefill of `tokens` (padded to its bucket): the first token."""
+        size = tokens.shape[0]
+        segments = None if weights is None else Segments.single(job.adapter_slot, size)
+        steps.compile_prefill(self.params, self.cache, size, self.config.blocks_per_seq, weights)
+        sampled, self.cache = steps.prefill(
             self.params,
             self.cache,
             tokens,
@@ -262,10 +316,7 @@ class LlamaEngine(DeviceEngine):
             weights,
             segments,
         )
-        first = int(to_host(sampled))
-        if self.assisted is not None:  # keep the cost model's estimate current
-            self.assisted.observe_prefill(size, time.perf_counter() - start)
-        return Prefilled(first)
+        return int(to_host(sampled))
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         state = self.state
@@ -281,9 +332,11 @@ class LlamaEngine(DeviceEngine):
         live = state.live
         longest = int(state.positions[live].max(initial=0)) + 1
         blocks = bucket(cfg.decode_buckets, longest) // cfg.block_size
-        weights = self._weights
-        self.steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, weights)
-        sampled, self.cache = self.steps.decode(
+        steps, weights = self.steps, self._weights
+        if self._merged is not None:
+            steps, weights = self._merged_steps_for(state.lora_idx[live], "a live decode row"), None
+        steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, weights)
+        sampled, self.cache = steps.decode(
             self.params,
             self.cache,
             state.tokens,
@@ -339,6 +392,8 @@ class LlamaEngine(DeviceEngine):
                 field="path",
             )
         stored = self.store.register(name, path, expect_sha256=expect_sha256)
+        if self.config.merge != "never" and self.merger is not None:
+            self.merger.compile(spec.targets, spec.rank)  # off the scheduler thread
         return StagedAdapter(
             name=name,
             path=str(stored.path),
@@ -356,6 +411,7 @@ class LlamaEngine(DeviceEngine):
 
     def load_adapter(self, name: str, slot: int) -> Payload:
         assert self.store is not None and self.lora is not None
+        self._slot_adapter[slot] = name  # its previous adapter is evicted: no row uses it
         return self.lora.load(name, self.store.tensors(name), slot)
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
@@ -373,16 +429,60 @@ class LlamaEngine(DeviceEngine):
             name, slot, prompt_len, bucket(self.config.prefill_buckets, prompt_len)
         )
 
+    # -- merged inference ---------------------------------------------------------------
+
+    @property
+    def can_merge(self) -> bool:
+        return self.merger is not None
+
+    @property
+    def merged(self) -> str | None:
+        return self._merged
+
+    def merge(self, name: str) -> None:
+        assert self.store is not None and self.merger is not None, "max_loras=0"
+        if self._merged is not None:
+            raise AssertionError(f"merge({name!r}): {self._merged!r} is merged; unmerge first")
+        if name not in self.store:
+            raise AssertionError(f"merge({name!r}): no such adapter is staged")
+        self.params = self.merger.merge(self.base_params, self.store.tensors(name))
+        self._merged = name
+
+    def unmerge(self) -> None:
+        if self._merged is None:
+            raise AssertionError("unmerge(): no adapter is merged")
+        self.params = self.base_params  # the pristine arrays themselves
+        self._merged = None
+
+    def _merged_steps_for(self, slots: np.ndarray, what: str) -> CompiledSteps:
+        """The steps without LoRA, once every one of `slots` (the rows' or a job's device
+        adapter slots) is checked to be the slot the merged adapter was last loaded into."""
+        assert self.merged_steps is not None
+        for slot in np.unique(slots).tolist():
+            if slot < 0 or self._slot_adapter.get(slot) != self._merged:
+                owner = "the base model" if slot < 0 else repr(self._slot_adapter.get(slot))
+                raise AssertionError(
+                    f"{what} of adapter slot {slot} ({owner}) while {self._merged!r} is "
+                    "merged: only the merged adapter's rows may run"
+                )
+        return self.merged_steps
+
     # -- the rest --------------------------------------------------------------------------
 
     def memory(self) -> Memory:
         stats = jax.devices()[0].memory_stats() or {}
         store = self.store
+        merged = [
+            layer["kernel"].nbytes
+            for target, layer in self.params["layers"].items()
+            if layer is not self.base_params["layers"][target]
+        ]
         return Memory(
             host_store_used=store.arena.bytes_used if store is not None else 0,
             host_store_capacity=store.arena.capacity if store is not None else 0,
             device_in_use=stats.get("bytes_in_use", -1),
             device_limit=stats.get("bytes_limit", -1),
+            merged_weights=sum(merged),
         )
 
     def close(self) -> None:

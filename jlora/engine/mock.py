@@ -3,14 +3,19 @@ step), for the server and router tests, which run the real orchestrator over it.
 
 `mock_next_token` is the whole "model", so a test knows the exact stream every request
 must receive, whatever else shares the batch: `mock_completion` computes it. No jax is
-imported; `generate` sleeps `step_latency` seconds in place of the device.
+imported; `generate` sleeps `step_latency` seconds in place of the device, and
+`lora_latency` more when it runs LoRA work (an adapter's row, unmerged).
 
 Everything else is the device engine's contract (device.py), done for real on the
 host: adapters are staged from real PEFT directories (only `adapter_config.json` is
 read, and the weights file hashed if there is one), loads run on the orchestrator's
 transfer thread (taking `load_latency` seconds; an adapter named in `fail_loads`
 fails to load, as a broken transfer would), and a decode row remembers the adapter
-installed in its slot.
+installed in its slot. Merging (dLoRA's merged inference) changes no token: `merge`
+takes `merge_latency` seconds, and while merged `prefill` and `generate` raise
+AssertionError for a job or a live row whose slot is not the one the merged adapter
+was last loaded into (another adapter's, or the base model's -1), as LlamaEngine
+does, so orchestrator tests catch a scheduler that breaks the invariant.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class MockEngine(DeviceEngine):
         max_seq_len: int = 128,
         vocab_size: int = 1000,
         step_latency: float = 0.0,
+        lora_latency: float = 0.0,
         max_loras: int = 2,
         max_lora_rank: int = 64,
         block_size: int = 16,
@@ -104,6 +110,8 @@ class MockEngine(DeviceEngine):
         eos_id: int | None = None,
         load_latency: float = 0.0,
         fail_loads: Collection[str] = (),
+        merge: str = "never",
+        merge_latency: float = 0.0,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"MockEngine vocab_size={vocab_size} must be positive")
@@ -115,16 +123,21 @@ class MockEngine(DeviceEngine):
             kv_cache_tokens=blocks * block_size,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
+            merge=merge,
         )
         self.vocab_size = vocab_size
         self.tokenizer = MockTokenizer([] if eos_id is None else [eos_id])
         self.step_latency = step_latency
+        self.lora_latency = lora_latency
         self.load_latency = load_latency
         self.fail_loads = frozenset(fail_loads)
+        self.merge_latency = merge_latency
         self.steps = 0  # generate() calls
         self._rows: dict[int, _Row] = {}
         self._staged: dict[str, StagedAdapter] = {}
         self._slots: dict[int, str] = {}  # device adapter slot -> installed adapter
+        self._loaded: dict[int, str] = {}  # device adapter slot -> the adapter last loaded
+        self._merged: str | None = None
 
     # -- steps -----------------------------------------------------------------------
 
@@ -134,7 +147,7 @@ class MockEngine(DeviceEngine):
         """Nothing to compile."""
 
     def prefill(self, job: PrefillJob) -> Prefilled:
-        adapter = self._slots.get(job.adapter_slot)
+        adapter = self._adapter_of(job.adapter_slot, "a prefill job")
         token = mock_next_token(job.tokens[-1], adapter, job.sampling.step, self.vocab_size)
         return Prefilled(token)
 
@@ -143,11 +156,14 @@ class MockEngine(DeviceEngine):
 
     def generate(self) -> np.ndarray:
         self.steps += 1
-        if self.step_latency:
-            time.sleep(self.step_latency)
+        rows = self._rows.items()  # every row checked before any moves on
+        adapters = [self._adapter_of(row.adapter_slot, "a live decode row") for _, row in rows]
+        lora = self._merged is None and any(adapter is not None for adapter in adapters)
+        latency = self.step_latency + (self.lora_latency if lora else 0.0)
+        if latency:
+            time.sleep(latency)
         tokens = np.zeros(self.config.max_slots, np.int32)
-        for slot, row in self._rows.items():
-            adapter = self._slots.get(row.adapter_slot)
+        for (slot, row), adapter in zip(rows, adapters, strict=True):
             row.token = mock_next_token(row.token, adapter, row.step, self.vocab_size)
             row.step += 1
             tokens[slot] = row.token
@@ -155,6 +171,17 @@ class MockEngine(DeviceEngine):
 
     def free(self, slot: int) -> None:
         self._rows.pop(slot, None)
+
+    def _adapter_of(self, slot: int, what: str) -> str | None:
+        """The adapter of a row on device slot `slot`; while merged, AssertionError unless
+        it is the merged adapter's."""
+        if self._merged is not None and (slot < 0 or self._loaded.get(slot) != self._merged):
+            owner = "the base model" if slot < 0 else repr(self._loaded.get(slot))
+            raise AssertionError(
+                f"{what} of adapter slot {slot} ({owner}) while {self._merged!r} is merged: "
+                "only the merged adapter's rows may run"
+            )
+        return self._merged or self._slots.get(slot)
 
     # -- adapters --------------------------------------------------------------------
 
@@ -186,10 +213,35 @@ class MockEngine(DeviceEngine):
             time.sleep(self.load_latency)
         if name in self.fail_loads:
             raise RuntimeError(f"the transfer of {name!r} broke (MockEngine fail_loads)")
+        self._loaded[slot] = name
         return name
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         self._slots[slot] = name
+
+    # -- merged inference --------------------------------------------------------------
+
+    @property
+    def can_merge(self) -> bool:
+        return self.config.max_loras > 0
+
+    @property
+    def merged(self) -> str | None:
+        return self._merged
+
+    def merge(self, name: str) -> None:
+        if self._merged is not None:
+            raise AssertionError(f"merge({name!r}): {self._merged!r} is merged; unmerge first")
+        if name not in self._staged:
+            raise AssertionError(f"merge({name!r}): no such adapter is staged")
+        if self.merge_latency:
+            time.sleep(self.merge_latency)
+        self._merged = name
+
+    def unmerge(self) -> None:
+        if self._merged is None:
+            raise AssertionError("unmerge(): no adapter is merged")
+        self._merged = None
 
 
 def mock_adapter_dir(rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
