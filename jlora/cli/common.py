@@ -83,7 +83,7 @@ def resolve_dtype(name: str) -> str:
 
 def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
     """How an engine serves adapters: --lora-mode, --lora-backend, --max-loras,
-    --emulated-link-gbps, --cpu-workers (read back with `lora_engine_config`)."""
+    --emulated-link-gbps, --cpu-workers, --merge (read back with `lora_engine_config`)."""
     from configs.engine import LORA_BACKENDS, LORA_MODES
 
     group.add_argument(
@@ -117,6 +117,15 @@ def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
         default=0,
         help="CPU LoRA worker processes for cpu-assist/auto (default: one per core, less one)",
     )
+    group.add_argument(
+        "--merge",
+        choices=("never", "auto", "always"),
+        default="never",
+        help="merged inference (dLoRA): never (default: every adapter's LoRA computed "
+        "beside the base weights), auto (merge the dominant adapter into the base weights "
+        "when that is faster, with credits so no adapter starves), always (one adapter at "
+        "a time, merged)",
+    )
 
 
 def lora_engine_config(args: argparse.Namespace) -> dict:
@@ -126,6 +135,7 @@ def lora_engine_config(args: argparse.Namespace) -> dict:
         "lora_backend": args.lora_backend,
         "emulated_link_gbps": args.emulated_link_gbps,
         "cpu_workers": args.cpu_workers,
+        "merge": args.merge,
     }
 
 

@@ -139,9 +139,28 @@ class RunningInfo:
     request_id: str
     adapter: str | None
     rank: int  # the adapter's rank; 0 for the base model
-    slot: int  # its decode slot
+    slot: int  # its decode slot; -1 while paused (merging: another adapter's turn)
     prompt_tokens: int
     generated_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeStats:
+    """dLoRA's dynamic batching (engine/merging.py), cumulative since the engine started.
+
+    merged: the adapter merged into the base weights now (None: unmerged). credits: each
+    request type's credit ("" is the base model). waits: per type, the longest a runnable
+    request of it has gone without a token now (seconds; 0 when all are being served).
+    """
+
+    merged: str | None
+    alpha: float
+    beta: float
+    merged_iterations: int
+    unmerged_iterations: int
+    switches: int
+    credits: tuple[tuple[str, float], ...]
+    waits: tuple[tuple[str, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +184,4 @@ class EngineStats:
     host_store_bytes_capacity: int = 0
     device_bytes_in_use: int = -1  # -1: unknown
     device_bytes_limit: int = -1
+    merging: MergeStats | None = None  # None: merging is off (merge="never")

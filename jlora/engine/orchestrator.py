@@ -47,10 +47,12 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 
+from configs import ConfigError
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -66,6 +68,7 @@ from jlora.engine.api import (
     STOP,
     AdapterInfo,
     EngineStats,
+    MergeStats,
     Request,
     RunningInfo,
     SequenceState,
@@ -74,26 +77,33 @@ from jlora.engine.api import (
 from jlora.engine.blocks import BlockAllocator
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
+from jlora.engine.merging import Batch, DynamicBatcher
 
 log = logging.getLogger(__name__)
 
 LOAD_WAIT_S = 1.0  # an idle step waits this long at most for an adapter to land
+# With merging on, adapters are requested (loads started) for this many queued requests
+# per decode row at most, in FCFS order, so a long queue does not churn the slots.
+LOOKAHEAD_PER_ROW = 2
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Sequence:
-    """Host state of one request, queued or running."""
+    """Host state of one request, queued or running (hashed by identity)."""
 
     request: Request
     seed: int
     limit: int  # the sequence may grow to this many tokens (prompt + generated)
     detokenizer: Detokenizer | None
+    order: int = 0  # first-come first-served rank
     generated: list[int] = dataclasses.field(default_factory=list)
     blocks: list[int] = dataclasses.field(default_factory=list)
     row: int = -1  # its decode row, once admitted
     adapter_slot: int = -1
     assist: bool | None = None  # the cost model's decision (auto mode), once made
     parked: bool = False  # prefilled, not inserted: its adapter is still landing
+    paused: bool = False  # prefilled, out of the batch (merging): keeps blocks and slot
+    served_at: float = dataclasses.field(default_factory=time.monotonic)  # its last token
 
     @property
     def length(self) -> int:
@@ -118,7 +128,17 @@ class Orchestrator:
         if cfg.max_loras:
             self.adapters = AdapterManager(device, num_slots=cfg.max_loras, mode=cfg.lora_mode)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.batcher: DynamicBatcher | None = None
+        if cfg.merge != "never":
+            if not device.can_merge:
+                raise ConfigError(
+                    f"EngineConfig.merge={cfg.merge!r} needs an engine that can merge "
+                    "adapters (max_loras > 0)"
+                )
+            self.batcher = DynamicBatcher(cfg.merge, cfg.max_slots)
         self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._paused: list[_Sequence] = []
+        self._arrivals = 0
         self._rows: list[_Sequence | None] = [None] * cfg.max_slots
         self._ids: set[str] = set()
         self._seeds = np.random.default_rng()
@@ -144,7 +164,7 @@ class Orchestrator:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0
+        return bool(self._waiting) or bool(self._paused) or self.num_running > 0
 
     def warmup(
         self, prompt_lengths: list[int] | None = None, max_length: int | None = None
@@ -208,10 +228,17 @@ class Orchestrator:
         events: list[TokenEvent] = []
         if self.adapters is not None:
             self._install_landed(events)
-        self._admit(events)
+        if self.batcher is None:
+            self._admit(events)
+        else:
+            self._schedule(self.batcher, events)
         decoding = [seq for seq in self._rows if seq is not None and not seq.parked]
         if decoding:
+            start = time.perf_counter()
             tokens = self.device.generate()
+            if self.batcher is not None:
+                merged = self.device.merged is not None
+                self.batcher.observe(merged, len(decoding), time.perf_counter() - start)
             for seq in decoding:
                 self._append(seq, int(tokens[seq.row]), events)
         elif self.has_unfinished and self.adapters is not None and self.adapters.slots.loading():
@@ -255,6 +282,8 @@ class Orchestrator:
         """Forget an adapter that no queued or running request names."""
         users = sum(seq.request.adapter == name for seq in self._sequences())
         self._adapter_manager().unregister(name, users=users)
+        if self.device.merged == name:  # idle, merged: its weights leave with it
+            self._switch(None)
 
     def load_adapter(self, name: str, *, pin: bool = False) -> AdapterInfo:
         adapters = self._adapter_manager()
@@ -295,7 +324,7 @@ class Orchestrator:
                 prompt_tokens=len(seq.request.prompt_ids),
                 generated_tokens=len(seq.generated),
             )
-            for seq in self._rows
+            for seq in (*self._rows, *self._paused)
             if seq is not None
         )
         slots = adapters.slots if adapters is not None else None
@@ -318,6 +347,28 @@ class Orchestrator:
             host_store_bytes_capacity=memory.host_store_capacity,
             device_bytes_in_use=memory.device_in_use,
             device_bytes_limit=memory.device_limit,
+            merging=self._merge_stats(),
+        )
+
+    def _merge_stats(self) -> MergeStats | None:
+        batcher = self.batcher
+        if batcher is None:
+            return None
+        now, waits = time.monotonic(), dict.fromkeys(batcher.credits, 0.0)
+        for seq in self._sequences():
+            if seq.row < 0 or seq.parked:  # queued or paused: not served this iteration
+                adapter = seq.request.adapter
+                waits[adapter] = max(waits.get(adapter, 0.0), now - seq.served_at)
+        counters = batcher.counters
+        return MergeStats(
+            merged=self.device.merged,
+            alpha=batcher.alpha,
+            beta=batcher.beta,
+            merged_iterations=counters["merged_iterations"],
+            unmerged_iterations=counters["unmerged_iterations"],
+            switches=counters["switches"],
+            credits=tuple((name or "", credit) for name, credit in batcher.credits.items()),
+            waits=tuple((name or "", wait) for name, wait in waits.items()),
         )
 
     # -- admission ----------------------------------------------------------------------
@@ -373,6 +424,8 @@ class Orchestrator:
         return _Sequence(request, seed, limit, detokenizer, generated=list(generated))
 
     def _queue(self, seq: _Sequence) -> None:
+        seq.order = self._arrivals
+        self._arrivals += 1
         self._waiting.append(seq)
         self._ids.add(seq.request.request_id)
 
@@ -462,6 +515,97 @@ class Orchestrator:
         if self._append(seq, prefilled.token, events) and not seq.parked:
             self._insert(seq)
 
+    # -- merging (dLoRA) ------------------------------------------------------------------
+
+    def _schedule(self, batcher: DynamicBatcher, events: list[TokenEvent]) -> None:
+        """Admission with merging on: the batcher picks this iteration's requests among the
+        runnable ones (merging.py); running requests left out are paused (their KV and
+        adapter slot kept), the engine merges or unmerges as the batch needs, paused
+        requests picked are inserted again and queued ones picked are prefilled (decode
+        rows, KV blocks and the prefill token budget permitting)."""
+        runnable = self._runnable()
+        if not runnable:
+            return
+        batch = batcher.plan([(seq, seq.request.adapter) for seq in runnable])
+        chosen = set(batch.items)
+        for seq in self._rows:
+            if seq is not None and not seq.parked and seq not in chosen:
+                self._pause(seq)
+        if self.device.merged != batch.merged:
+            self._switch(batch.merged)
+        self._run_batch(batch, events)
+        if batch.merged is not None and self.num_running == 0:
+            # Nothing of the merged batch could start (no KV blocks while paused requests
+            # hold them): unmerge and let the FCFS batch go on, so the engine never stalls.
+            batcher.merged = None
+            self._switch(None)
+            fcfs = self._runnable()[: self.max_slots]
+            self._run_batch(Batch(tuple(fcfs), None, "fcfs"), events)
+
+    def _runnable(self) -> list[_Sequence]:
+        """Requests that can run this iteration, in FCFS order: running and paused ones,
+        and queued ones whose adapter is on the device (for the first few queued, an
+        adapter that is not gets its load started)."""
+        runnable = [seq for seq in self._rows if seq is not None and not seq.parked]
+        runnable += self._paused
+        lookahead = LOOKAHEAD_PER_ROW * self.max_slots
+        for seq in list(self._waiting)[:lookahead]:
+            adapter = seq.request.adapter
+            if adapter is None:
+                runnable.append(seq)
+            else:
+                assert self.adapters is not None
+                if self.adapters.slots.request(adapter) is not None:
+                    runnable.append(seq)
+        return sorted(runnable, key=lambda seq: seq.order)
+
+    def _run_batch(self, batch: Batch, events: list[TokenEvent]) -> None:
+        budget, prefilled = self.config.prefill_token_budget, 0
+        for seq in batch.items:
+            assert isinstance(seq, _Sequence)
+            if None not in self._rows:
+                break
+            if seq.paused:
+                self._unpause(seq)
+            elif seq.row < 0:
+                blocks = math.ceil(seq.limit / self.config.block_size)
+                if blocks > self.allocator.num_free or (
+                    prefilled and prefilled + seq.length > budget
+                ):
+                    continue
+                self._waiting.remove(seq)
+                prefilled += seq.length
+                self._prefill(seq, blocks, False, events)
+
+    def _pause(self, seq: _Sequence) -> None:
+        self.device.free(seq.row)
+        self._rows[seq.row] = None
+        seq.row = -1
+        seq.paused = True
+        self._paused.append(seq)
+
+    def _unpause(self, seq: _Sequence) -> None:
+        self._paused.remove(seq)
+        seq.paused = False
+        seq.row = self._rows.index(None)
+        self._rows[seq.row] = seq
+        self._insert(seq)
+
+    def _switch(self, adapter: str | None) -> None:
+        """Unmerge, then merge `adapter` (None: stay unmerged); the batcher learns the
+        switch's cost."""
+        start = time.perf_counter()
+        before = self.device.merged
+        if before is not None:
+            self.device.unmerge()
+        if adapter is not None:
+            self.device.merge(adapter)
+        seconds = time.perf_counter() - start
+        self.counters["merge_switches"] += 1
+        if self.batcher is not None:
+            self.batcher.switched(seconds)
+        log.info("merged %s -> %s in %.1f ms", before, adapter, seconds * 1e3)
+
     def _install_landed(self, events: list[TokenEvent]) -> None:
         adapters = self.adapters
         assert adapters is not None
@@ -499,6 +643,7 @@ class Orchestrator:
     def _append(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> bool:
         """Record a sampled token, emit its event; False if that finished the request."""
         seq.generated.append(token)
+        seq.served_at = time.monotonic()
         text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
         finish = None
         if hit_stop or (token in self._eos and not seq.request.sampling.ignore_eos):
@@ -519,14 +664,18 @@ class Orchestrator:
 
     def _remove(self, seq: _Sequence) -> None:
         """Take `seq` out, queued or running, and give back what it holds."""
-        if seq.row < 0:
+        if seq.row < 0 and not seq.paused:
             self._waiting.remove(seq)
         else:
+            if seq.paused:
+                self._paused.remove(seq)
+                seq.paused = False
+            else:
+                self.device.free(seq.row)
+                self._rows[seq.row] = None
+                seq.row = -1
             self.allocator.free(seq.blocks)
             seq.blocks = []
-            self.device.free(seq.row)
-            self._rows[seq.row] = None
-            seq.row = -1
             if seq.request.adapter is not None:
                 assert self.adapters is not None
                 self.adapters.slots.release(seq.request.adapter)
@@ -535,7 +684,7 @@ class Orchestrator:
     # -- helpers ----------------------------------------------------------------------------
 
     def _sequences(self) -> list[_Sequence]:
-        return [*self._waiting, *(seq for seq in self._rows if seq is not None)]
+        return [*self._waiting, *self._paused, *(seq for seq in self._rows if seq is not None)]
 
     def _find(self, request_id: str) -> _Sequence | None:
         return next((s for s in self._sequences() if s.request.request_id == request_id), None)
