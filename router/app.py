@@ -1,7 +1,9 @@
 """`start_router()`: the router in this process, its gRPC and HTTP servers on one loop.
 
 Threads of a running router: the event loop thread (`jlora-router`) runs everything, the
-worker pollers (workers.py), the front door (frontdoor.py), the grpc.aio server with the
+worker pollers (workers.py), the front door (frontdoor.py), the migrator's task when
+migration or preloading is on (migrator.py; it solves in a thread of the loop's default
+executor), the grpc.aio server with the
 `jlora.v1.Jlora` service (service.py), health and reflection (built as a worker's server
 is: jlora.contract.grpc_server), and the aiohttp server with the OpenAI API, /metrics
 and /health (http.py); the caller's thread gets a `RouterHandle` back once both listen
@@ -43,8 +45,9 @@ from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
 from router.http_body import HttpLimits
 from router.metrics import RouterMetrics
+from router.migrator import MigrationConfig, Migrator, ResidentFirst
 from router.perf_model import PerfProfile
-from router.policies import Policy, PolicyError, make_policy
+from router.policies import Policy, PolicyError, ShortestPending, make_policy
 from router.service import RouterServicer
 from router.workers import Worker, WorkerPool
 
@@ -131,9 +134,15 @@ class RouterHandle:
         missed_probes: int,
         api_key: str | None,
         http_limits: HttpLimits | None = None,
+        migration: MigrationConfig | None = None,
+        profile: PerfProfile | None = None,
     ) -> None:
         self.host = host
         self.registry = registry
+        self.migrator: Migrator | None = None
+        self._migration = migration
+        self._profile = profile
+        self._migrator_task: asyncio.Task | None = None
         self._api_key = api_key
         self._http_limits = http_limits
         self._loop = asyncio.new_event_loop()
@@ -237,6 +246,11 @@ class RouterHandle:
         self, port: int, http_port: int | None, request_timeout: float | None
     ) -> tuple[int, int | None]:
         await self.front.pool.start()
+        if self._migration is not None:
+            self.migrator = Migrator(
+                self.front, self._migration, metrics=self.front.metrics, profile=self._profile
+            )
+            self._migrator_task = asyncio.create_task(self.migrator.run(), name="migrator")
         self._server, bound = await start_server(
             RouterServicer(self.front),
             self._health,
@@ -266,6 +280,9 @@ class RouterHandle:
         await self._close(_FINAL_GRACE)
 
     async def _close(self, grace: float) -> None:
+        if self._migrator_task is not None:
+            self._migrator_task.cancel()
+            await asyncio.gather(self._migrator_task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._server is not None:
@@ -297,6 +314,7 @@ def start_router(
     missed_probes: int = 3,
     api_key: str | None = None,
     http_limits: HttpLimits | None = None,
+    migration: MigrationConfig | None = None,
 ) -> RouterHandle:
     """Start a router in front of `workers` ("host:port,..." or a list) and return once it
     listens.
@@ -314,16 +332,22 @@ def start_router(
     `missed_probes` health probes missed in a row mark a worker down. `api_key`:
     required of clients on both front doors, and sent to the workers. `http_limits`: the
     HTTP API's body size, body and idle timeouts (default: `HttpLimits()`'s).
+    `migration`: dLoRA's request-adapter co-migration and adapter preloading
+    (migrator.py; None: off). With it on, a policy other than shortest-pending is wrapped
+    in `ResidentFirst` (workers holding the request's adapter with a free slot first).
     """
     addresses = parse_workers(workers)
+    loaded = PerfProfile.load(profile) if isinstance(profile, str | Path) else profile
     chosen = build_policy(
         policy,
-        profile=profile,
+        profile=loaded,
         slo_ms=slo_ms,
         avg_resp_len=avg_resp_len,
         adapter_load_ms=adapter_load_ms,
         seed=seed,
     )
+    if migration is not None and not isinstance(chosen, ShortestPending):
+        chosen = ResidentFirst(chosen)
     if max_queue < 0:
         raise ValueError(f"max_queue={max_queue} must be >= 0")
     if not poll_interval > 0:
@@ -347,4 +371,6 @@ def start_router(
         missed_probes=missed_probes,
         api_key=api_key,
         http_limits=http_limits,
+        migration=migration,
+        profile=loaded,
     )

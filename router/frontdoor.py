@@ -22,6 +22,17 @@ GenerateResponse messages, on the router's event loop):
    ends with UNAVAILABLE naming the worker and how many tokens arrived.
 6. The caller cancelling, or its deadline passing, cancels the worker's call (which
    aborts the request in the worker's engine and frees its slot).
+7. Migration (`migrate`, called by the migrator, migrator.py): Migrate on the worker
+   streaming the call exports the request; that worker's stream then ends, after every
+   token generated before the export, with ABORTED, reason "MIGRATED". The call does not
+   fail: the router resumes the request on the target worker (GenerateRequest.resume:
+   the prompt as token ids, the tokens it forwarded, the seed) and goes on passing
+   tokens through, so the caller sees one stream, with no gap in the tokens and none
+   repeated. The router resumes from the tokens it has forwarded: if the worker generated
+   more (it does not: it flushes them first), the target generates them again, the same
+   ones (the seed and the step travel). A call may migrate any number of times; a
+   failure of the target before its first token places the request again (4);
+   cancellation and the deadline apply across the move.
 
 The adapter RPCs are `FrontDoor.adapters` (adapters.py). Models lists the base model
 and the adapters the workers serve; Stats is the router's view of all workers.
@@ -30,7 +41,9 @@ and the adapters the workers serve; Stats is the router's view of all workers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -55,7 +68,7 @@ from jlora.contract.status import from_rpc_error
 from router.adapters import AdapterCatalog
 from router.metrics import RouterMetrics
 from router.policies import NoHealthyWorker, Policy, RouteRequest
-from router.workers import Worker, WorkerPool
+from router.workers import Dispatch, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +76,35 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 # Errors before the first token after which the request goes to another worker.
 _WORKER_GONE = (Code.UNAVAILABLE, Code.CANCELLED)
+# The ErrorInfo reason of a worker's Generate call that ended because Migrate took its
+# request (jlora.v1's Migrate contract; the worker's servicer sends it with ABORTED).
+MIGRATED = "MIGRATED"
+# Bytes of one token id on the wire (int32), for the migration-traffic metric.
+TOKEN_ID_BYTES = 4
+# Seconds a Migrate call may take: it waits for the worker's current step only, but a
+# reply lost to a timeout would lose the request's state, so the limit is generous.
+MIGRATE_TIMEOUT = 30.0
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """A Generate call in flight, as the migrator sees it (`FrontDoor.calls`).
+
+    worker / dispatch: the worker streaming it now (None while it waits in the router or
+    between two workers). forwarded: tokens the caller has had, a client's own resumed
+    tokens included. migrating: set while a Migrate of it is under way; resolves to the
+    state and the target, or None if Migrate failed.
+    """
+
+    request_id: str
+    adapter: str | None = None
+    rank: int = 0
+    max_tokens: int | None = None  # the caller's sampling.max_tokens (None: the default)
+    worker: Worker | None = None
+    dispatch: Dispatch | None = None
+    forwarded: int = 0
+    migrating: asyncio.Future[tuple[pb.MigrateResponse, Worker] | None] | None = None
+    migrations: int = 0
 
 
 def estimate_prompt_tokens(request: pb.GenerateRequest) -> int:
@@ -105,7 +147,8 @@ class FrontDoor:
         self._model_name = model_name
         self.max_queue = max_queue
         self.draining = False
-        self._calls: dict[str, str | None] = {}  # request id -> adapter, of calls in flight
+        self._calls: dict[str, Call] = {}  # in flight, by request id
+        self.arrivals: collections.Counter[str] = collections.Counter()  # calls per adapter
         self._waiting = 0  # calls in the router's queue
         self._queue = asyncio.Lock()  # FIFO: the head of the queue holds it
         self._room = asyncio.Event()  # set when a worker may have room
@@ -114,13 +157,18 @@ class FrontDoor:
             registry,
             adapters_dir=adapters_dir,
             base_model=lambda: self.base_model,
-            users=lambda name: sum(adapter == name for adapter in self._calls.values()),
+            users=lambda name: sum(call.adapter == name for call in self._calls.values()),
         )
 
     @property
     def in_flight(self) -> int:
         """Generate calls in progress (queued or streaming)."""
         return len(self._calls)
+
+    @property
+    def calls(self) -> list[Call]:
+        """The calls in flight (a copy: the list changes as calls start and end)."""
+        return list(self._calls.values())
 
     @property
     def base_model(self) -> str | None:
@@ -152,10 +200,16 @@ class FrontDoor:
             raise AlreadyExists(
                 f"request_id={request_id!r} is already in flight", field="request_id"
             )
-        self._calls[request_id] = None
+        call = Call(request_id)
+        self._calls[request_id] = call
         try:
             adapter, rank = await self._resolve_adapter(request.adapter)
-            self._calls[request_id] = adapter
+            call.adapter, call.rank = adapter, rank
+            if request.sampling.HasField("max_tokens"):
+                call.max_tokens = request.sampling.max_tokens
+            call.forwarded = len(request.resume.generated_ids)
+            if adapter is not None:
+                self.arrivals[adapter] += 1
             route = RouteRequest(rank, estimate_prompt_tokens(request), adapter)
             forwarded = pb.GenerateRequest()
             forwarded.CopyFrom(request)
@@ -163,20 +217,30 @@ class FrontDoor:
             forwarded.adapter = adapter or ""
             tried: dict[str, str] = {}  # worker -> why it failed this request
             admitted = False  # past the router's queue-size check
+            target: Worker | None = None  # where a migration resumes it
+            tokens = 0  # passed to the caller by this call
+            last = arrival
             while True:
-                worker = await self._place(route, tried, deadline, admitted=admitted)
+                if target is not None and target.up:
+                    worker = target
+                else:
+                    worker = await self._place(route, tried, deadline, admitted=admitted)
+                target = None
                 admitted = True
-                tokens = 0
-                last = arrival
+                leg = 0  # tokens from this worker
                 try:
-                    stream = self._forward(worker, forwarded, route, deadline)
+                    stream = self._forward(call, worker, forwarded, route, deadline)
                     async with contextlib.aclosing(stream):
                         async for response in stream:
                             now = time.monotonic()
                             histogram = self.metrics.tpt if tokens else self.metrics.ttft
                             histogram.observe(now - last)
+                            if leg:
+                                worker.note_token_gap(now - last)
                             last = now
                             tokens += 1
+                            leg += 1
+                            call.forwarded += 1
                             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                                 outcome = pb.FinishReason.Name(response.finish_reason)
                                 outcome = outcome.removeprefix("FINISH_REASON_").lower()
@@ -186,10 +250,16 @@ class FrontDoor:
                 except grpc.aio.AioRpcError as err:
                     error = from_rpc_error(err)
                     code, details = error.code, error.message
-                    if tokens == 0 and code == Code.RESOURCE_EXHAUSTED:
+                    if code == Code.ABORTED and error.reason == MIGRATED:
+                        forwarded, target = await self._handover(call, forwarded, error)
+                        prefill = len(forwarded.token_ids.ids) + call.forwarded
+                        route = RouteRequest(rank, prefill, adapter)
+                        tried = {}
+                        continue
+                    if leg == 0 and code == Code.RESOURCE_EXHAUSTED:
                         worker.full = True  # until its next poll; wait for room elsewhere
                         continue
-                    if tokens == 0 and code in _WORKER_GONE:
+                    if leg == 0 and code in _WORKER_GONE:
                         worker.mark_down(f"{code.name}: {details}")
                         self.pool.poke()
                         tried[worker.address] = f"{code.name}: {details}"
@@ -203,11 +273,11 @@ class FrontDoor:
                             details,
                         )
                         continue
-                    if tokens and code in _WORKER_GONE:
+                    if leg and code in _WORKER_GONE:
                         raise Unavailable(
-                            f"worker {worker.address} failed after {tokens} tokens of request "
-                            f"{request_id!r} ({code.name}: {details}); the completion is "
-                            "incomplete: send the request again",
+                            f"worker {worker.address} failed after {call.forwarded} tokens of "
+                            f"request {request_id!r} ({code.name}: {details}); the completion "
+                            "is incomplete: send the request again",
                             reason="WORKER_LOST",
                         ) from None
                     raise error from None  # the worker's, unchanged
@@ -220,6 +290,7 @@ class FrontDoor:
 
     async def _forward(
         self,
+        call: Call,
         worker: Worker,
         request: pb.GenerateRequest,
         route: RouteRequest,
@@ -227,17 +298,100 @@ class FrontDoor:
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         timeout = self._time_left(deadline)
         dispatch = worker.dispatch(request.request_id, route.rank, route.prompt_tokens)
+        call.worker, call.dispatch = worker, dispatch
         self.metrics.in_flight.inc()
-        call = worker.stub.Generate(request, timeout=timeout)
+        rpc = worker.stub.Generate(request, timeout=timeout)
         try:
-            while (response := await call.read()) is not grpc.aio.EOF:
+            while (response := await rpc.read()) is not grpc.aio.EOF:
                 dispatch.started = True
                 yield response
         finally:
-            call.cancel()  # a no-op once the call has ended
+            rpc.cancel()  # a no-op once the call has ended
+            call.worker = call.dispatch = None
             worker.release(dispatch)
             self.metrics.in_flight.dec()
             self._room.set()
+
+    # -- migration ----------------------------------------------------------------------
+
+    async def migrate(self, request_id: str, target: Worker) -> pb.MigrateResponse | None:
+        """Move a call the router is streaming to `target` (module docstring, 7): Migrate
+        on its worker, whose reply the call's generator resumes on `target`. Returns the
+        exported state, or None if the request could not be taken (it ended, it is not
+        on a worker, a migration of it is under way, or Migrate failed: it stays put).
+        Make sure its adapter is on `target` first (the migrator does)."""
+        call = self._calls.get(request_id)
+        if call is None or call.worker is None or call.migrating is not None:
+            return None
+        source = call.worker
+        if source is target:
+            return None
+        handover: asyncio.Future[tuple[pb.MigrateResponse, Worker] | None]
+        handover = asyncio.get_running_loop().create_future()
+        call.migrating = handover
+        try:
+            reply = await source.stub.Migrate(
+                pb.MigrateRequest(request_id=request_id), timeout=MIGRATE_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as err:
+            # NOT_FOUND: it finished (or failed) meanwhile. Any other error: it stays.
+            log.info(
+                "request %s stays on %s: Migrate answered %s: %s",
+                request_id,
+                source.address,
+                err.code().name,
+                err.details(),
+            )
+            call.migrating = None
+            handover.set_result(None)
+            return None
+        except BaseException:
+            call.migrating = None
+            handover.set_result(None)
+            raise
+        handover.set_result((reply, target))
+        return reply
+
+    async def _handover(
+        self, call: Call, request: pb.GenerateRequest, error: RequestError
+    ) -> tuple[pb.GenerateRequest, Worker]:
+        """The request that resumes a call whose worker's stream ended MIGRATED, and the
+        worker to resume it on; `error` (passed on) if the router did not migrate it."""
+        future = call.migrating
+        if future is None:
+            raise error  # someone else called Migrate on the worker: the state is theirs
+        handover = await asyncio.shield(future)  # the reply may come after the stream ends
+        call.migrating = None
+        if handover is None:
+            raise Unavailable(
+                f"request {call.request_id!r} was migrated, but the worker's reply with its "
+                f"state was lost after {call.forwarded} tokens: send the request again",
+                reason="MIGRATION_LOST",
+            )
+        reply, target = handover
+        generated = list(reply.generated_ids)
+        if call.forwarded > len(generated):
+            raise RequestError(
+                f"request {call.request_id!r}: the router forwarded {call.forwarded} tokens "
+                f"but the migrated state holds {len(generated)}",
+                reason="MIGRATION_MISMATCH",
+            )
+        if len(generated) > call.forwarded:
+            log.warning(
+                "request %s: %d tokens generated but not forwarded before the move; the "
+                "target generates them again",
+                call.request_id,
+                len(generated) - call.forwarded,
+            )
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(request)
+        resumed.token_ids.CopyFrom(pb.TokenIds(ids=reply.prompt_ids))
+        resumed.resume.CopyFrom(
+            pb.ResumeState(generated_ids=generated[: call.forwarded], seed=reply.seed)
+        )
+        call.migrations += 1
+        self.metrics.migration_bytes.inc(TOKEN_ID_BYTES * (len(reply.prompt_ids) + call.forwarded))
+        return resumed, target
 
     def _time_left(self, deadline: float | None) -> float | None:
         if deadline is None:
@@ -356,6 +510,7 @@ class FrontDoor:
             if stats is None:
                 continue
             reply.running.extend(stats.running)
+            reply.waiting.extend(stats.waiting)
             reply.queued += stats.queued
             contexts.append(stats.max_seq_len)
             if worker.up:
@@ -371,6 +526,7 @@ class FrontDoor:
                     reply.memory, field, getattr(reply.memory, field) + getattr(stats.memory, field)
                 )
             reply.memory.kv_block_size = stats.memory.kv_block_size
+            reply.memory.kv_bytes_per_block = stats.memory.kv_bytes_per_block
             for field in ("total", "free", "loading", "loads", "evictions"):
                 setattr(
                     reply.adapter_slots,

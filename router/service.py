@@ -18,7 +18,7 @@ import grpc
 
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.contract.errors import RequestError
+from jlora.contract.errors import Code, RequestError
 from jlora.contract.status import abort
 from router.frontdoor import FrontDoor
 
@@ -88,3 +88,17 @@ class RouterServicer(pb_grpc.JloraServicer):
         self, request: pb.ModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelsResponse:
         return pb.ModelsResponse(models=self._front.models())
+
+    async def Migrate(  # noqa: N802
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        """UNIMPLEMENTED: the router moves the requests it forwards itself (`jlora router
+        --migration on`); an operator who wants a request's state calls the worker's."""
+        await abort(
+            context,
+            RequestError(
+                "the router does not export requests: it migrates the ones it forwards "
+                "itself (jlora router --migration on); call Migrate on the worker",
+                code=Code.UNIMPLEMENTED,
+            ),
+        )

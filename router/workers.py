@@ -31,6 +31,10 @@ that would refuse the request.
 A call that finds the worker unreachable (UNAVAILABLE: refused, reset, draining;
 `mark_down`) takes it out of routing at once, without waiting for the probes; the next
 passing check brings it back.
+
+The front door also times the tokens it forwards: `Worker.tpot` is an exponential moving
+average of the time between two tokens of one stream on that worker (the migrator's
+per-token time when no performance profile is given).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ _FOREIGN = QueuedRequest(rank=0, prompt_tokens=1)
 # Seconds a call that ended is remembered: a snapshot taken before its worker aborted
 # it may still list it.
 ENDED_MEMORY = 2.0
+# Weight of the newest gap in `Worker.tpot`'s moving average.
+TPOT_EMA_WEIGHT = 0.05
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,6 +109,7 @@ class Worker:
         self.adapters: dict[str, pb.Adapter] = {}
         self.full = False  # it answered RESOURCE_EXHAUSTED since the last poll
         self.dispatches: dict[str, Dispatch] = {}  # in flight
+        self.tpot: float | None = None  # seconds between two tokens of a stream (an EMA)
         # Ended lately: a snapshot may still show them while the worker aborts them.
         self._ended: dict[str, tuple[float, Dispatch]] = {}  # oldest first
 
@@ -115,6 +122,13 @@ class Worker:
         dispatch = Dispatch(request_id, rank, prompt_tokens, time.monotonic())
         self.dispatches[request_id] = dispatch
         return dispatch
+
+    def note_token_gap(self, seconds: float) -> None:
+        """Two consecutive tokens of one stream from this worker arrived `seconds` apart."""
+        if self.tpot is None:
+            self.tpot = seconds
+        else:
+            self.tpot += TPOT_EMA_WEIGHT * (seconds - self.tpot)
 
     def release(self, dispatch: Dispatch) -> None:
         """The call has ended (finished, failed or cancelled)."""

@@ -43,6 +43,7 @@ def test_the_service_and_its_streaming_shape():
         "ListAdapters",
         "Stats",
         "Models",
+        "Migrate",
     }
     assert set(streaming.values()) == {(False, False)}
     assert hasattr(jlora_pb2_grpc, "JloraStub") and hasattr(jlora_pb2_grpc, "JloraServicer")

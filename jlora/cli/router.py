@@ -11,6 +11,15 @@ Adapters registered through the router are validated inside `--adapters-dir`, re
 in the `--registry` SQLite file and registered on every worker, by their path relative
 to that directory: start the workers with the same `--adapters-dir`.
 
+Migration (`--migration on`, off by default: routing is then as before): dLoRA's
+request-adapter co-migration. Every `--migration-period` seconds the router checks its
+workers; when one is overloaded (free KV at or below `--migration-kv-free` of its blocks,
+or a request waiting `--migration-queue-delay` seconds for its first token) while another
+is not, it solves the co-migration problem over the `--migration-top-k` busiest and idlest
+workers and moves requests it forwards (queued first, then running) to other workers,
+loading their adapters there first; each stream goes on without a gap. `--preload on`
+(default: as --migration) also loads adapters ahead of demand, by their request rates.
+
 SIGTERM or SIGINT drains: new requests are refused, those in flight get `--drain-grace`
 seconds. Where it listens is printed on stderr. This module needs no jax (also runnable
 as `python -m jlora.cli.router`).
@@ -24,8 +33,12 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jlora.cli.common import UsageError, add_api_key_arg
+
+if TYPE_CHECKING:
+    from router.migrator import MigrationConfig
 
 
 def default_registry() -> Path:
@@ -129,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="deadline of an HTTP request (gRPC callers set their own)",
     )
+    add_migration_args(parser)
     adapters = parser.add_argument_group("adapters")
     adapters.add_argument(
         "--registry",
@@ -155,6 +169,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_migration_args(parser: argparse.ArgumentParser) -> None:
+    """The migration flags (`jlora router`, `jlora up`); `migration_config` reads them."""
+    group = parser.add_argument_group("migration (dLoRA)")
+    group.add_argument(
+        "--migration",
+        choices=("on", "off"),
+        default="off",
+        help="move requests and their adapters off overloaded workers (default: off)",
+    )
+    group.add_argument(
+        "--preload",
+        choices=("on", "off"),
+        default=None,
+        help="load adapters onto workers ahead of demand, by their request rates "
+        "(default: as --migration)",
+    )
+    group.add_argument(
+        "--migration-period",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="between two checks of the workers' load (default %(default)g)",
+    )
+    group.add_argument(
+        "--migration-kv-free",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="a worker with this fraction of its KV blocks free, or less, is overloaded "
+        "(default %(default)g)",
+    )
+    group.add_argument(
+        "--migration-queue-delay",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a worker where a request has waited this long for its first token is "
+        "overloaded (default %(default)g)",
+    )
+    group.add_argument(
+        "--migration-top-k",
+        type=int,
+        default=2,
+        metavar="K",
+        help="the K busiest and K idlest workers take part in one plan (default %(default)d)",
+    )
+
+
+def migration_config(args: argparse.Namespace) -> MigrationConfig | None:
+    """The migrator's settings from the flags; None when both --migration and --preload
+    are off; UsageError naming a bad flag."""
+    from router.migrator import MigrationConfig
+
+    migrate = args.migration == "on"
+    preload = (args.preload or args.migration) == "on"
+    if not (migrate or preload):
+        return None
+    try:
+        return MigrationConfig(
+            migrate=migrate,
+            preload=preload,
+            period=args.migration_period,
+            kv_free_threshold=args.migration_kv_free,
+            queue_delay_threshold=args.migration_queue_delay,
+            top_k=args.migration_top_k,
+        )
+    except ValueError as err:
+        flags = {
+            "period": "--migration-period",
+            "kv_free_threshold": "--migration-kv-free",
+            "queue_delay_threshold": "--migration-queue-delay",
+            "top_k": "--migration-top-k",
+        }
+        message = str(err)
+        for field, flag in flags.items():
+            message = message.replace(f"MigrationConfig.{field}", flag)
+        raise UsageError(message) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import resolve_api_key
     from jlora.contract.registry import RegistryError
@@ -179,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--adapters-dir {args.adapters_dir}: no such directory")
     if args.profile is not None and not args.profile.is_file():
         raise UsageError(f"--profile {args.profile}: no such file")
+    migration = migration_config(args)
     try:
         handle = start_router(
             args.workers,
@@ -202,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
                 body_timeout=args.http_body_timeout,
                 idle_timeout=args.http_idle_timeout,
             ),
+            migration=migration,
         )
     except (PolicyError, ProfileError) as err:
         raise UsageError(str(err)) from None
@@ -213,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"jlora router: gRPC on {handle.address}, OpenAI HTTP on "
         f"http://{args.host}:{handle.http_port}/v1 (/metrics, /health), policy {args.policy}, "
+        f"migration {args.migration}, "
         f"{len(handle.workers) - len(down)}/{len(handle.workers)} workers up"
         + (f"; down: {', '.join(down)}" if down else ""),
         file=sys.stderr,

@@ -10,7 +10,9 @@
    with the registry's adapters; and they die with this process, even a SIGKILLed one.
 3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
    `--port`, OpenAI-compatible HTTP on `--http-port`, the registry in `--state-dir`.
-   Where it listens is printed on stderr once every worker is warm.
+   Where it listens is printed on stderr once every worker is warm. `--migration on`
+   (off by default) makes it move requests and adapters off overloaded workers (dLoRA;
+   the same flags as `jlora router`).
 4. SIGTERM or SIGINT: the router drains, then the workers (SIGTERM: each finishes its
    running requests), then this process exits. SIGKILL: each worker gets SIGTERM from
    the kernel (its parent-death signal) and stops the same way.
@@ -38,6 +40,7 @@ from jlora.cli.common import (
     model_config,
     sharding_flags,
 )
+from jlora.cli.router import add_migration_args, migration_config
 from jlora.cli.serve import adapters_to_register, add_adapter_args, given_adapters
 from jlora.cli.supervisor import Supervisor
 
@@ -77,6 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the registry and the demo adapters (default: %(default)s)",
     )
     parser.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM (s)")
+    add_migration_args(parser)  # the router's --migration (dLoRA), off by default
     engine = parser.add_argument_group("workers")
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8)
@@ -109,7 +113,7 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
         "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
         "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
         "--lora-backend", args.lora_backend, "--cpu-workers", str(args.cpu_workers),
-        "--emulated-link-gbps", str(args.emulated_link_gbps),
+        "--emulated-link-gbps", str(args.emulated_link_gbps), "--merge", args.merge,
     ]  # fmt: skip
     command += sharding_flags(args)
     if args.max_loras is not None:
@@ -175,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if not given and adapters_dir is None:
         adapters_dir = _demo_adapters(args.model, args.state_dir)
     names = sorted(adapters_to_register(given, adapters_dir))
+    migration = migration_config(args)
     api_key = resolve_api_key(args.api_key)
     env = {**os.environ, API_KEY_ENV: api_key or ""}
     stop = threading.Event()
@@ -208,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             adapters_dir=adapters_dir,
             model_name=Path(args.model).name,
             api_key=api_key,
+            migration=migration,
         )
         print(
             f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "

@@ -10,9 +10,10 @@ thread owns the engine (scheduler.py). A Generate call's life:
    and RESOURCE_EXHAUSTED when max_slots + max_queue calls are in flight already.
    Nothing has reached the engine.
 2. It opens a stream (an asyncio.Queue) in the stream table and has the scheduler
-   thread run `engine.add_request`, awaiting the result (at most one engine step away).
-   The engine's own checks refuse an unknown adapter (NOT_FOUND) or a prompt over the
-   context or outside the vocabulary (INVALID_ARGUMENT).
+   thread run `engine.add_request` (or `engine.resume` for a request migrated here, see
+   below), awaiting the result (at most one engine step away). The engine's own checks
+   refuse an unknown adapter (NOT_FOUND) or a prompt over the context or outside the
+   vocabulary (INVALID_ARGUMENT).
 3. The scheduler thread steps the engine and hands each step's events to the loop in
    one `call_soon_threadsafe(dispatch, ...)`. `dispatch` stamps the per-token timing,
    updates the metrics and puts each event on its stream's queue; events of a closed
@@ -26,6 +27,17 @@ thread owns the engine (scheduler.py). A Generate call's life:
    closes the stream and queues `engine.abort(id)`, which frees the decode slot and the
    KV blocks on the scheduler's next turn. A client that cancels sees CANCELLED, one
    whose deadline passed sees DEADLINE_EXCEEDED.
+
+Migration (dLoRA §5.2; the router's migrator.py decides, frontdoor.py carries it out):
+`Migrate(request_id)` runs `engine.export` on the scheduler thread. Every token the
+request generated before the export was handed to the loop before the export's result
+(both travel through `call_soon_threadsafe`, in order), so when the handler resumes, the
+stream's queue holds all of them; it then queues the MIGRATED marker behind them and
+returns the state. The Generate handler yields those tokens, then ends the call with
+ABORTED, reason "MIGRATED" (`MIGRATED`): the contract the router recognises. A
+GenerateRequest with `resume` (the prompt as token ids, the generated ids, the seed)
+is checked here (`_resume_state`) and queued with `engine.resume`: the stream continues
+with the next token, and its usage counts the resumed tokens as completion tokens.
 
 Every refusal is a `RequestError` (jlora.contract.errors), raised where the fault is
 found and sent as the call's status with rich details (the field, the reason).
@@ -52,9 +64,17 @@ from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.contract import status
 from jlora.contract.adapters import check_adapter_name, resolve_adapter_dir
-from jlora.contract.errors import AlreadyExists, RequestError, ResourceExhausted, Unavailable
+from jlora.contract.errors import (
+    AlreadyExists,
+    Code,
+    InvalidRequest,
+    NotFound,
+    RequestError,
+    ResourceExhausted,
+    Unavailable,
+)
 from jlora.contract.metrics import failed_outcome
-from jlora.engine.api import ERROR, Request, TokenEvent
+from jlora.engine.api import ERROR, EngineStats, Request, SequenceState, TokenEvent
 from jlora.engine.device import StagedAdapter
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
@@ -64,6 +84,14 @@ from jlora.server.scheduler import EngineFailed, Scheduler
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The ErrorInfo reason of a Generate call that ended because Migrate took its request.
+MIGRATED = "MIGRATED"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class _Migrated:
+    """The marker Migrate queues behind a stream's last token."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +105,13 @@ class _Token:
 class _Stream:
     request: Request
     last: float  # when the previous token (or the request) arrived
-    queue: asyncio.Queue[_Token | BaseException] = dataclasses.field(default_factory=asyncio.Queue)
-    tokens: int = 0
+    queue: asyncio.Queue[_Token | BaseException | _Migrated] = dataclasses.field(
+        default_factory=asyncio.Queue
+    )
+    tokens: int = 0  # handed to the queue
+    resumed: int = 0  # generated before it was migrated here (GenerateRequest.resume)
+    finished: bool = False  # its last event (a finish reason or an error) is queued
+    migrated: bool = False  # Migrate took it: the MIGRATED marker is queued
 
 
 async def _fail(context: grpc.aio.ServicerContext, err: RequestError) -> NoReturn:
@@ -104,6 +137,8 @@ class JloraServicer(pb_grpc.JloraServicer):
         self.max_queue = max_queue
         self.max_slots = engine.max_slots
         self.max_seq_len = engine.max_seq_len
+        self.vocab_size = engine.device.vocab_size
+        self.kv_bytes_per_block = _kv_bytes_per_block(engine)
         self._adapters_dir = adapters_dir.resolve() if adapters_dir is not None else None
         self._streams: dict[str, _Stream] = {}
         self.draining = False
@@ -122,6 +157,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             if stream is None:
                 continue  # aborted: the call has ended
             if event.error is not None:
+                stream.finished = True
                 stream.queue.put_nowait(event.error)
                 continue
             since_previous = stamp - stream.last
@@ -136,6 +172,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             stream.last = stamp
             since_arrival = stamp - stream.request.arrival_time
             if event.finish_reason is not None:
+                stream.finished = True
                 self._metrics.latency.observe(since_arrival)
             stream.queue.put_nowait(_Token(event, since_arrival, since_previous))
         self._metrics.generated_tokens.inc(tokens)
@@ -145,8 +182,8 @@ class JloraServicer(pb_grpc.JloraServicer):
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
 
-    def _open(self, request: Request) -> _Stream:
-        stream = _Stream(request, last=request.arrival_time)
+    def _open(self, request: Request, resumed: int) -> _Stream:
+        stream = _Stream(request, last=request.arrival_time, resumed=resumed)
         self._streams[request.request_id] = stream
         self._metrics.queued.inc()
         return stream
@@ -165,14 +202,18 @@ class JloraServicer(pb_grpc.JloraServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             engine_request = await self._admissible(request, request_id, arrival)
+            resume = self._resume_state(request, engine_request)
         except RequestError as err:
             outcome.labels(failed_outcome(err.code)).inc()
             await _fail(context, err)
-        stream = self._open(engine_request)
+        stream = self._open(engine_request, len(resume.generated) if resume else 0)
         label = "cancelled"  # unless the call ends another way
         finish: str | None = None
         try:
-            add = self._scheduler.call(lambda engine: engine.add_request(engine_request))
+            if resume is None:
+                add = self._scheduler.call(lambda engine: engine.add_request(engine_request))
+            else:
+                add = self._scheduler.call(lambda engine: engine.resume(resume))
             try:
                 await asyncio.wrap_future(add)
             except RequestError as err:
@@ -184,6 +225,18 @@ class JloraServicer(pb_grpc.JloraServicer):
             self._metrics.prompt_tokens.inc(len(engine_request.prompt_ids))
             while finish is None:
                 item = await stream.queue.get()
+                if isinstance(item, _Migrated):
+                    label = "migrated"
+                    await _fail(
+                        context,
+                        RequestError(
+                            f"request {request_id!r} was migrated to another worker after "
+                            f"{stream.resumed + stream.tokens} tokens; its state went to the "
+                            "caller of Migrate, which resumes it",
+                            code=Code.ABORTED,
+                            reason=MIGRATED,
+                        ),
+                    )
                 if isinstance(item, RequestError):
                     label = "error"
                     await _fail(context, item)
@@ -196,7 +249,7 @@ class JloraServicer(pb_grpc.JloraServicer):
         finally:
             self._close(stream)
             outcome.labels(label).inc()
-            if finish is None:
+            if finish is None and not stream.migrated:
                 # Ended early (cancelled, deadline, stopped, or refused above): free the slot
                 # and blocks. Harmless if the request never reached the engine.
                 self._scheduler.abort(request_id)
@@ -251,8 +304,105 @@ class JloraServicer(pb_grpc.JloraServicer):
             assert event.finish_reason != ERROR
             response.finish_reason = convert.FINISH_REASONS[event.finish_reason]
             response.usage.prompt_tokens = len(stream.request.prompt_ids)
-            response.usage.completion_tokens = stream.tokens
+            response.usage.completion_tokens = stream.resumed + stream.tokens
         return response
+
+    def _resume_state(
+        self, request: pb.GenerateRequest, engine_request: Request
+    ) -> SequenceState | None:
+        """The state `engine.resume` continues, for a GenerateRequest with `resume`
+        (None without); InvalidRequest naming the field (the engine checks the rest)."""
+        if not request.HasField("resume"):
+            return None
+        resume = request.resume
+        if request.WhichOneof("prompt") != "token_ids":
+            raise InvalidRequest(
+                "resume needs the prompt as prompt.token_ids (MigrateResponse.prompt_ids), "
+                f"not prompt.{request.WhichOneof('prompt')}",
+                field="prompt",
+            )
+        generated = tuple(resume.generated_ids)
+        bad = next((i for i, t in enumerate(generated) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"resume.generated_ids[{bad}]={generated[bad]} is outside the vocabulary "
+                f"[0, {self.vocab_size})",
+                field="resume.generated_ids",
+            )
+        sampling = engine_request.sampling
+        if len(generated) >= sampling.max_tokens:
+            raise InvalidRequest(
+                f"resume.generated_ids has {len(generated)} tokens: sampling.max_tokens="
+                f"{sampling.max_tokens} leaves none to generate",
+                field="resume.generated_ids",
+            )
+        length = len(engine_request.prompt_ids) + len(generated)
+        if length >= self.max_seq_len:
+            raise InvalidRequest(
+                f"the prompt ({len(engine_request.prompt_ids)} tokens) and "
+                f"resume.generated_ids ({len(generated)}) fill the context limit of "
+                f"{self.max_seq_len} tokens (max_seq_len)",
+                field="resume.generated_ids",
+            )
+        if resume.seed >= 2**32:
+            raise InvalidRequest(
+                f"resume.seed={resume.seed} must be below 2**32", field="resume.seed"
+            )
+        return SequenceState(
+            request_id=engine_request.request_id,
+            prompt_ids=tuple(engine_request.prompt_ids),
+            generated=generated,
+            sampling=sampling,
+            seed=resume.seed,
+            adapter=engine_request.adapter,
+            arrival_time=engine_request.arrival_time,
+        )
+
+    # -- Migrate ----------------------------------------------------------------------
+
+    async def Migrate(  # noqa: N802
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        """Export a request with a Generate stream here; its stream ends MIGRATED after
+        its tokens (see the module docstring)."""
+        request_id = request.request_id
+        stream = self._streams.get(request_id)
+        if stream is None or stream.migrated:
+            await _fail(
+                context,
+                NotFound(
+                    f"request_id={request_id!r} has no Generate stream on this worker",
+                    field="request_id",
+                ),
+            )
+
+        def export(engine: Orchestrator) -> tuple[SequenceState, bool]:
+            running = any(r.request_id == request_id for r in engine.stats().running)
+            return engine.export(request_id), running
+
+        state, running = await self._on_engine(context, export)
+        # Every token generated before the export is in the stream's queue by now.
+        stream.migrated = True
+        stream.queue.put_nowait(_Migrated())
+        sampling = state.sampling
+        return pb.MigrateResponse(
+            request_id=request_id,
+            prompt_ids=state.prompt_ids,
+            generated_ids=state.generated,
+            seed=state.seed,
+            sampling=pb.SamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=state.seed,
+                stop=sampling.stop,
+                ignore_eos=sampling.ignore_eos,
+            ),
+            adapter=state.adapter or "",
+            streamed_tokens=stream.tokens,
+            running=running,
+        )
 
     # -- adapters -------------------------------------------------------------------
 
@@ -304,8 +454,33 @@ class JloraServicer(pb_grpc.JloraServicer):
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        stats = await self._on_engine(context, lambda engine: engine.stats())
-        return convert.stats_message(stats, max_queue=self.max_queue, draining=self.draining)
+        def snapshot(engine: Orchestrator) -> tuple[EngineStats, dict[str, int]]:
+            ranks = {info.name: info.rank for info in engine.adapter_infos()}
+            return engine.stats(), ranks
+
+        stats, ranks = await self._on_engine(context, snapshot)
+        reply = convert.stats_message(stats, max_queue=self.max_queue, draining=self.draining)
+        reply.memory.kv_bytes_per_block = self.kv_bytes_per_block
+        running = set()
+        for entry in reply.running:
+            running.add(entry.request_id)
+            stream = self._streams.get(entry.request_id)
+            if stream is not None:
+                entry.max_tokens = stream.request.sampling.max_tokens
+        for stream in self._streams.values():
+            engine_request = stream.request
+            if engine_request.request_id in running or stream.finished or stream.migrated:
+                continue
+            reply.waiting.add(
+                request_id=engine_request.request_id,
+                adapter=engine_request.adapter or "",
+                rank=ranks.get(engine_request.adapter or "", 0),
+                slot=-1,
+                prompt_tokens=len(engine_request.prompt_ids),
+                generated_tokens=stream.resumed + stream.tokens,
+                max_tokens=engine_request.sampling.max_tokens,
+            )
+        return reply
 
     async def Models(  # noqa: N802
         self, request: pb.ModelsRequest, context: grpc.aio.ServicerContext
@@ -370,3 +545,15 @@ class JloraServicer(pb_grpc.JloraServicer):
         self, context: grpc.aio.ServicerContext, fn: Callable[[Orchestrator], T]
     ) -> T:
         return await self._answer(context, self._engine_call(fn))
+
+
+def _kv_bytes_per_block(engine: Orchestrator) -> int:
+    """Bytes of one KV block across layers, keys and values: block_size x 2 x layers x
+    kv_heads x head_dim x dtype bytes; 0 for a device engine without a model config (the
+    mock)."""
+    model = getattr(engine.device, "model_config", None)
+    if model is None:
+        return 0
+    config = engine.config
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+    return config.block_size * per_token * _DTYPE_BYTES.get(config.dtype, 4)

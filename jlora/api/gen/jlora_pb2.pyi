@@ -37,20 +37,30 @@ MODEL_KIND_BASE: ModelKind
 MODEL_KIND_ADAPTER: ModelKind
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "adapter", "sampling")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "adapter", "sampling", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: ChatMessages
     adapter: str
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    resume: ResumeState
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume: _Optional[_Union[ResumeState, _Mapping]] = ...) -> None: ...
+
+class ResumeState(_message.Message):
+    __slots__ = ("generated_ids", "seed")
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, generated_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -219,23 +229,25 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunningRequest(_message.Message):
-    __slots__ = ("request_id", "adapter", "rank", "slot", "prompt_tokens", "generated_tokens")
+    __slots__ = ("request_id", "adapter", "rank", "slot", "prompt_tokens", "generated_tokens", "max_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     adapter: str
     rank: int
     slot: int
     prompt_tokens: int
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., adapter: _Optional[str] = ..., rank: _Optional[int] = ..., slot: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "queued", "max_queue", "max_slots", "free_slots", "max_seq_len", "memory", "adapter_slots", "draining")
+    __slots__ = ("running", "queued", "max_queue", "max_slots", "free_slots", "max_seq_len", "memory", "adapter_slots", "draining", "waiting")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +257,7 @@ class StatsResponse(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
     queued: int
     max_queue: int
@@ -254,10 +267,11 @@ class StatsResponse(_message.Message):
     memory: Memory
     adapter_slots: AdapterSlots
     draining: bool
-    def __init__(self, running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory: _Optional[_Union[Memory, _Mapping]] = ..., adapter_slots: _Optional[_Union[AdapterSlots, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    waiting: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    def __init__(self, running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory: _Optional[_Union[Memory, _Mapping]] = ..., adapter_slots: _Optional[_Union[AdapterSlots, _Mapping]] = ..., draining: _Optional[bool] = ..., waiting: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ...) -> None: ...
 
 class Memory(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "host_store_bytes_used", "host_store_bytes_capacity", "device_bytes_in_use", "device_bytes_limit")
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "host_store_bytes_used", "host_store_bytes_capacity", "device_bytes_in_use", "device_bytes_limit", "kv_bytes_per_block")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +279,7 @@ class Memory(_message.Message):
     HOST_STORE_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_free: int
     kv_block_size: int
@@ -272,7 +287,8 @@ class Memory(_message.Message):
     host_store_bytes_capacity: int
     device_bytes_in_use: int
     device_bytes_limit: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., host_store_bytes_used: _Optional[int] = ..., host_store_bytes_capacity: _Optional[int] = ..., device_bytes_in_use: _Optional[int] = ..., device_bytes_limit: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_block: int
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., host_store_bytes_used: _Optional[int] = ..., host_store_bytes_capacity: _Optional[int] = ..., device_bytes_in_use: _Optional[int] = ..., device_bytes_limit: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class AdapterSlots(_message.Message):
     __slots__ = ("total", "free", "loading", "loads", "evictions")
@@ -311,3 +327,29 @@ class ModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[Model]
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "generated_ids", "seed", "sampling", "adapter", "streamed_tokens", "running")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    sampling: SamplingParams
+    adapter: str
+    streamed_tokens: int
+    running: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., streamed_tokens: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...

@@ -81,6 +81,11 @@ class JloraStub:
                 request_serializer=jlora_dot_v1_dot_jlora__pb2.ModelsRequest.SerializeToString,
                 response_deserializer=jlora_dot_v1_dot_jlora__pb2.ModelsResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/jlora.v1.Jlora/Migrate',
+                request_serializer=jlora_dot_v1_dot_jlora__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=jlora_dot_v1_dot_jlora__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class JloraServicer:
@@ -149,6 +154,18 @@ class JloraServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Takes a queued or running request out of this worker's engine so that it can be
+        resumed elsewhere (dLoRA's request migration): the reply is its state, and its
+        Generate stream ends with ABORTED, reason "MIGRATED" (in the ErrorInfo details),
+        after every token generated before the export. Generate with `resume` continues it.
+        NOT_FOUND when the request has no Generate stream here or has just finished. The
+        router answers UNIMPLEMENTED: it migrates the requests it forwards itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JloraServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -191,6 +208,11 @@ def add_JloraServicer_to_server(servicer, server):
                     servicer.Models,
                     request_deserializer=jlora_dot_v1_dot_jlora__pb2.ModelsRequest.FromString,
                     response_serializer=jlora_dot_v1_dot_jlora__pb2.ModelsResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=jlora_dot_v1_dot_jlora__pb2.MigrateRequest.FromString,
+                    response_serializer=jlora_dot_v1_dot_jlora__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +438,33 @@ class Jlora:
             '/jlora.v1.Jlora/Models',
             jlora_dot_v1_dot_jlora__pb2.ModelsRequest.SerializeToString,
             jlora_dot_v1_dot_jlora__pb2.ModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jlora.v1.Jlora/Migrate',
+            jlora_dot_v1_dot_jlora__pb2.MigrateRequest.SerializeToString,
+            jlora_dot_v1_dot_jlora__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,
