@@ -56,6 +56,7 @@ import grpc
 from jlora.api import jlora_pb2 as pb
 from jlora.contract import registry as reg
 from jlora.contract.errors import (
+    MIGRATED_REASON,
     AlreadyExists,
     Code,
     NotFound,
@@ -76,9 +77,6 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN = 4
 # Errors before the first token after which the request goes to another worker.
 _WORKER_GONE = (Code.UNAVAILABLE, Code.CANCELLED)
-# The ErrorInfo reason of a worker's Generate call that ended because Migrate took its
-# request (jlora.v1's Migrate contract; the worker's servicer sends it with ABORTED).
-MIGRATED = "MIGRATED"
 # Bytes of one token id on the wire (int32), for the migration-traffic metric.
 TOKEN_ID_BYTES = 4
 # Seconds a Migrate call may take: it waits for the worker's current step only, but a
@@ -250,7 +248,7 @@ class FrontDoor:
                 except grpc.aio.AioRpcError as err:
                     error = from_rpc_error(err)
                     code, details = error.code, error.message
-                    if code == Code.ABORTED and error.reason == MIGRATED:
+                    if code == Code.ABORTED and error.reason == MIGRATED_REASON:
                         forwarded, target = await self._handover(call, forwarded, error)
                         prefill = len(forwarded.token_ids.ids) + call.forwarded
                         route = RouteRequest(rank, prefill, adapter)

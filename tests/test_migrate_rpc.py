@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from jlora.api import jlora_pb2 as pb
 from jlora.engine.mock import mock_completion, mock_engine
-from jlora.server.servicer import _kv_bytes_per_block
+from jlora.server import convert
+from tests.engine_helpers import make_engine
 from tests.test_server import VOCAB, Worker, request, rich_details, token_ids
 
 Code = grpc.StatusCode
@@ -157,15 +157,16 @@ def test_migrate_without_a_stream_is_not_found(start):
     assert "nobody" in caught.value.details()
 
 
-def test_the_stats_say_the_kv_bytes_of_a_block_when_the_engine_knows_them(start):
+def test_the_stats_say_the_kv_bytes_of_a_block_when_the_engine_knows_them(start, tiny):
     assert start().stats().memory.kv_bytes_per_block == 0  # the mock has no model
-    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
-    engine = SimpleNamespace(
-        device=SimpleNamespace(model_config=smollm2),
-        config=SimpleNamespace(block_size=16, dtype="bfloat16"),
-    )
-    # 16 tokens x (keys, values) x 30 layers x 3 heads x 64 dims x 2 bytes
-    assert _kv_bytes_per_block(engine) == 16 * 2 * 30 * 3 * 64 * 2  # type: ignore[arg-type]
+    engine = make_engine(tiny, max_slots=2, max_seq_len=64, block_size=16)
+    model = tiny.config
+    # 16 tokens x (keys, values) x layers x kv heads x head dims x 4 bytes (fp32)
+    expected = 16 * 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+    stats = engine.stats()
+    assert convert.stats_message(stats, max_queue=0, draining=False).memory.kv_bytes_per_block
+    assert stats.kv_block_bytes == expected
+    engine.close()
 
 
 BAD_RESUMES = [

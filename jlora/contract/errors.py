@@ -39,6 +39,11 @@ class Code(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
+# The ErrorInfo reason of a worker's Generate call that ended (ABORTED) because Migrate
+# took its request to resume elsewhere: the worker sends it, the router resumes on it.
+MIGRATED_REASON = "MIGRATED"
+
+
 class RequestError(Exception):
     """A request that fails as a whole; see the module docstring.
 

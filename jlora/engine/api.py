@@ -134,7 +134,7 @@ class AdapterInfo:
 
 @dataclasses.dataclass(frozen=True)
 class RunningInfo:
-    """One request in the running batch."""
+    """One request in the running batch (or in the queue: `EngineStats.queued`)."""
 
     request_id: str
     adapter: str | None
@@ -142,6 +142,7 @@ class RunningInfo:
     slot: int  # its decode slot; -1 while paused (merging: another adapter's turn)
     prompt_tokens: int
     generated_tokens: int
+    max_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,3 +186,5 @@ class EngineStats:
     device_bytes_in_use: int = -1  # -1: unknown
     device_bytes_limit: int = -1
     merging: MergeStats | None = None  # None: merging is off (merge="never")
+    queued: tuple[RunningInfo, ...] = ()  # the `waiting` requests, in order (slot -1)
+    kv_block_bytes: int = 0  # one KV block across layers, keys and values (0: unknown)

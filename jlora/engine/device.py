@@ -132,6 +132,7 @@ class Memory:
     device_in_use: int = -1
     device_limit: int = -1
     merged_weights: int = 0  # the merged copies of a merged adapter's targets (all devices)
+    kv_block_bytes: int = 0  # one KV block, keys and values of every layer (0: not known)
 
 
 class DeviceEngine(abc.ABC):

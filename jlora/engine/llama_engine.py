@@ -482,6 +482,7 @@ class LlamaEngine(DeviceEngine):
             host_store_capacity=store.arena.capacity if store is not None else 0,
             device_in_use=stats.get("bytes_in_use", -1),
             device_limit=stats.get("bytes_limit", -1),
+            kv_block_bytes=self.cache.nbytes() // self.config.num_blocks,
             merged_weights=sum(merged),
         )
 

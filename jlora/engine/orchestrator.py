@@ -193,6 +193,11 @@ class Orchestrator:
             self._remove(seq)
         return seq is not None
 
+    def admitted(self, request_id: str) -> bool:
+        """Whether the request has been prefilled (running, paused or parked), not queued."""
+        seq = self._find(request_id)
+        return seq is not None and (seq.row >= 0 or seq.paused)
+
     def export(self, request_id: str) -> SequenceState:
         """Take a queued or running request out, as the value `resume` continues."""
         seq = self._find(request_id)
@@ -313,20 +318,20 @@ class Orchestrator:
         adapters, cfg = self.adapters, self.config
         if adapters is not None:
             adapters.poll()  # an idle engine installs landed loads here
-        running = tuple(
-            RunningInfo(
+
+        def info(seq: _Sequence) -> RunningInfo:
+            adapter = seq.request.adapter
+            return RunningInfo(
                 request_id=seq.request.request_id,
-                adapter=seq.request.adapter,
-                rank=adapters.get(seq.request.adapter).rank
-                if adapters is not None and seq.request.adapter
-                else 0,
+                adapter=adapter,
+                rank=adapters.get(adapter).rank if adapters is not None and adapter else 0,
                 slot=seq.row,
                 prompt_tokens=len(seq.request.prompt_ids),
                 generated_tokens=len(seq.generated),
+                max_tokens=seq.request.sampling.max_tokens,
             )
-            for seq in (*self._rows, *self._paused)
-            if seq is not None
-        )
+
+        running = tuple(info(seq) for seq in (*self._rows, *self._paused) if seq is not None)
         slots = adapters.slots if adapters is not None else None
         counts = slots.stats() if slots is not None else {}
         memory = self.device.memory()
@@ -348,6 +353,8 @@ class Orchestrator:
             device_bytes_in_use=memory.device_in_use,
             device_bytes_limit=memory.device_limit,
             merging=self._merge_stats(),
+            queued=tuple(info(seq) for seq in self._waiting),
+            kv_block_bytes=memory.kv_block_bytes,
         )
 
     def _merge_stats(self) -> MergeStats | None:
@@ -409,12 +416,8 @@ class Orchestrator:
             raise InvalidRequest(
                 "stop strings need a tokenizer; this model has none", field="sampling.stop"
             )
+        self._check_generated(prompt, generated, sampling.max_tokens)
         limit = min(len(prompt) + sampling.max_tokens, self.max_seq_len)
-        if len(prompt) + len(generated) >= limit:
-            raise InvalidRequest(
-                f"the request has generated all {len(generated)} of its tokens already",
-                field="generated",
-            )
         seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32))
         detokenizer = None
         if self.tokenizer is not None:
@@ -422,6 +425,33 @@ class Orchestrator:
             for token in generated:  # its text went out already: rebuild the state only
                 detokenizer.add(token)
         return _Sequence(request, seed, limit, detokenizer, generated=list(generated))
+
+    def _check_generated(
+        self, prompt: list[int], generated: tuple[int, ...], max_tokens: int
+    ) -> None:
+        """A resumed request's tokens so far must be tokens and leave one to generate
+        (named as the API's `resume.generated_ids`, where they come from)."""
+        vocab = self.device.vocab_size
+        bad = next((i for i, t in enumerate(generated) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"resume.generated_ids[{bad}]={generated[bad]} is outside the vocabulary "
+                f"[0, {vocab})",
+                field="resume.generated_ids",
+            )
+        if len(generated) >= max_tokens:
+            raise InvalidRequest(
+                f"resume.generated_ids has {len(generated)} tokens: sampling.max_tokens="
+                f"{max_tokens} leaves none to generate",
+                field="resume.generated_ids",
+            )
+        if len(prompt) + len(generated) >= self.max_seq_len:
+            raise InvalidRequest(
+                f"the prompt ({len(prompt)} tokens) and resume.generated_ids "
+                f"({len(generated)}) fill the context limit of {self.max_seq_len} tokens "
+                "(max_seq_len)",
+                field="resume.generated_ids",
+            )
 
     def _queue(self, seq: _Sequence) -> None:
         seq.order = self._arrivals

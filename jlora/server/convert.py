@@ -20,6 +20,7 @@ from jlora.engine.api import (
     AdapterInfo,
     EngineStats,
     Request,
+    RunningInfo,
     SamplingParams,
 )
 
@@ -142,23 +143,40 @@ def adapter_message(info: AdapterInfo) -> pb.Adapter:
     )
 
 
+def sampling_message(sampling: SamplingParams, seed: int) -> pb.SamplingParams:
+    """Every field of `sampling` set, with the request's actual `seed` (inverse of
+    `to_sampling`)."""
+    return pb.SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=seed,
+        stop=sampling.stop,
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def _request_message(info: RunningInfo) -> pb.RunningRequest:
+    return pb.RunningRequest(
+        request_id=info.request_id,
+        adapter=info.adapter or "",
+        rank=info.rank,
+        slot=info.slot,
+        prompt_tokens=info.prompt_tokens,
+        generated_tokens=info.generated_tokens,
+        max_tokens=info.max_tokens,
+    )
+
+
 def stats_message(stats: EngineStats, *, max_queue: int, draining: bool) -> pb.StatsResponse:
     return pb.StatsResponse(
-        running=[
-            pb.RunningRequest(
-                request_id=r.request_id,
-                adapter=r.adapter or "",
-                rank=r.rank,
-                slot=r.slot,
-                prompt_tokens=r.prompt_tokens,
-                generated_tokens=r.generated_tokens,
-            )
-            for r in stats.running
-        ],
+        running=[_request_message(info) for info in stats.running],
+        waiting=[_request_message(info) for info in stats.queued],
         queued=stats.waiting,
         max_queue=max_queue,
         max_slots=stats.max_slots,
-        free_slots=stats.max_slots - len(stats.running),
+        free_slots=stats.max_slots - sum(info.slot >= 0 for info in stats.running),
         max_seq_len=stats.max_seq_len,
         memory=pb.Memory(
             kv_blocks_total=stats.kv_blocks_total,
@@ -168,6 +186,7 @@ def stats_message(stats: EngineStats, *, max_queue: int, draining: bool) -> pb.S
             host_store_bytes_capacity=stats.host_store_bytes_capacity,
             device_bytes_in_use=stats.device_bytes_in_use,
             device_bytes_limit=stats.device_bytes_limit,
+            kv_bytes_per_block=stats.kv_block_bytes,
         ),
         adapter_slots=pb.AdapterSlots(
             total=stats.adapter_slots_total,

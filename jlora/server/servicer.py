@@ -34,7 +34,7 @@ request generated before the export was handed to the loop before the export's r
 (both travel through `call_soon_threadsafe`, in order), so when the handler resumes, the
 stream's queue holds all of them; it then queues the MIGRATED marker behind them and
 returns the state. The Generate handler yields those tokens, then ends the call with
-ABORTED, reason "MIGRATED" (`MIGRATED`): the contract the router recognises. A
+ABORTED, reason "MIGRATED" (`MIGRATED_REASON`): the contract the router recognises. A
 GenerateRequest with `resume` (the prompt as token ids, the generated ids, the seed)
 is checked here (`_resume_state`) and queued with `engine.resume`: the stream continues
 with the next token, and its usage counts the resumed tokens as completion tokens.
@@ -65,6 +65,7 @@ from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.contract import status
 from jlora.contract.adapters import check_adapter_name, resolve_adapter_dir
 from jlora.contract.errors import (
+    MIGRATED_REASON,
     AlreadyExists,
     Code,
     InvalidRequest,
@@ -74,7 +75,7 @@ from jlora.contract.errors import (
     Unavailable,
 )
 from jlora.contract.metrics import failed_outcome
-from jlora.engine.api import ERROR, EngineStats, Request, SequenceState, TokenEvent
+from jlora.engine.api import ERROR, Request, SequenceState, TokenEvent
 from jlora.engine.device import StagedAdapter
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
@@ -84,10 +85,6 @@ from jlora.server.scheduler import EngineFailed, Scheduler
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# The ErrorInfo reason of a Generate call that ended because Migrate took its request.
-MIGRATED = "MIGRATED"
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class _Migrated:
@@ -137,8 +134,6 @@ class JloraServicer(pb_grpc.JloraServicer):
         self.max_queue = max_queue
         self.max_slots = engine.max_slots
         self.max_seq_len = engine.max_seq_len
-        self.vocab_size = engine.device.vocab_size
-        self.kv_bytes_per_block = _kv_bytes_per_block(engine)
         self._adapters_dir = adapters_dir.resolve() if adapters_dir is not None else None
         self._streams: dict[str, _Stream] = {}
         self.draining = False
@@ -234,7 +229,7 @@ class JloraServicer(pb_grpc.JloraServicer):
                             f"{stream.resumed + stream.tokens} tokens; its state went to the "
                             "caller of Migrate, which resumes it",
                             code=Code.ABORTED,
-                            reason=MIGRATED,
+                            reason=MIGRATED_REASON,
                         ),
                     )
                 if isinstance(item, RequestError):
@@ -311,7 +306,8 @@ class JloraServicer(pb_grpc.JloraServicer):
         self, request: pb.GenerateRequest, engine_request: Request
     ) -> SequenceState | None:
         """The state `engine.resume` continues, for a GenerateRequest with `resume`
-        (None without); InvalidRequest naming the field (the engine checks the rest)."""
+        (None without); InvalidRequest naming the field (the engine checks the generated
+        ids against the vocabulary, max_tokens and the context)."""
         if not request.HasField("resume"):
             return None
         resume = request.resume
@@ -321,29 +317,6 @@ class JloraServicer(pb_grpc.JloraServicer):
                 f"not prompt.{request.WhichOneof('prompt')}",
                 field="prompt",
             )
-        generated = tuple(resume.generated_ids)
-        bad = next((i for i, t in enumerate(generated) if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"resume.generated_ids[{bad}]={generated[bad]} is outside the vocabulary "
-                f"[0, {self.vocab_size})",
-                field="resume.generated_ids",
-            )
-        sampling = engine_request.sampling
-        if len(generated) >= sampling.max_tokens:
-            raise InvalidRequest(
-                f"resume.generated_ids has {len(generated)} tokens: sampling.max_tokens="
-                f"{sampling.max_tokens} leaves none to generate",
-                field="resume.generated_ids",
-            )
-        length = len(engine_request.prompt_ids) + len(generated)
-        if length >= self.max_seq_len:
-            raise InvalidRequest(
-                f"the prompt ({len(engine_request.prompt_ids)} tokens) and "
-                f"resume.generated_ids ({len(generated)}) fill the context limit of "
-                f"{self.max_seq_len} tokens (max_seq_len)",
-                field="resume.generated_ids",
-            )
         if resume.seed >= 2**32:
             raise InvalidRequest(
                 f"resume.seed={resume.seed} must be below 2**32", field="resume.seed"
@@ -351,8 +324,8 @@ class JloraServicer(pb_grpc.JloraServicer):
         return SequenceState(
             request_id=engine_request.request_id,
             prompt_ids=tuple(engine_request.prompt_ids),
-            generated=generated,
-            sampling=sampling,
+            generated=tuple(resume.generated_ids),
+            sampling=engine_request.sampling,
             seed=resume.seed,
             adapter=engine_request.adapter,
             arrival_time=engine_request.arrival_time,
@@ -377,28 +350,19 @@ class JloraServicer(pb_grpc.JloraServicer):
             )
 
         def export(engine: Orchestrator) -> tuple[SequenceState, bool]:
-            running = any(r.request_id == request_id for r in engine.stats().running)
+            running = engine.admitted(request_id)  # before the export takes it out
             return engine.export(request_id), running
 
         state, running = await self._on_engine(context, export)
         # Every token generated before the export is in the stream's queue by now.
         stream.migrated = True
         stream.queue.put_nowait(_Migrated())
-        sampling = state.sampling
         return pb.MigrateResponse(
             request_id=request_id,
             prompt_ids=state.prompt_ids,
             generated_ids=state.generated,
             seed=state.seed,
-            sampling=pb.SamplingParams(
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=state.seed,
-                stop=sampling.stop,
-                ignore_eos=sampling.ignore_eos,
-            ),
+            sampling=convert.sampling_message(state.sampling, state.seed),
             adapter=state.adapter or "",
             streamed_tokens=stream.tokens,
             running=running,
@@ -454,33 +418,8 @@ class JloraServicer(pb_grpc.JloraServicer):
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        def snapshot(engine: Orchestrator) -> tuple[EngineStats, dict[str, int]]:
-            ranks = {info.name: info.rank for info in engine.adapter_infos()}
-            return engine.stats(), ranks
-
-        stats, ranks = await self._on_engine(context, snapshot)
-        reply = convert.stats_message(stats, max_queue=self.max_queue, draining=self.draining)
-        reply.memory.kv_bytes_per_block = self.kv_bytes_per_block
-        running = set()
-        for entry in reply.running:
-            running.add(entry.request_id)
-            stream = self._streams.get(entry.request_id)
-            if stream is not None:
-                entry.max_tokens = stream.request.sampling.max_tokens
-        for stream in self._streams.values():
-            engine_request = stream.request
-            if engine_request.request_id in running or stream.finished or stream.migrated:
-                continue
-            reply.waiting.add(
-                request_id=engine_request.request_id,
-                adapter=engine_request.adapter or "",
-                rank=ranks.get(engine_request.adapter or "", 0),
-                slot=-1,
-                prompt_tokens=len(engine_request.prompt_ids),
-                generated_tokens=stream.resumed + stream.tokens,
-                max_tokens=engine_request.sampling.max_tokens,
-            )
-        return reply
+        stats = await self._on_engine(context, lambda engine: engine.stats())
+        return convert.stats_message(stats, max_queue=self.max_queue, draining=self.draining)
 
     async def Models(  # noqa: N802
         self, request: pb.ModelsRequest, context: grpc.aio.ServicerContext
@@ -545,15 +484,3 @@ class JloraServicer(pb_grpc.JloraServicer):
         self, context: grpc.aio.ServicerContext, fn: Callable[[Orchestrator], T]
     ) -> T:
         return await self._answer(context, self._engine_call(fn))
-
-
-def _kv_bytes_per_block(engine: Orchestrator) -> int:
-    """Bytes of one KV block across layers, keys and values: block_size x 2 x layers x
-    kv_heads x head_dim x dtype bytes; 0 for a device engine without a model config (the
-    mock)."""
-    model = getattr(engine.device, "model_config", None)
-    if model is None:
-        return 0
-    config = engine.config
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
-    return config.block_size * per_token * _DTYPE_BYTES.get(config.dtype, 4)
