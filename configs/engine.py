@@ -15,6 +15,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the default
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
 MERGE_MODES = ("never", "auto", "always")  # the first is the default
+CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -61,6 +66,19 @@ class EngineConfig:
       lora_mode "ondemand" or "cached". While
       merged the device holds the pristine and the merged copies of that adapter's
       target weights.
+    cache_policy: how device memory is shared between KV blocks and adapters, and what
+      is kept after a request (jlora/memory): "fastlibra" (FastLibra: one pool of pages
+      for KV blocks and adapter rank rows, a prefix cache keyed by adapter content with
+      usage dependencies, a cost-model swapper to and from a host pool), "lru" (vLLM's:
+      a static share of the pool for max_loras adapters at max_lora_rank, the prefix
+      cache evicted least-recently-used to the host pool), "none" (S-LoRA's: one pool,
+      no history KV: a request's blocks are freed when it finishes).
+    pool_bytes: the device pool's size in bytes (KV blocks and, under "fastlibra" and
+      "none", adapter rank rows); 0: pool_fraction, else kv_cache_tokens' blocks.
+    pool_fraction: the device pool as this fraction of the device memory free after the
+      weights are placed (devices that report their memory only); 0: not used.
+    host_pool_mib: the host pool holding swapped-out KV blocks (0: nothing is swapped
+      out; evicted KV is dropped).
     host_store_mib: capacity of the shared-memory arena holding registered adapters.
     emulated_link_gbps: if positive, adapter transfers to the device are throttled to
       this many gigabytes per second (a test and benchmark knob: a CPU-only machine
@@ -84,6 +102,10 @@ class EngineConfig:
     lora_mode: str = "ondemand"
     lora_backend: str = "reference"
     merge: str = "never"
+    cache_policy: str = "fastlibra"
+    pool_bytes: int = 0
+    pool_fraction: float = 0.0
+    host_pool_mib: int = 1024
     host_store_mib: int = 1024
     emulated_link_gbps: float = 0.0
     cpu_workers: int = 0
@@ -150,6 +172,23 @@ class EngineConfig:
                 f"'cached', not {self.lora_mode!r}: a merged batch runs only adapters already "
                 "on the device, so CPU-assisted cold starts would never be used"
             )
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(
+                f"EngineConfig.cache_policy={self.cache_policy!r} must be one of {CACHE_POLICIES}"
+            )
+        if not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
+            raise ConfigError(f"EngineConfig.pool_bytes={self.pool_bytes!r} must be >= 0")
+        if not (_number(self.pool_fraction) and 0.0 <= self.pool_fraction < 1.0):
+            raise ConfigError(
+                f"EngineConfig.pool_fraction={self.pool_fraction!r} must be in [0, 1)"
+            )
+        if self.pool_bytes and self.pool_fraction:
+            raise ConfigError(
+                "EngineConfig.pool_bytes and EngineConfig.pool_fraction are exclusive: "
+                "give the pool's size one way"
+            )
+        if not isinstance(self.host_pool_mib, int) or self.host_pool_mib < 0:
+            raise ConfigError(f"EngineConfig.host_pool_mib={self.host_pool_mib!r} must be >= 0")
         if self.kv_cache_tokens < 0:
             raise ConfigError(f"EngineConfig.kv_cache_tokens={self.kv_cache_tokens} is negative")
         default = _powers_of_two(min(self.min_bucket, self.max_seq_len), self.max_seq_len)

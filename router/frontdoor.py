@@ -32,7 +32,9 @@ GenerateResponse messages, on the router's event loop):
    more (it does not: it flushes them first), the target generates them again, the same
    ones (the seed and the step travel). A call may migrate any number of times; a
    failure of the target before its first token places the request again (4);
-   cancellation and the deadline apply across the move.
+   cancellation and the deadline apply across the move. The last worker's usage counts
+   every completion token (the resumed ones travel); the prefix-cache hits of the
+   workers left (MigrateResponse.cached_tokens) are added to its cached_tokens.
 
 The adapter RPCs are `FrontDoor.adapters` (adapters.py). Models lists the base model
 and the adapters the workers serve; Stats is the router's view of all workers.
@@ -90,8 +92,9 @@ class Call:
 
     worker / dispatch: the worker streaming it now (None while it waits in the router or
     between two workers). forwarded: tokens the caller has had, a client's own resumed
-    tokens included. migrating: set while a Migrate of it is under way; resolves to the
-    state and the target, or None if Migrate failed.
+    tokens included. cached_tokens: prefix-cache hits of the workers it migrated off,
+    added to the final usage. migrating: set while a Migrate of it is under way; resolves
+    to the state and the target, or None if Migrate failed.
     """
 
     request_id: str
@@ -101,6 +104,7 @@ class Call:
     worker: Worker | None = None
     dispatch: Dispatch | None = None
     forwarded: int = 0
+    cached_tokens: int = 0
     migrating: asyncio.Future[tuple[pb.MigrateResponse, Worker] | None] | None = None
     migrations: int = 0
 
@@ -243,6 +247,7 @@ class FrontDoor:
                                 outcome = pb.FinishReason.Name(response.finish_reason)
                                 outcome = outcome.removeprefix("FINISH_REASON_").lower()
                                 self.metrics.latency.observe(now - arrival)
+                                response.usage.cached_tokens += call.cached_tokens
                             yield response
                     return
                 except grpc.aio.AioRpcError as err:
@@ -388,6 +393,7 @@ class FrontDoor:
             pb.ResumeState(generated_ids=generated[: call.forwarded], seed=reply.seed)
         )
         call.migrations += 1
+        call.cached_tokens += reply.cached_tokens
         self.metrics.migration_bytes.inc(TOKEN_ID_BYTES * (len(reply.prompt_ids) + call.forwarded))
         return resumed, target
 
@@ -498,7 +504,8 @@ class FrontDoor:
 
     def stats(self) -> pb.StatsResponse:
         """The router's view: the workers' last snapshots summed (the running batches
-        concatenated), the router's own queue added to the workers' queues."""
+        concatenated, the pools and prefix caches added up), the router's own queue
+        added to the workers' queues."""
         reply = pb.StatsResponse(
             queued=self._waiting, max_queue=self.max_queue, draining=self.draining
         )
@@ -525,6 +532,8 @@ class FrontDoor:
                 )
             reply.memory.kv_block_size = stats.memory.kv_block_size
             reply.memory.kv_bytes_per_block = stats.memory.kv_bytes_per_block
+            if stats.memory.HasField("cache"):
+                _add_cache(reply.memory.cache, stats.memory.cache)
             for field in ("total", "free", "loading", "loads", "evictions"):
                 setattr(
                     reply.adapter_slots,
@@ -534,3 +543,13 @@ class FrontDoor:
         reply.memory.device_bytes_in_use = reply.memory.device_bytes_limit = -1
         reply.max_seq_len = min(contexts, default=0)
         return reply
+
+
+def _add_cache(total: pb.CacheStats, worker: pb.CacheStats) -> None:
+    """Add a worker's pool and prefix-cache counts to `total`; the policy and the page
+    size are the worker's (the workers of one deployment share them)."""
+    for field in pb.CacheStats.DESCRIPTOR.fields:
+        value = getattr(worker, field.name)
+        if field.name not in ("policy", "page_bytes"):
+            value += getattr(total, field.name)
+        setattr(total, field.name, value)

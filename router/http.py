@@ -20,6 +20,8 @@ batched prompts are refused); unset sampling fields take jlora's defaults (greed
 does; `top_k` and `ignore_eos` are accepted as extensions; logprobs, echo, penalties,
 logit bias, tools and non-text content are refused, naming the field. The deadline is
 the router's `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the workers' prefix
+caches served (Usage.cached_tokens).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, mapped
 once from the `RequestError` the router or a worker raised (`http_error`): the HTTP
@@ -418,12 +420,15 @@ def _finish(response: pb.GenerateResponse) -> str | None:
     return FINISH_REASONS.get(response.finish_reason)
 
 
-def _usage(last: pb.GenerateResponse) -> dict[str, int]:
+def _usage(last: pb.GenerateResponse) -> dict[str, Any]:
+    """OpenAI's usage object from the last message's, the prefix-cache hits as
+    prompt_tokens_details.cached_tokens."""
     prompt, completion = last.usage.prompt_tokens, last.usage.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": last.usage.cached_tokens},
     }
 
 

@@ -5,7 +5,9 @@ tokenizer (loaded from the GGUF metadata alone, about a second)."""
 
 from __future__ import annotations
 
+import collections
 import csv
+import itertools
 import json
 import re
 import time
@@ -25,6 +27,7 @@ from bench.workloads import (
     demo_adapter_pool,
     load_tokenizer,
     main,
+    multiturn_workload,
     poisson_workload,
     synth_prompt,
     zipf_weights,
@@ -291,6 +294,132 @@ def test_prompt_synthesis_is_fast(tokenizer):
     lengths = [synth.make(int(n), rng)[1] for n in rng.integers(100, 400, 2000)]
     assert time.perf_counter() - start < 10
     assert len(lengths) == 2000
+
+
+# -- multi-turn sessions -------------------------------------------------------------
+
+
+def small_multiturn(tokenizer, **options):
+    defaults = dict(
+        trace="conv",
+        max_turns=120,
+        rate_scale=2.0,
+        message_scale=0.05,
+        output_scale=0.1,
+        message_tokens=(4, 40),
+        output_tokens=(2, 16),
+        continue_p=0.7,
+        mean_turns=4.0,
+        max_context_tokens=200,
+        think_s=0.5,
+        adapters=demo_adapter_pool(4, (8, 16)),
+        base_fraction=0.2,
+        seed=3,
+        tokenizer=tokenizer,
+    )
+    return multiturn_workload(**{**defaults, **options})
+
+
+def test_a_session_s_turns_extend_its_previous_prompt(tokenizer):
+    workload = small_multiturn(tokenizer)
+    sessions = workload.sessions()
+    assert sum(len(turns) for turns in sessions.values()) == len(workload.turns) == 120
+    assert workload.meta["sessions"] == len(sessions) and workload.think_s == 0.5
+    assert max(len(turns) for turns in sessions.values()) > 1
+    for name, turns in sessions.items():
+        assert [turn.index for turn in turns] == list(range(len(turns)))
+        assert [turn.id for turn in turns] == [f"{name}-t{k}" for k in range(len(turns))]
+        assert turns[0].context_tokens == turns[0].message_tokens
+        # Turn k's prompt: turn k-1's prompt, its answer (max_tokens), the new message.
+        for before, turn in itertools.pairwise(turns):
+            expected = before.context_tokens + before.max_tokens + turn.message_tokens
+            assert turn.context_tokens == expected
+            assert turn.arrival_s >= before.arrival_s
+        assert turns[-1].context_tokens + turns[-1].max_tokens <= 200
+        for turn in turns:
+            assert len(tokenizer.encode(turn.message)) == turn.message_tokens
+    assert workload.meta["longest_context_tokens"] == max(
+        turn.context_tokens for turn in workload.turns
+    )
+
+
+def test_a_session_keeps_one_adapter_drawn_with_zipf_popularity(tokenizer):
+    workload = small_multiturn(tokenizer, max_turns=None, duration_s=600.0, continue_p=0.5)
+    pool = dict(demo_adapter_pool(4, (8, 16)))
+    firsts = [turns[0] for turns in workload.sessions().values()]
+    for turns in workload.sessions().values():
+        assert {(turn.adapter, turn.rank) for turn in turns} == {(turns[0].adapter, turns[0].rank)}
+    for turn in firsts:
+        assert turn.rank == (0 if turn.adapter is None else pool[turn.adapter])
+    counts = collections.Counter(turn.adapter for turn in firsts)
+    # Hundreds of sessions: the base model near 20%, adapters in Zipf order.
+    assert len(firsts) > 300
+    assert abs(counts[None] / len(firsts) - 0.2) < 5 * np.sqrt(0.2 * 0.8 / len(firsts))
+    ranked = [counts[name] for name in pool]
+    assert ranked == sorted(ranked, reverse=True) and ranked[-1] > 0
+
+
+def test_turns_are_the_trace_window_s_arrivals_and_lengths(tokenizer):
+    workload = small_multiturn(tokenizer)
+    window = azure_workload(
+        trace="conv",
+        max_requests=120,
+        rate_scale=2.0,
+        prompt_scale=0.05,
+        output_scale=0.1,
+        prompt_tokens=(4, 40),
+        output_tokens=(2, 16),
+        seed=3,
+        tokenizer=tokenizer,
+    )
+    assert [(t.arrival_s, t.message, t.max_tokens) for t in workload.turns] == [
+        (r.arrival_s, r.prompt, r.max_tokens) for r in window.requests
+    ]
+    arrivals = [turn.arrival_s for turn in workload.turns]
+    assert arrivals == sorted(arrivals)
+
+
+def test_sessions_close_after_their_turns_or_at_the_context_limit(tokenizer):
+    alone = small_multiturn(tokenizer, continue_p=0.0)
+    assert all(turn.index == 0 for turn in alone.turns)
+    assert alone.meta["sessions"] == len(alone.turns)
+    # Sessions that would run forever (mean 1000 turns) end only at the context limit.
+    long = small_multiturn(tokenizer, continue_p=0.9, mean_turns=1000.0, max_context_tokens=120)
+    ended = list(long.sessions().values())[:-3]  # the last ones may still be open
+    assert all(turns[-1].context_tokens + turns[-1].max_tokens <= 120 for turns in ended)
+    assert max(len(turns) for turns in ended) > 2
+
+
+def test_multiturn_workloads_are_seeded(tokenizer):
+    assert small_multiturn(tokenizer) == small_multiturn(tokenizer)
+    other = small_multiturn(tokenizer, seed=4)
+    assert [t.session for t in other.turns] != [t.session for t in small_multiturn(tokenizer).turns]
+    # Another adapter pool: the same sessions and messages.
+    pool = small_multiturn(tokenizer, adapters=demo_adapter_pool(9), base_fraction=0.0)
+    assert [(t.id, t.message, t.context_tokens) for t in pool.turns] == [
+        (t.id, t.message, t.context_tokens) for t in small_multiturn(tokenizer).turns
+    ]
+    assert all(turn.adapter is not None for turn in pool.turns)
+
+
+@pytest.mark.parametrize(
+    "change, names",
+    [
+        ({"continue_p": 1.0}, "continue_p=1.0"),
+        ({"continue_p": -0.5}, "continue_p=-0.5"),
+        ({"mean_turns": 0.5}, "mean_turns=0.5"),
+        ({"think_s": -1.0}, "think_s=-1.0"),
+        ({"max_context_tokens": 50}, "max_context_tokens=50"),
+        ({"max_turns": -1}, "max_turns=-1"),
+        ({"message_tokens": (0, 8)}, "message_tokens=(0, 8)"),
+        ({"rate_scale": 0}, "rate_scale=0"),
+        ({"zipf_s": -1.0}, "zipf_s=-1.0"),
+        ({"trace": "chat"}, "trace='chat'"),
+    ],
+)
+def test_multiturn_refuses_a_bad_parameter_by_name(tokenizer, change, names):
+    with pytest.raises(WorkloadError, match=re.escape(names)):
+        small_multiturn(tokenizer, **change)
 
 
 # -- CLI -----------------------------------------------------------------------------

@@ -249,7 +249,7 @@ def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, d
         assert "control block is gone" in failed.error.message
         for i in (1, 2):
             assert [e.token_id for e in events[f"r{i}"]] == expected[i]["token_ids"]
-        assert engine.allocator.num_free == engine.allocator.num_blocks
+        assert engine.memory.held_pages() == 0
         assert run_to_completion(engine, prompts[:1], GREEDY, rows[:1]) == expected[:1]
     finally:
         engine.close()

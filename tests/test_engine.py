@@ -36,7 +36,7 @@ def test_oversubscribed_kv_cache_queues_and_gives_the_same_tokens(tiny):
     # Room for about two sequences at a time: admission waits for blocks to return.
     tight = _engine(tiny, kv_cache_tokens=160)
     assert run_to_completion(tight, prompts, GREEDY) == roomy
-    assert tight.allocator.num_free == tight.allocator.num_blocks
+    assert tight.memory.held_pages() == 0
 
 
 def test_context_limit_finishes_with_length(tiny):
@@ -121,4 +121,4 @@ def test_abort_frees_slot_and_blocks(tiny):
     assert engine.abort("queued")
     while engine.has_unfinished:
         assert all(e.request_id == "r1" for e in engine.step())
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.memory.held_pages() == 0

@@ -258,7 +258,7 @@ class TestOrchestrator:
             add(engine, f"r{i}", adapter, count, prompt)
             expected[f"r{i}"] = mock_completion(prompt, adapter, count, VOCAB)
         assert drive(engine) == expected
-        assert engine.allocator.num_free == engine.config.num_blocks
+        assert engine.memory.held_pages() == 0
         assert engine.adapters.slots.stats()  # slots released: none in use
         assert all(engine.adapters.slots.in_use(name) == 0 for name in "abc")
         if merge != "never":
@@ -334,7 +334,6 @@ class TestOrchestrator:
     def test_paused_requests_can_be_aborted_and_exported(self):
         engine = mock_engine(adapters={"a": 8, "b": 8}, max_slots=2, merge="always")
         loaded(engine, "a", "b")
-        free = engine.allocator.num_free
         for name in ("a1", "b1", "a2", "b2"):
             add(engine, name, name[0], 30)
         paused: set[str] = set()
@@ -346,7 +345,7 @@ class TestOrchestrator:
         assert state.generated and state.adapter == some[0]
         for name in ("a1", "b1", "a2", "b2"):
             engine.abort(name)
-        assert engine.allocator.num_free == free and not engine.has_unfinished
+        assert engine.memory.held_pages() == 0 and not engine.has_unfinished
         assert all(engine.adapters.slots.in_use(name) == 0 for name in "ab")
         # The exported request resumes (here, in the same engine) with the same tokens.
         engine.resume(state)

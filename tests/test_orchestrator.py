@@ -61,7 +61,7 @@ def test_streams_match_mock_completion_whatever_the_batch():
         assert result["finish_reason"] == "length"
         assert result["text"] == MockTokenizer().decode(result["token_ids"])
     assert not engine.has_unfinished
-    assert engine.allocator.num_free == engine.config.num_blocks
+    assert engine.memory.held_pages() == 0
 
 
 def test_max_slots_bound_the_running_batch_and_admission_gives_two_tokens():
@@ -85,7 +85,7 @@ def test_kv_blocks_bound_admission():
     engine.add_request(Request("next", [1], SamplingParams(max_tokens=2)))
     engine.step()
     assert engine.num_running == 1 and engine.num_waiting == 1
-    assert engine.allocator.num_free == 0
+    assert engine.memory.pool.num_free == 0
 
 
 def test_length_stops_at_max_seq_len():
@@ -146,10 +146,10 @@ def test_abort_frees_the_slot_and_blocks_of_running_and_queued_requests():
     engine.add_request(Request("running", [1], SamplingParams(max_tokens=50)))
     engine.add_request(Request("queued", [1], SamplingParams(max_tokens=50)))
     engine.step()
-    assert engine.num_running == 1 and engine.allocator.num_free < engine.config.num_blocks
+    assert engine.num_running == 1 and engine.memory.held_pages() > 0
     assert engine.abort("queued") and engine.abort("running")
     assert not engine.abort("running")
-    assert not engine.has_unfinished and engine.allocator.num_free == engine.config.num_blocks
+    assert not engine.has_unfinished and engine.memory.held_pages() == 0
     assert engine.stats().running == () and engine.step() == []
 
 
@@ -254,7 +254,7 @@ def test_a_failed_load_fails_only_the_requests_of_that_adapter():
         else:
             assert [e.token_id for e in events] == mock_completion(prompt, adapter, 5, VOCAB)
     stats = engine.stats()
-    assert stats.running == () and stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.running == () and engine.memory.held_pages() == 0
     assert {i.name: i.state for i in engine.adapter_infos()} == {"good": DEVICE, "bad": HOST}
     [again] = run_to_completion(engine, [[9]], SamplingParams(max_tokens=3), ["good"])
     assert again["token_ids"] == mock_completion([9], "good", 3, VOCAB)

@@ -181,7 +181,8 @@ def test_the_deadline_holds_across_a_move(cluster):
 def test_the_migrator_moves_running_requests_off_a_full_worker(cluster):
     """Worker 0 takes four long requests that fill its KV cache while worker 1 is down;
     worker 1 comes up; the migrator moves running requests to it."""
-    busy = {"max_slots": 4, "num_blocks": 16, "step_latency": 0.02}  # 4 blocks a request
+    # 4 blocks a request, and a page of the pool for each of the adapters a and b
+    busy = {"max_slots": 4, "num_blocks": 18, "step_latency": 0.02}
     config = MigrationConfig(period=0.1, preload=False)
     router, start_late = cluster(busy, busy, late=(1,), migration=config)
     client = Client(router)

@@ -34,6 +34,7 @@ from configs import ModelConfig
 from jlora.adapters.backends import HostTensors, LoraBackend, LoraWeights, Payload, layer_group
 from jlora.adapters.backends.base import LAYER_PARTS
 from jlora.adapters.targets import target_shapes
+from jlora.link import wait_for_link
 from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -156,9 +157,7 @@ class DeviceSlots:
             group = layer_group(packed, first, stop)
             payload = jax.block_until_ready(jax.device_put(group, self._payload_shardings))
             group_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(group))
-            if self.emulated_link_gbps:
-                left = group_bytes / (self.emulated_link_gbps * 1e9)
-                time.sleep(max(0.0, left - (time.perf_counter() - group_start)))
+            wait_for_link(group_bytes, self.emulated_link_gbps, group_start)
             transfer.landed.append(payload)
             nbytes += group_bytes
         seconds = time.perf_counter() - start

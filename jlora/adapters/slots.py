@@ -29,6 +29,11 @@ The life of an adapter:
    up front: the "Cached" mode; request, wait, then prefill is the "OnDmd" mode.
 6. `discard(name)` forgets an unregistered adapter; a load of it under way is let finish and
    its payload dropped by `poll()`.
+7. Device memory (optional, `memory`): a pool shared with the KV cache (jlora/memory) is
+   asked for an adapter's pages before its load starts (`reserve`; False: the load waits,
+   its slot stays free), told when an adapter leaves a slot (`released`: evicted, failed
+   or discarded), and orders the idle adapters for eviction (`evict_order`, given least
+   recently used first). It may evict idle adapters itself (`evict`) to make room.
 
 Threads: only `load` runs off the caller's thread. All bookkeeping is read and written on the
 caller's (scheduler's) thread; the transfer thread sees nothing but its arguments and hands
@@ -46,6 +51,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 # What `load` returns and `install` consumes: an adapter's weights staged for one slot
 # (device arrays in the engine); opaque to the manager.
@@ -62,6 +68,16 @@ class AdapterLoadError(RuntimeError):
         super().__init__(f"loading adapter {adapter!r} failed: {error}")
         self.adapter = adapter
         self.ready = ready
+
+
+class SlotMemory(Protocol):
+    """The device memory behind the slots (item 7 of the module docstring)."""
+
+    def reserve(self, name: str) -> bool: ...
+
+    def released(self, name: str) -> None: ...
+
+    def evict_order(self, names: list[str]) -> list[str]: ...
 
 
 @dataclass(eq=False)
@@ -85,12 +101,14 @@ class SlotManager:
         num_slots: int,
         load: Callable[[str, int], Payload],
         install: Callable[[str, int, Payload], None],
+        memory: SlotMemory | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"{num_slots=} must be at least 1")
         self.num_slots = num_slots
         self._load = load
         self._install = install
+        self._memory = memory
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jlora-slot-load")
         # Filled by done callbacks on the transfer thread; the only object both threads touch.
         self._done: queue.SimpleQueue[_Load] = queue.SimpleQueue()
@@ -187,12 +205,12 @@ class SlotManager:
         for load in self._finished:
             del self._loading[load.name]
             if load.discarded:
-                heapq.heappush(self._free, load.slot)
+                self._abandon(load)
                 continue
             try:
                 self._install(load.name, load.slot, load.future.result())
             except Exception as err:
-                heapq.heappush(self._free, load.slot)
+                self._abandon(load)
                 self._pinned.pop(load.name, None)
                 self._failures.append((load.name, err))
                 self._stats["failures"] += 1
@@ -239,6 +257,20 @@ class SlotManager:
             heapq.heappush(self._free, self._forget_ready(name))
         elif name in self._loading:
             self._loading[name].discarded = True
+
+    def evict(self, name: str) -> bool:
+        """Evict the idle, unpinned, ready adapter `name` now (the memory pool makes room);
+        False if it is not one."""
+        self._check_open()
+        if name not in self._ready or self._uses[name] or name in self._pinned:
+            return False
+        self._stats["evictions"] += 1
+        heapq.heappush(self._free, self._forget_ready(name))
+        return True
+
+    def idle(self) -> list[str]:
+        """The ready adapters no request holds and nobody pinned, least recently used first."""
+        return [n for n in self._ready if self._uses[n] == 0 and n not in self._pinned]
 
     def load_all(
         self, names: Iterable[str], pin: bool = True, *, timeout: float | None = None
@@ -350,6 +382,9 @@ class SlotManager:
         slot = self._take_slot(keep)
         if slot is None:
             return False
+        if self._memory is not None and not self._memory.reserve(name):
+            heapq.heappush(self._free, slot)
+            return False
         load = _Load(name, slot, self._executor.submit(self._load, name, slot))
         self._loading[name] = load
         done = self._done
@@ -362,15 +397,27 @@ class SlotManager:
         is not in `keep`."""
         if self._free:
             return heapq.heappop(self._free)
-        for name in self._ready:
-            if self._uses[name] == 0 and name not in self._pinned and name not in keep:
-                self._stats["evictions"] += 1
-                return self._forget_ready(name)
+        idle = [name for name in self.idle() if name not in keep]
+        if self._memory is not None:
+            idle = self._memory.evict_order(idle)
+        for name in idle:
+            self._stats["evictions"] += 1
+            return self._forget_ready(name)
         return None
 
     def _forget_ready(self, name: str) -> int:
+        """Take a ready adapter out of its slot (returned, not yet free)."""
         del self._uses[name]
-        return self._ready.pop(name)
+        slot = self._ready.pop(name)
+        if self._memory is not None:
+            self._memory.released(name)
+        return slot
+
+    def _abandon(self, load: _Load) -> None:
+        """A load that will not become ready (discarded, failed) frees its slot and pages."""
+        if self._memory is not None:
+            self._memory.released(load.name)
+        heapq.heappush(self._free, load.slot)
 
     def _start_waiting_pins(self, keep: Collection[str] = ()) -> None:
         """Start the loads of pinned adapters that wait for a slot, in pin order."""

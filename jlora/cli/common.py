@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
+from fractions import Fraction
 
 from configs.model import DEFAULT_MODEL
+
+# --pool-size units: decimal (SI) and binary (IEC) multiples of a byte, any case.
+SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
 
 
 class UsageError(Exception):
@@ -137,6 +153,107 @@ def lora_engine_config(args: argparse.Namespace) -> dict:
         "cpu_workers": args.cpu_workers,
         "merge": args.merge,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """A --pool-size value: EngineConfig's pool_bytes, or its pool_fraction (one is 0)."""
+
+    pool_bytes: int = 0
+    pool_fraction: float = 0.0
+
+    def __str__(self) -> str:
+        """The flag's value that parses back to this one."""
+        return str(self.pool_bytes) if self.pool_bytes else repr(self.pool_fraction)
+
+
+def parse_pool_size(text: str) -> PoolSize:
+    """--pool-size: bytes with an optional unit (`536870912`, `512MiB`, `2GiB`, `1.5GB`),
+    or a fraction of the device memory free after the weights (`0.8`: a number below 1
+    without a unit); ArgumentTypeError otherwise (argparse names the flag)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    units = ", ".join(SIZE_UNITS)
+    scales = {name.lower(): scale for name, scale in SIZE_UNITS.items()}
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected bytes with an optional unit (512MiB, 2GiB, 1.5GB) or a "
+            "fraction of the free device memory below 1 (0.8)"
+        )
+    number, unit = Fraction(match[1]), match[2].lower()
+    if unit and unit not in scales:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {match[2]!r} ({units})")
+    if not unit and 0 < number < 1:
+        return PoolSize(pool_fraction=float(number))
+    if not unit and number.denominator != 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a fraction of the device memory must be below 1; a size in bytes "
+            f"is a whole number or takes a unit ({units})"
+        )
+    size = int(number * scales[unit or "b"])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the pool needs at least one byte")
+    return PoolSize(pool_bytes=size)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 0 (0: no host pool)")
+    return value
+
+
+def add_cache_args(group: argparse._ActionsContainer) -> None:
+    """How an engine shares device memory and keeps history KV: --cache-policy,
+    --pool-size, --host-pool-mib (read back with `cache_config`, passed on to a child
+    `jlora serve` with `cache_flags`)."""
+    from configs.engine import CACHE_POLICIES, EngineConfig
+
+    group.add_argument(
+        "--cache-policy",
+        choices=CACHE_POLICIES,
+        default=CACHE_POLICIES[0],
+        help="fastlibra (default): FastLibra's unified pool of KV blocks and adapters, a "
+        "prefix cache keyed by adapter, a cost-model swapper to host memory; lru: vLLM's "
+        "static share of the pool for adapters, an LRU prefix cache swapped out to host "
+        "memory; none: S-LoRA's unified pool with no history KV (a request's blocks are "
+        "freed when it ends)",
+    )
+    group.add_argument(
+        "--pool-size",
+        type=parse_pool_size,
+        metavar="SIZE",
+        help="the device pool for KV blocks and adapters: bytes (512MiB, 2GiB, 1.5GB) or a "
+        "fraction of the device memory free after the weights (0.8; devices that report "
+        "their memory only); default: the KV blocks of --max-slots full sequences",
+    )
+    group.add_argument(
+        "--host-pool-mib",
+        type=_non_negative,
+        default=EngineConfig.host_pool_mib,
+        metavar="N",
+        help="host memory for swapped-out KV, in MiB (0: evicted KV is dropped; "
+        "default: %(default)s)",
+    )
+
+
+def cache_config(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of `add_cache_args`."""
+    size: PoolSize = args.pool_size or PoolSize()
+    return {
+        "cache_policy": args.cache_policy,
+        "pool_bytes": size.pool_bytes,
+        "pool_fraction": size.pool_fraction,
+        "host_pool_mib": args.host_pool_mib,
+    }
+
+
+def cache_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that pass `add_cache_args`' values on to a child `jlora serve`."""
+    flags = ["--cache-policy", args.cache_policy, "--host-pool-mib", str(args.host_pool_mib)]
+    return flags + (["--pool-size", str(args.pool_size)] if args.pool_size else [])
 
 
 def model_config(spec: str):

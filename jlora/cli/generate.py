@@ -3,8 +3,10 @@
 Three forms: `--prompt TEXT` streams one completion to stdout; `--prompts-file FILE`
 runs one prompt per line in one continuous batch and prints the completions in input
 order (`--output jsonl`: one JSON object per prompt with prompt, adapter, text,
-token_ids and finish_reason); with neither, an interactive session reads prompts from
-stdin (`--chat` keeps the conversation).
+token_ids, finish_reason and cached_tokens, the prompt tokens the prefix cache served);
+with neither, an interactive session reads prompts from stdin (`--chat` keeps the
+conversation). `--cache-policy`, `--pool-size` and `--host-pool-mib` set how the engine
+shares device memory between KV blocks and adapters and keeps history KV.
 
 Adapters: `--adapter PATH_OR_NAME` applies one PEFT adapter to every prompt (a
 directory, or a name under `--adapters-dir`). A prompts file named `*.jsonl` holds one
@@ -25,9 +27,11 @@ from typing import Any
 
 from jlora.cli.common import (
     UsageError,
+    add_cache_args,
     add_lora_engine_args,
     add_model_args,
     add_sharding_args,
+    cache_config,
     lora_engine_config,
     resolve_dtype,
     sharding_config,
@@ -84,6 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="longest prompt + completion (capped at the model's context)",
     )
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
+    add_cache_args(engine)
     lora = parser.add_argument_group("adapters")
     lora.add_argument(
         "--adapter",
@@ -247,6 +252,7 @@ def _load(
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
             sharding=sharding,
+            **cache_config(args),
             **lora,
         )
         engine = build_engine(
@@ -300,7 +306,9 @@ def _run_batch(
         prompt_lengths=[len(r.prompt_ids) for r in requests],
         max_length=max(len(r.prompt_ids) + sampling.max_tokens for r in requests),
     )
-    results: dict[str, dict] = {r.request_id: {"text": [], "token_ids": []} for r in requests}
+    results: dict[str, dict] = {
+        r.request_id: {"text": [], "token_ids": [], "cached_tokens": 0} for r in requests
+    }
     printed = 0
     failed = 0
     while engine.has_unfinished:
@@ -314,6 +322,7 @@ def _run_batch(
             else:
                 result["text"].append(event.text)
                 result["token_ids"].append(event.token_id)
+                result["cached_tokens"] += event.cached_tokens
             if stream and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -331,6 +340,7 @@ def _run_batch(
                             "text": text,
                             "token_ids": result["token_ids"],
                             "finish_reason": result["finish_reason"],
+                            "cached_tokens": result["cached_tokens"],
                             **({"error": result["error"]} if "error" in result else {}),
                         }
                     ),

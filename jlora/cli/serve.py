@@ -31,9 +31,11 @@ from pathlib import Path
 from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
+    add_cache_args,
     add_lora_engine_args,
     add_model_args,
     add_sharding_args,
+    cache_config,
     lora_engine_config,
     resolve_dtype,
     sharding_config,
@@ -58,6 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
+    add_cache_args(engine)
     lora = parser.add_argument_group("adapters")
     add_adapter_args(lora)
     lora.add_argument(
@@ -289,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         sharding=sharding,
         **lora_engine_config(args),
+        **cache_config(args),
     )
     local = LlamaEngine(
         model_config=loaded.config,

@@ -34,9 +34,11 @@ from pathlib import Path
 from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
+    add_cache_args,
     add_lora_engine_args,
     add_model_args,
     add_sharding_args,
+    cache_flags,
     model_config,
     sharding_flags,
 )
@@ -85,6 +87,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8)
     engine.add_argument("--max-lora-rank", type=int, default=64)
+    add_cache_args(engine)
     add_adapter_args(engine)
     engine.add_argument("--adapters-dir", type=Path, metavar="DIR")
     add_lora_engine_args(engine)
@@ -115,7 +118,7 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
         "--lora-backend", args.lora_backend, "--cpu-workers", str(args.cpu_workers),
         "--emulated-link-gbps", str(args.emulated_link_gbps), "--merge", args.merge,
     ]  # fmt: skip
-    command += sharding_flags(args)
+    command += sharding_flags(args) + cache_flags(args)
     if args.max_loras is not None:
         command += ["--max-loras", str(args.max_loras)]
     if adapters_dir is not None:

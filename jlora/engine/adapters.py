@@ -15,6 +15,10 @@ slot each occupies, which are pinned; the bytes themselves are the device engine
    registered: the next request tries again.
 3. `unregister` refuses while requests name the adapter; `load`, `unload` and `infos`
    serve the adapter RPCs.
+4. Device memory: the memory manager (jlora/memory) learns each committed adapter with
+   its content key (`content_key`: the same weights under another name share cached
+   KV, other weights under an old name never do) and the bytes its rank rows take on
+   the device; the slot manager asks it for those pages before a load.
 
 Only `stage` (and what it calls) may run off the scheduler thread; the name
 reservations are the one state it shares, under a lock.
@@ -22,6 +26,7 @@ reservations are the one state it shares, under a lock.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -32,6 +37,7 @@ from jlora.contract.adapters import check_adapter_name
 from jlora.contract.errors import AlreadyExists, FailedPrecondition, NotFound, RequestError
 from jlora.engine.api import DEVICE, HOST, LOADING, AdapterInfo
 from jlora.engine.device import DeviceEngine, StagedAdapter
+from jlora.memory.manager import MemoryManager
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +48,16 @@ class AdapterManager:
     """See the module docstring. `num_slots` device adapter slots; `mode` is the
     engine's lora_mode ("cached" pins every adapter at registration)."""
 
-    def __init__(self, device: DeviceEngine, *, num_slots: int, mode: str) -> None:
+    def __init__(
+        self, device: DeviceEngine, *, num_slots: int, mode: str, memory: MemoryManager
+    ) -> None:
         self._device = device
         self.mode = mode
-        self.slots = SlotManager(num_slots, device.load_adapter, device.install_adapter)
+        self.memory = memory
+        self.slots = SlotManager(
+            num_slots, device.load_adapter, device.install_adapter, memory=memory
+        )
+        self._keys: dict[str, str] = {}  # staged adapter -> content key
         self._adapters: dict[str, StagedAdapter] = {}  # registered, in registration order
         self._reserved: set[str] = set()  # registered or being staged
         self._failures: list[tuple[str, RequestError]] = []  # failed loads, for take_failures
@@ -72,11 +84,15 @@ class AdapterManager:
                 raise AlreadyExists(f"adapter name={name!r} is already registered", field="name")
             self._reserved.add(name)
         try:
-            return self._device.stage_adapter(name, str(path), expect_sha256=expect_sha256)
+            staged = self._device.stage_adapter(name, str(path), expect_sha256=expect_sha256)
+            key = content_key(staged)
         except BaseException:
             with self._lock:
                 self._reserved.discard(name)
             raise
+        with self._lock:
+            self._keys[name] = key
+        return staged
 
     def commit(self, staged: StagedAdapter, *, load: bool = False, pin: bool = False) -> None:
         """Make a staged adapter servable; `load` starts copying it to the device, `pin`
@@ -84,6 +100,7 @@ class AdapterManager:
         had), the adapter is discarded and the error raised."""
         name = staged.name
         self._adapters[name] = staged
+        self.memory.register(name, self._keys[name], staged.device_bytes, staged.rank)
         try:
             pin = pin or self.mode == "cached"
             if load or pin:
@@ -214,8 +231,10 @@ class AdapterManager:
             self.slots.wait(timeout=WAIT_SLICE_S)
             self.poll()
         self._device.drop_adapter(name)
+        self.memory.unregister(name)
         with self._lock:
             self._reserved.discard(name)
+            self._keys.pop(name, None)
 
     def _pin(self, name: str) -> None:
         try:
@@ -225,6 +244,21 @@ class AdapterManager:
                 f"adapter {name!r} cannot be pinned: {err} (max_loras={self.slots.num_slots})",
                 field="pin",
             ) from None
+
+
+def content_key(staged: StagedAdapter) -> str:
+    """What an adapter's cached KV is keyed by: the digest of its weights' file and of its
+    adapter_config.json (rank, alpha, rsLoRA, targets), so that KV is shared between
+    names exactly when the weights are the same. An adapter whose weights' digest is
+    unknown gets a key of its own (its name and path)."""
+    digest = hashlib.sha256()
+    if staged.sha256:
+        digest.update(staged.sha256.encode())
+        config = Path(staged.path) / "adapter_config.json"
+        digest.update(config.read_bytes() if config.is_file() else repr(staged).encode())
+    else:
+        digest.update(f"{staged.name}\0{staged.path}".encode())
+    return digest.hexdigest()
 
 
 def load_failed(err: AdapterLoadError) -> RequestError:

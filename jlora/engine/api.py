@@ -106,6 +106,9 @@ class TokenEvent:
     request's last event: "stop" (EOS or a stop string), "length" (max_tokens or the
     context) or "error": the request failed (`error` says why, naming the field if
     one is at fault) and the event carries no token (token_id -1).
+    cached_tokens is set on the event of a prefill (a request's first token, or the
+    first after a resume): how many of the prompt's tokens had their keys and values
+    taken from the prefix cache instead of being computed; 0 on every other event.
     """
 
     request_id: str
@@ -113,6 +116,7 @@ class TokenEvent:
     text: str
     finish_reason: str | None = None
     error: RequestError | None = None
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +169,40 @@ class MergeStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """The memory pool and the prefix cache (jlora/memory); counters are cumulative.
+
+    The device pool has `pages_total` pages of `page_bytes` each (one KV block, keys and
+    values of every layer): `pages_kv` hold KV blocks (running requests' and cached),
+    `pages_kv_cached` of them only cached history (no running request reads them),
+    `pages_lora` adapter rank rows, the rest are free. The host pool mirrors it for
+    swapped-out KV. `hit_tokens / prompt_tokens` is the prefix cache's hit rate over
+    prefilled prompts. `invalid_kv_pages` counts device KV pages whose adapter is not on
+    the device (FastLibra's "invalid KV"; the fastlibra policy keeps it at 0).
+    """
+
+    policy: str
+    page_bytes: int
+    pages_total: int
+    pages_kv: int
+    pages_kv_cached: int
+    pages_lora: int
+    host_bytes_used: int
+    host_bytes_capacity: int
+    prompt_tokens: int
+    hit_tokens: int
+    swaps_out: int  # KV blocks and adapters moved to the host pool
+    swaps_in: int  # moved back to the device
+    swap_out_bytes: int
+    swap_in_bytes: int
+    invalid_kv_pages: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineStats:
     """A snapshot between two steps; counters (adapter_loads, adapter_evictions) are
     cumulative since the engine started."""
@@ -174,7 +212,7 @@ class EngineStats:
     max_slots: int
     max_seq_len: int
     kv_blocks_total: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # pages neither requests nor adapters hold (free, or cached KV)
     kv_block_size: int
     adapter_slots_total: int
     adapter_slots_free: int
@@ -188,3 +226,4 @@ class EngineStats:
     merging: MergeStats | None = None  # None: merging is off (merge="never")
     queued: tuple[RunningInfo, ...] = ()  # the `waiting` requests, in order (slot -1)
     kv_block_bytes: int = 0  # one KV block across layers, keys and values (0: unknown)
+    cache: CacheStats | None = None  # the memory pool and prefix cache

@@ -78,6 +78,12 @@ class PrefillJob:
     blocks_per_seq], the sequence's blocks, then the sentinel `num_blocks`.
     adapter_slot: the device adapter slot (-1: the base model). assist: the adapter's
     name when its weights may still be in flight (CPU-assisted prefill), else None.
+    cached: the first `cached` tokens already have their keys and values in the table's
+    first `cached // block_size` blocks (a prefix-cache hit; a multiple of the block
+    size, less than len(tokens)): only tokens[cached:] are computed, attending to the
+    cached ones, and the result is that of a prefill of every token. The orchestrator
+    sends no job with both `assist` and `cached`: an engine may serve one by computing
+    every token again (LlamaEngine does, leaving the cached blocks unwritten).
     """
 
     tokens: Sequence[int]
@@ -85,6 +91,7 @@ class PrefillJob:
     sampling: SamplingRow
     adapter_slot: int = -1
     assist: str | None = None
+    cached: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,16 @@ class DecodeRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostBlocks:
+    """The keys and values of `count` KV blocks (every layer) in host memory: a swapped-out
+    part of the prefix cache. `data` is the engine's own (numpy arrays in LlamaEngine)."""
+
+    count: int
+    nbytes: int
+    data: object
+
+
+@dataclasses.dataclass(frozen=True)
 class StagedAdapter:
     """An adapter validated for this engine and resident in host memory."""
 
@@ -121,6 +138,9 @@ class StagedAdapter:
     sha256: str  # of adapter_model.safetensors ("" if unknown)
     size_bytes: int  # of adapter_model.safetensors
     host_bytes: int  # in host memory
+    # On the device in the serving dtype at its own rank, what the memory pool charges:
+    # layers · rank · Σ over its targets of (in_dim + out_dim) · itemsize.
+    device_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +221,34 @@ class DeviceEngine(abc.ABC):
         """The cost model's inputs for prefilling `prompt_len` tokens of `name` (loading
         into `slot`) with CPU assistance; None: this engine cannot assist."""
         return None
+
+    # -- KV blocks to and from host memory (the prefix cache's swaps) --------------------
+
+    @property
+    def can_swap_kv(self) -> bool:
+        """Whether the four calls below are offered (else evicted cached KV is dropped)."""
+        return False
+
+    def kv_snapshot(self, blocks: Sequence[int]) -> object:
+        """The scheduler thread: capture the keys and values of `blocks` for a swap-out.
+        Only dispatches the copy: the blocks may be written again (reused) as soon as this
+        returns; `kv_to_host` completes it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+    def kv_to_host(self, snapshot: object) -> HostBlocks:
+        """Any thread (the swap thread): bring a snapshot into host memory, taking the
+        link's time (`emulated_link_gbps` when set)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+    def kv_to_device(self, host: HostBlocks) -> object:
+        """Any thread (the swap thread): copy host blocks to the device, taking the link's
+        time; `kv_restore` writes them into blocks."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
+
+    def kv_restore(self, blocks: Sequence[int], staged: object) -> None:
+        """The scheduler thread: write what `kv_to_device` staged into `blocks`, in order
+        (len(blocks) equals the staged count)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot swap KV blocks")
 
     # -- merged inference (dLoRA §4.1) -------------------------------------------------
 

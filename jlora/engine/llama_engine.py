@@ -12,13 +12,23 @@ State, all of it explicit (device.py tells the calls):
   (`jlora.adapters.store`), copied to the device slots by `lora`
   (`jlora.adapters.device`) layer group by layer group.
 
+The KV cache's size is the device pool's (`steps.size_pool`): `pool_bytes`, or
+`pool_fraction` of the device memory free once the weights and the adapter slots are
+placed, in KV blocks; else `kv_cache_tokens`. `config` carries the resolved size
+(`config.num_blocks`), which is what the orchestrator allocates from.
+
 A prefill pads its prompt to the next prefill bucket and runs in one compiled call
 that also samples the first token; a decode step attends over the smallest decode
 bucket holding the longest row. Both compile once per bucket (`warmup`), never while
-serving a known shape. In `cpu-assist` and `auto` modes a prefill whose adapter is
-still in flight runs layer group by layer group instead (`assisted.py`): the landed
-groups are installed before each segment, and the layers of the groups still in
-flight compute their LoRA on the CPU workers (`cpu_assist.py`).
+serving a known shape. A prefill after a cached prefix (`PrefillJob.cached`) pads only
+the new tokens, in a variant compiled on first use (steps.py). In `cpu-assist` and
+`auto` modes a prefill whose adapter is still in flight runs layer group by layer group
+instead (`assisted.py`): the landed groups are installed before each segment, and the
+layers of the groups still in flight compute their LoRA on the CPU workers
+(`cpu_assist.py`).
+
+The prefix cache's swaps (`kv_snapshot` ... `kv_restore`) copy whole blocks out of the
+cache and back with `KVBlocks` (steps.py).
 
 Merged inference (dLoRA §4.1; device.py has the contract): `merge(name)` folds a staged
 adapter, read from the host store, into a copy of its target kernels
@@ -60,6 +70,7 @@ from jlora.engine.cpu_assist import CpuAssist, ShardPlan, default_workers
 from jlora.engine.device import (
     DecodeRow,
     DeviceEngine,
+    HostBlocks,
     Memory,
     Payload,
     Prefilled,
@@ -69,7 +80,7 @@ from jlora.engine.device import (
 )
 from jlora.engine.orchestrator import Orchestrator
 from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, StepSpecs, host_sampling
+from jlora.engine.steps import CompiledSteps, KVBlocks, StepSpecs, host_sampling, size_pool
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
 from jlora.model.merge import WeightMerger
@@ -123,20 +134,6 @@ class LlamaEngine(DeviceEngine):
         self.base_params = self.params  # the pristine parameters, never modified
         backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
         self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend, tp=self.tp)
-        cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
-        zeros = jax.jit(
-            lambda: KVCache.zeros(
-                num_layers=model_config.num_layers,
-                num_blocks=cfg.num_blocks,
-                block_size=cfg.block_size,
-                num_kv_heads=self.tp.kv_heads,
-                head_dim=model_config.head_dim,
-                dtype=self.model.dtype,
-            ),
-            out_shardings=self.tp.named(cache_specs),
-        )
-        self.cache = zeros()  # created in place, each device its own heads
-        self.state = self._empty_state()
         self.store: HostStore | None = None
         self.lora: DeviceSlots | None = None
         if backend is not None:
@@ -153,6 +150,24 @@ class LlamaEngine(DeviceEngine):
                 emulated_link_gbps=cfg.emulated_link_gbps,
                 measure_link=cfg.lora_mode == "auto",  # only auto's cost model needs it early
             )
+        cfg = self.config = size_pool(cfg, self.tp, model_config, self.model.dtype)
+        cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
+        zeros = jax.jit(
+            lambda: KVCache.zeros(
+                num_layers=model_config.num_layers,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                num_kv_heads=self.tp.kv_heads,
+                head_dim=model_config.head_dim,
+                dtype=self.model.dtype,
+            ),
+            out_shardings=self.tp.named(cache_specs),
+        )
+        self.cache = zeros()  # created in place, each device its own heads
+        self.kv_blocks = KVBlocks(
+            self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
+        )
+        self.state = self._empty_state()
         specs = StepSpecs(
             mesh=self.mesh,
             params=self.tp.param_specs(self.params),
@@ -221,8 +236,9 @@ class LlamaEngine(DeviceEngine):
     def warmup(
         self, prompt_lengths: list[int] | None = None, max_length: int | None = None
     ) -> None:
-        """Compile each prefill bucket (those `prompt_lengths` need, or all) and each decode
-        bucket up to the one holding `max_length` tokens (or all)."""
+        """Compile each prefill bucket (those `prompt_lengths` need, or all; with its
+        cached-prefix variant unless cache_policy is "none") and each decode bucket up to
+        the one holding `max_length` tokens (or all)."""
         cfg = self.config
         prefill = (
             cfg.prefill_buckets
@@ -230,10 +246,12 @@ class LlamaEngine(DeviceEngine):
             else sorted({bucket(cfg.prefill_buckets, n) for n in prompt_lengths})
         )
         longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
+        history = cfg.cache_policy != "none"  # prefix hits run the cached variants
         for size in prefill:
-            self.steps.compile_prefill(
-                self.params, self.cache, size, cfg.blocks_per_seq, self._weights
-            )
+            for cached in (False, True) if history else (False,):
+                self.steps.compile_prefill(
+                    self.params, self.cache, size, cfg.blocks_per_seq, self._weights, cached=cached
+                )
         if self.assisted is not None:
             for size in prefill:
                 self.assisted.compile(self.params, self.cache, size)
@@ -244,12 +262,15 @@ class LlamaEngine(DeviceEngine):
             self.steps.compile_decode(
                 self.params, self.cache, cfg.max_slots, size // cfg.block_size, self._weights
             )
+        if history and self.can_swap_kv:
+            self.cache = self.kv_blocks.warm(self.cache)
         self.steps.warmed_up = True
         if cfg.merge != "never" and self.merged_steps is not None and self.merger is not None:
             for size in prefill:
-                self.merged_steps.compile_prefill(
-                    self.params, self.cache, size, cfg.blocks_per_seq, None
-                )
+                for cached in (False, True) if history else (False,):
+                    self.merged_steps.compile_prefill(
+                        self.params, self.cache, size, cfg.blocks_per_seq, None, cached=cached
+                    )
             for size in decode:
                 self.merged_steps.compile_decode(
                     self.params, self.cache, cfg.max_slots, size // cfg.block_size, None
@@ -262,22 +283,27 @@ class LlamaEngine(DeviceEngine):
 
     def prefill(self, job: PrefillJob) -> Prefilled:
         cfg = self.config
-        size = bucket(cfg.prefill_buckets, len(job.tokens))
-        tokens = np.zeros(size, np.int32)
-        tokens[: len(job.tokens)] = job.tokens
+        if job.cached % cfg.block_size or not 0 <= job.cached < len(job.tokens):
+            raise AssertionError(
+                f"a prefill job's cached={job.cached} must be a multiple of block_size="
+                f"{cfg.block_size} below its {len(job.tokens)} tokens"
+            )
         sampling = host_sampling(1)
         _set_sampling(sampling, 0, job.sampling)
         if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
             steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
-            return Prefilled(self._run_prefill(steps, None, job, tokens, sampling))
+            return Prefilled(self._run_prefill(steps, None, job, sampling))
         if job.assist is not None:
             assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
+            # A cached prefix is computed again (device.py), its blocks left unwritten.
+            table = job.block_table.copy()
+            table[: job.cached // cfg.block_size] = cfg.num_blocks
             token, self.cache, routes = self.assisted.run(
                 self.params,
                 self.cache,
-                tokens,
+                self._padded(job.tokens),
                 len(job.tokens),
-                job.block_table,
+                table,
                 job.adapter_slot,
                 job.assist,
                 sampling,
@@ -289,32 +315,49 @@ class LlamaEngine(DeviceEngine):
                 ) from failure
             return Prefilled(token, routes)
         start = time.perf_counter()
-        first = self._run_prefill(self.steps, self._weights, job, tokens, sampling)
-        if self.assisted is not None:  # keep the cost model's estimate current
+        first = self._run_prefill(self.steps, self._weights, job, sampling)
+        if self.assisted is not None and not job.cached:  # keep the cost model current
+            size = bucket(cfg.prefill_buckets, len(job.tokens))
             self.assisted.observe_prefill(size, time.perf_counter() - start)
         return Prefilled(first)
+
+    def _padded(self, tokens: Sequence[int]) -> np.ndarray:
+        """i32[the prefill bucket holding them]: `tokens`, then zeros."""
+        padded = np.zeros(bucket(self.config.prefill_buckets, len(tokens)), np.int32)
+        padded[: len(tokens)] = tokens
+        return padded
 
     def _run_prefill(
         self,
         steps: CompiledSteps,
         weights: LoraWeights | None,
         job: PrefillJob,
-        tokens: np.ndarray,
         sampling: SamplingArrays,
     ) -> int:
-        """One compiled prefill of `tokens` (padded to its bucket): the first token."""
+        """One compiled prefill of the job's tokens after its cached prefix (padded to
+        their bucket; the job's adapter on all of them): the first token."""
+        new = job.tokens[job.cached :]
+        tokens = self._padded(new)
         size = tokens.shape[0]
         segments = None if weights is None else Segments.single(job.adapter_slot, size)
-        steps.compile_prefill(self.params, self.cache, size, self.config.blocks_per_seq, weights)
+        steps.compile_prefill(
+            self.params,
+            self.cache,
+            size,
+            self.config.blocks_per_seq,
+            weights,
+            cached=job.cached > 0,
+        )
         sampled, self.cache = steps.prefill(
             self.params,
             self.cache,
             tokens,
-            len(job.tokens),
+            len(new),
             job.block_table,
             sampling,
             weights,
             segments,
+            job.cached,
         )
         return int(to_host(sampled))
 
@@ -403,6 +446,10 @@ class LlamaEngine(DeviceEngine):
             sha256=stored.sha256,
             size_bytes=stored.file_bytes,
             host_bytes=stored.nbytes,
+            device_bytes=self.model_config.num_layers
+            * spec.rank
+            * self.model.dtype.itemsize
+            * sum(sum(self.lora.shapes[target]) for target in spec.targets),
         )
 
     def drop_adapter(self, name: str) -> None:
@@ -428,6 +475,24 @@ class LlamaEngine(DeviceEngine):
         return self.assisted.cold_start(
             name, slot, prompt_len, bucket(self.config.prefill_buckets, prompt_len)
         )
+
+    # -- KV blocks to and from host memory ----------------------------------------------
+
+    @property
+    def can_swap_kv(self) -> bool:
+        return jax.process_count() == 1  # a host copy of a multi-process cache: not here
+
+    def kv_snapshot(self, blocks: Sequence[int]) -> object:
+        return self.kv_blocks.snapshot(self.cache, blocks)
+
+    def kv_to_host(self, snapshot: object) -> HostBlocks:
+        return self.kv_blocks.to_host(cast(tuple[int, KVCache], snapshot))
+
+    def kv_to_device(self, host: HostBlocks) -> object:
+        return self.kv_blocks.to_device(host)
+
+    def kv_restore(self, blocks: Sequence[int], staged: object) -> None:
+        self.cache = self.kv_blocks.restore(self.cache, blocks, cast(tuple[int, KVCache], staged))
 
     # -- merged inference ---------------------------------------------------------------
 

@@ -16,6 +16,15 @@ takes `merge_latency` seconds, and while merged `prefill` and `generate` raise
 AssertionError for a job or a live row whose slot is not the one the merged adapter
 was last loaded into (another adapter's, or the base model's -1), as LlamaEngine
 does, so orchestrator tests catch a scheduler that breaks the invariant.
+
+The KV cache holds no keys, but a record of what every position of every block would
+hold: (adapter, token), the adapter being the one installed in the writer's slot (None:
+the base model). `prefill` writes the job's new tokens and `generate` each live row's
+input token at its position; a prefill with `cached` > 0 first checks that its table's
+blocks hold exactly its first `cached` tokens for the same adapter, and raises
+AssertionError (a scheduler bug: wrong prefix reuse) if not. The swaps copy these
+records (`HostBlocks.data`), each crossing of the link taking `count · kv_block_bytes`
+at `emulated_link_gbps`; an adapter takes `rank_row_bytes · rank` on the device.
 """
 
 from __future__ import annotations
@@ -27,24 +36,31 @@ import os
 import tempfile
 import time
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
-from configs import EngineConfig
+from configs import ConfigError, EngineConfig
 from jlora.adapters.peft import read_lora_spec
 from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
 from jlora.contract.errors import InvalidRequest
 from jlora.engine.device import (
     DecodeRow,
     DeviceEngine,
+    HostBlocks,
+    Memory,
     Payload,
     Prefilled,
     PrefillJob,
     StagedAdapter,
 )
 from jlora.engine.orchestrator import Orchestrator
+from jlora.link import wait_for_link
+
+# What one position of a KV block holds in the mock: (adapter, token); None: unwritten.
+KVRecord = tuple[str | None, int] | None
 
 
 def mock_next_token(previous: int, adapter: str | None, step: int, vocab_size: int) -> int:
@@ -87,7 +103,9 @@ class MockTokenizer:
 
 @dataclasses.dataclass
 class _Row:
-    token: int
+    token: int  # the last token, written into the cache by the next generate()
+    position: int
+    block_table: np.ndarray
     step: int
     adapter_slot: int
 
@@ -112,10 +130,26 @@ class MockEngine(DeviceEngine):
         fail_loads: Collection[str] = (),
         merge: str = "never",
         merge_latency: float = 0.0,
+        cache_policy: str = "fastlibra",
+        pool_bytes: int = 0,
+        host_pool_mib: int = 1024,
+        emulated_link_gbps: float = 0.0,
+        kv_block_bytes: int = 2**16,
+        rank_row_bytes: int = 4096,
     ) -> None:
+        """The device pool holds `pool_bytes // kv_block_bytes` KV blocks when
+        pool_bytes is given, else `num_blocks` (default: every slot at max_seq_len)."""
         if vocab_size < 1:
             raise ValueError(f"MockEngine vocab_size={vocab_size} must be positive")
         blocks = num_blocks or max_slots * math.ceil(max_seq_len / block_size)
+        if pool_bytes:
+            blocks = pool_bytes // kv_block_bytes
+            if blocks < max_seq_len // block_size:
+                raise ConfigError(
+                    f"EngineConfig.pool_bytes={pool_bytes} holds {blocks} KV blocks of "
+                    f"{kv_block_bytes} bytes; one sequence of max_seq_len={max_seq_len} "
+                    f"needs {max_seq_len // block_size}"
+                )
         self.config = EngineConfig(
             max_slots=max_slots,
             max_seq_len=max_seq_len,
@@ -124,7 +158,16 @@ class MockEngine(DeviceEngine):
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             merge=merge,
+            cache_policy=cache_policy,
+            host_pool_mib=host_pool_mib,
+            emulated_link_gbps=emulated_link_gbps,
         )
+        self.kv_block_bytes = kv_block_bytes
+        self.rank_row_bytes = rank_row_bytes
+        # [num_blocks][block_size]: what each position of each block holds.
+        self._kv: list[list[KVRecord]] = [
+            [None] * block_size for _ in range(self.config.num_blocks)
+        ]
         self.vocab_size = vocab_size
         self.tokenizer = MockTokenizer([] if eos_id is None else [eos_id])
         self.step_latency = step_latency
@@ -148,11 +191,45 @@ class MockEngine(DeviceEngine):
 
     def prefill(self, job: PrefillJob) -> Prefilled:
         adapter = self._adapter_of(job.adapter_slot, "a prefill job")
+        self._check_cached(job, adapter)
+        for position in range(job.cached, len(job.tokens)):
+            self._write(job.block_table, position, (adapter, int(job.tokens[position])))
         token = mock_next_token(job.tokens[-1], adapter, job.sampling.step, self.vocab_size)
         return Prefilled(token)
 
+    def _check_cached(self, job: PrefillJob, adapter: str | None) -> None:
+        """AssertionError unless the job's first `cached` tokens are in its blocks, each
+        written by `adapter` (what a prefix-cache hit promises)."""
+        size = self.config.block_size
+        if job.cached % size or not 0 <= job.cached < len(job.tokens):
+            raise AssertionError(
+                f"a prefill job's cached={job.cached} must be a multiple of block_size="
+                f"{size} below its {len(job.tokens)} tokens"
+            )
+        for position in range(job.cached):
+            block = int(job.block_table[position // size])
+            held = self._kv[block][position % size] if block < len(self._kv) else None
+            wanted = (adapter, int(job.tokens[position]))
+            if held != wanted:
+                raise AssertionError(
+                    f"wrong prefix reuse: position {position} of a cached={job.cached} "
+                    f"prefill is in block {block}, which holds (adapter, token) {held}, "
+                    f"not {wanted}"
+                )
+
+    def _write(self, block_table: np.ndarray, position: int, record: KVRecord) -> None:
+        """Record what a step writes at `position`; dropped where the table has no block
+        (the sentinel), as the device drops it."""
+        size = self.config.block_size
+        if position // size < len(block_table):
+            block = int(block_table[position // size])
+            if block < len(self._kv):
+                self._kv[block][position % size] = record
+
     def insert(self, slot: int, row: DecodeRow) -> None:
-        self._rows[slot] = _Row(row.token, row.sampling.step, row.adapter_slot)
+        self._rows[slot] = _Row(
+            row.token, row.position, row.block_table.copy(), row.sampling.step, row.adapter_slot
+        )
 
     def generate(self) -> np.ndarray:
         self.steps += 1
@@ -164,6 +241,8 @@ class MockEngine(DeviceEngine):
             time.sleep(latency)
         tokens = np.zeros(self.config.max_slots, np.int32)
         for (slot, row), adapter in zip(rows, adapters, strict=True):
+            self._write(row.block_table, row.position, (adapter, row.token))
+            row.position += 1
             row.token = mock_next_token(row.token, adapter, row.step, self.vocab_size)
             row.step += 1
             tokens[slot] = row.token
@@ -200,7 +279,15 @@ class MockEngine(DeviceEngine):
                 field="path",
             )
         staged = StagedAdapter(
-            name, str(path), spec.rank, spec.alpha, spec.targets, digest, len(data), 0
+            name,
+            str(path),
+            spec.rank,
+            spec.alpha,
+            spec.targets,
+            digest,
+            len(data),
+            host_bytes=0,
+            device_bytes=self.rank_row_bytes * spec.rank,
         )
         self._staged[name] = staged
         return staged
@@ -218,6 +305,35 @@ class MockEngine(DeviceEngine):
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         self._slots[slot] = name
+
+    # -- KV blocks to and from host memory -------------------------------------------
+
+    @property
+    def can_swap_kv(self) -> bool:
+        return True
+
+    def kv_snapshot(self, blocks: Sequence[int]) -> object:
+        return [list(self._kv[block]) for block in blocks]
+
+    def kv_to_host(self, snapshot: object) -> HostBlocks:
+        records = cast(list[list[KVRecord]], snapshot)
+        started = time.perf_counter()
+        nbytes = len(records) * self.kv_block_bytes
+        wait_for_link(nbytes, self.config.emulated_link_gbps, started)
+        return HostBlocks(len(records), nbytes, records)
+
+    def kv_to_device(self, host: HostBlocks) -> object:
+        started = time.perf_counter()
+        staged = [list(block) for block in cast(list[list[KVRecord]], host.data)]
+        wait_for_link(host.nbytes, self.config.emulated_link_gbps, started)
+        return staged
+
+    def kv_restore(self, blocks: Sequence[int], staged: object) -> None:
+        records = cast(list[list[KVRecord]], staged)
+        if len(blocks) != len(records):
+            raise AssertionError(f"kv_restore of {len(records)} staged blocks into {len(blocks)}")
+        for block, held in zip(blocks, records, strict=True):
+            self._kv[block] = list(held)
 
     # -- merged inference --------------------------------------------------------------
 
@@ -242,6 +358,9 @@ class MockEngine(DeviceEngine):
         if self._merged is None:
             raise AssertionError("unmerge(): no adapter is merged")
         self._merged = None
+
+    def memory(self) -> Memory:
+        return Memory(kv_block_bytes=self.kv_block_bytes)
 
 
 def mock_adapter_dir(rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:

@@ -31,6 +31,13 @@ A request's life:
    max_seq_len; a finished request frees its row and its blocks at once, so a queued
    request can join in the next step.
 
+KV blocks and device memory are the memory manager's (jlora/memory): a request's
+blocks come as a lease whose first blocks may be a cached prefix of the same adapter's
+earlier prompts (the prefill then computes only the rest, `PrefillJob.cached`); its
+full blocks stay cached after it leaves, under the cache policy (EngineConfig.
+cache_policy). A request whose cached prefix is being swapped in from the host pool
+waits for it, as for its adapter, and later requests may go first.
+
 Everything runs on the caller's thread (the server's scheduler thread), except
 `stage_adapter`, which any thread may call (registration validates and copies off
 the scheduler thread). Any exception other than a `RequestError` comes from the device
@@ -74,10 +81,10 @@ from jlora.engine.api import (
     SequenceState,
     TokenEvent,
 )
-from jlora.engine.blocks import BlockAllocator
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
 from jlora.engine.merging import Batch, DynamicBatcher
+from jlora.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +104,8 @@ class _Sequence:
     detokenizer: Detokenizer | None
     order: int = 0  # first-come first-served rank
     generated: list[int] = dataclasses.field(default_factory=list)
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    lease: Lease | None = None  # its KV blocks, once admitted
+    prefilled: bool = False  # its KV is written (up to its last token)
     row: int = -1  # its decode row, once admitted
     adapter_slot: int = -1
     assist: bool | None = None  # the cost model's decision (auto mode), once made
@@ -123,10 +131,25 @@ class Orchestrator:
         self.device = device
         self.config = cfg = device.config
         self.tokenizer = device.tokenizer
-        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.memory = MemoryManager(
+            policy=cfg.cache_policy,
+            device=device,
+            num_pages=cfg.num_blocks,
+            page_bytes=device.memory().kv_block_bytes or 1,
+            block_size=cfg.block_size,
+            host_bytes=cfg.host_pool_mib * 2**20 if device.can_swap_kv else 0,
+            max_loras=cfg.max_loras,
+            max_rank=cfg.max_lora_rank,
+            min_kv_pages=cfg.blocks_per_seq,
+            link_bytes_per_s=cfg.emulated_link_gbps * 1e9,
+        )
         self.adapters: AdapterManager | None = None
         if cfg.max_loras:
-            self.adapters = AdapterManager(device, num_slots=cfg.max_loras, mode=cfg.lora_mode)
+            self.adapters = AdapterManager(
+                device, num_slots=cfg.max_loras, mode=cfg.lora_mode, memory=self.memory
+            )
+            self.memory.evict_adapter = self.adapters.slots.evict
+            self.memory.idle_adapters = self.adapters.slots.idle
         self.counters: collections.Counter[str] = collections.Counter()
         self.batcher: DynamicBatcher | None = None
         if cfg.merge != "never":
@@ -178,6 +201,7 @@ class Orchestrator:
     def close(self) -> None:
         if self.adapters is not None:
             self.adapters.close()
+        self.memory.close()
         self.device.close()
 
     # -- requests ----------------------------------------------------------------------
@@ -231,6 +255,7 @@ class Orchestrator:
     def step(self) -> list[TokenEvent]:
         """One iteration (steps 2-6 of the module docstring); returns its events."""
         events: list[TokenEvent] = []
+        self.memory.tick(self.num_running)
         if self.adapters is not None:
             self._install_landed(events)
         if self.batcher is None:
@@ -248,6 +273,8 @@ class Orchestrator:
                 self._append(seq, int(tokens[seq.row]), events)
         elif self.has_unfinished and self.adapters is not None and self.adapters.slots.loading():
             self.adapters.slots.wait(timeout=LOAD_WAIT_S)  # nothing runs until one lands
+        elif self.has_unfinished and self.memory.swapping:
+            self.memory.wait(timeout=LOAD_WAIT_S)  # nothing runs until a swap-in lands
         return events
 
     # -- adapters ---------------------------------------------------------------------
@@ -334,14 +361,14 @@ class Orchestrator:
         running = tuple(info(seq) for seq in (*self._rows, *self._paused) if seq is not None)
         slots = adapters.slots if adapters is not None else None
         counts = slots.stats() if slots is not None else {}
-        memory = self.device.memory()
+        memory, cache = self.device.memory(), self.memory.stats()
         return EngineStats(
             running=running,
             waiting=len(self._waiting),
             max_slots=cfg.max_slots,
             max_seq_len=cfg.max_seq_len,
             kv_blocks_total=cfg.num_blocks,
-            kv_blocks_free=self.allocator.num_free,
+            kv_blocks_free=cache.pages_total - cache.pages_lora - self.memory.held_pages(),
             kv_block_size=cfg.block_size,
             adapter_slots_total=cfg.max_loras,
             adapter_slots_free=slots.num_free if slots is not None else 0,
@@ -355,6 +382,7 @@ class Orchestrator:
             merging=self._merge_stats(),
             queued=tuple(info(seq) for seq in self._waiting),
             kv_block_bytes=memory.kv_block_bytes,
+            cache=cache,
         )
 
     def _merge_stats(self) -> MergeStats | None:
@@ -472,14 +500,17 @@ class Orchestrator:
                         continue  # its adapter is on its way; later requests may go first
                     assist = True
             tokens = seq.length
-            blocks = math.ceil(seq.limit / self.config.block_size)
-            if blocks > self.allocator.num_free:
-                break
             if prefilled and prefilled + tokens > budget:
                 break
+            lease = self._lease(seq, reuse=not assist)
+            if lease == SWAPPING:
+                continue  # its cached prefix is on its way; later requests may go first
+            if lease == FULL:
+                break
+            assert isinstance(lease, Lease)
             self._waiting.remove(seq)
-            self._prefill(seq, blocks, assist, events)
-            prefilled += tokens
+            self._prefill(seq, lease, assist, events)
+            prefilled += tokens - lease.cached_tokens
 
     def _assists(self, seq: _Sequence) -> bool:
         """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""
@@ -508,26 +539,38 @@ class Orchestrator:
             )
         return seq.assist
 
-    def _prefill(self, seq: _Sequence, blocks: int, assist: bool, events: list[TokenEvent]) -> None:
+    def _lease(self, seq: _Sequence, *, reuse: bool) -> Lease | str:
+        """The KV blocks for `seq`'s whole sequence (a cached prefix first, if `reuse`)."""
+        blocks = math.ceil(seq.limit / self.config.block_size)
+        tokens = [*seq.request.prompt_ids, *seq.generated]
+        return self.memory.admit(seq.request.request_id, seq.request.adapter, tokens, blocks, reuse)
+
+    def _prefill(
+        self, seq: _Sequence, lease: Lease, assist: bool, events: list[TokenEvent]
+    ) -> None:
         adapter = seq.request.adapter
         if adapter is not None:
             assert self.adapters is not None
             seq.adapter_slot = self.adapters.slots.acquire(adapter)
-        seq.blocks = self.allocator.allocate(blocks)
+        seq.lease = lease
         seq.row = self._rows.index(None)
         self._rows[seq.row] = seq
+        tokens = [*seq.request.prompt_ids, *seq.generated]
         job = PrefillJob(
-            tokens=[*seq.request.prompt_ids, *seq.generated],
+            tokens=tokens,
             block_table=self._block_table(seq),
             sampling=seq.sampling_row(),
             adapter_slot=seq.adapter_slot,
             assist=adapter if assist else None,
+            cached=lease.cached_tokens,
         )
         try:
             prefilled = self.device.prefill(job)
         except RequestError as err:
             self._fail(seq, err, events)
             return
+        seq.prefilled = True
+        self.memory.prefilled(lease, tokens)
         if assist:
             assert self.adapters is not None and adapter is not None
             routes = prefilled.routes
@@ -542,7 +585,8 @@ class Orchestrator:
                 routes,
                 ", parked until its adapter lands" if seq.parked else "",
             )
-        if self._append(seq, prefilled.token, events) and not seq.parked:
+        running = self._append(seq, prefilled.token, events, cached=lease.cached_tokens)
+        if running and not seq.parked:
             self._insert(seq)
 
     # -- merging (dLoRA) ------------------------------------------------------------------
@@ -598,14 +642,14 @@ class Orchestrator:
             if seq.paused:
                 self._unpause(seq)
             elif seq.row < 0:
-                blocks = math.ceil(seq.limit / self.config.block_size)
-                if blocks > self.allocator.num_free or (
-                    prefilled and prefilled + seq.length > budget
-                ):
+                if prefilled and prefilled + seq.length > budget:
+                    continue
+                lease = self._lease(seq, reuse=True)
+                if not isinstance(lease, Lease):
                     continue
                 self._waiting.remove(seq)
-                prefilled += seq.length
-                self._prefill(seq, blocks, False, events)
+                prefilled += seq.length - lease.cached_tokens
+                self._prefill(seq, lease, False, events)
 
     def _pause(self, seq: _Sequence) -> None:
         self.device.free(seq.row)
@@ -656,8 +700,10 @@ class Orchestrator:
     # -- rows -------------------------------------------------------------------------------
 
     def _block_table(self, seq: _Sequence) -> np.ndarray:
+        assert seq.lease is not None
+        blocks = seq.lease.table
         table = np.full(self.config.blocks_per_seq, self.config.num_blocks, np.int32)
-        table[: len(seq.blocks)] = seq.blocks
+        table[: len(blocks)] = blocks
         return table
 
     def _insert(self, seq: _Sequence) -> None:
@@ -670,8 +716,11 @@ class Orchestrator:
         )
         self.device.insert(seq.row, row)
 
-    def _append(self, seq: _Sequence, token: int, events: list[TokenEvent]) -> bool:
-        """Record a sampled token, emit its event; False if that finished the request."""
+    def _append(
+        self, seq: _Sequence, token: int, events: list[TokenEvent], *, cached: int = 0
+    ) -> bool:
+        """Record a sampled token, emit its event (`cached`: the prefix-cache hit of the
+        prefill that sampled it); False if that finished the request."""
         seq.generated.append(token)
         seq.served_at = time.monotonic()
         text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
@@ -682,7 +731,7 @@ class Orchestrator:
             finish = LENGTH
         if finish is not None and not hit_stop and seq.detokenizer is not None:
             text += seq.detokenizer.flush()
-        events.append(TokenEvent(seq.request.request_id, token, text, finish))
+        events.append(TokenEvent(seq.request.request_id, token, text, finish, cached_tokens=cached))
         if finish is not None:
             self._remove(seq)
         return finish is None
@@ -704,8 +753,13 @@ class Orchestrator:
                 self.device.free(seq.row)
                 self._rows[seq.row] = None
                 seq.row = -1
-            self.allocator.free(seq.blocks)
-            seq.blocks = []
+            assert seq.lease is not None
+            tokens = [*seq.request.prompt_ids, *seq.generated]
+            # The newest token's KV is written by the step that would have fed it; a
+            # prefill that failed may have written nothing.
+            written = seq.length - 1 if seq.prefilled else 0
+            self.memory.release(seq.lease, tokens, written=written)
+            seq.lease, seq.prefilled = None, False
             if seq.request.adapter is not None:
                 assert self.adapters is not None
                 self.adapters.slots.release(seq.request.adapter)

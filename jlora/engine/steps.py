@@ -1,7 +1,9 @@
 """The jitted step functions, compiled ahead of time per bucket.
 
 `prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
-one token, attending over a bucketed prefix of the block tables. A CPU-assisted
+one token, attending over a bucketed prefix of the block tables. A prefill that
+continues a cached prefix (`cached` > 0: a prefix-cache hit) is a variant of its own,
+its new tokens padded to a bucket attending over the whole block table. A CPU-assisted
 prefill runs the same prompt in three kinds of call instead, so the host can route
 each layer group between them: `embed`, one `prefill_segment` per layer group (with
 its per-layer route to the CPU or the device), and `prefill_head` (logits, sample). With LoRA, both
@@ -11,7 +13,12 @@ the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. Executables are compiled ahead of time, once per
 bucket, and then called directly, so nothing is ever traced or compiled twice. The
 engine compiles at warm-up every shape it will use; a shape first met after warm-up
-is compiled then and logged as a warning.
+is compiled then and logged as a warning (the cached-prefix variants, which warm-up
+compiles unless the cache policy keeps no history, are only logged: a prefix hit
+under "none" cannot happen).
+
+`KVBlocks` copies whole KV blocks out of the cache and back, for the prefix cache's
+swaps to host memory; `size_pool` says how many blocks the device pool holds.
 
 Every step runs in `shard_map` over the engine's mesh (`StepSpecs` says how the
 parameters, the KV cache and the adapter slots are split; everything else is
@@ -23,18 +30,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from configs import ConfigError, EngineConfig, ModelConfig
 from jlora.adapters.backends import LoraWeights, Segments
+from jlora.adapters.targets import target_shapes
+from jlora.engine.device import HostBlocks
 from jlora.engine.sampling import SamplingArrays, sample
+from jlora.link import wait_for_link
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
+from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +86,14 @@ class CompiledSteps:
             ),
             donate_argnums=(1,),
         )
+        self._prefill_cached_jit = jax.jit(
+            sharded(
+                self._prefill_cached,
+                (params, cache, rep, rep, rep, rep, lora, rep, rep),
+                (rep, cache),
+            ),
+            donate_argnums=(1,),
+        )
         self._decode_jit = jax.jit(
             sharded(self._decode, (params, cache, rep, rep, rep, rep, lora, rep), (rep, cache)),
             donate_argnums=(1,),
@@ -87,6 +109,7 @@ class CompiledSteps:
         )
         self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), rep))
         self._prefill_exe: dict[int, Any] = {}
+        self._prefill_cached_exe: dict[int, Any] = {}  # compiled on first use
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self._embed_exe: dict[int, Any] = {}
         self._segment_exe: dict[tuple[int, int], Any] = {}  # (bucket, layers)
@@ -107,6 +130,23 @@ class CompiledSteps:
     ) -> tuple[jax.Array, KVCache]:
         logits, cache = self.model.prefill(
             params, cache, tokens, length, block_table, lora_weights, segments
+        )
+        return sample(logits[None], sampling)[0], cache
+
+    def _prefill_cached(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+        sampling: SamplingArrays,
+        lora_weights: LoraWeights | None,
+        segments: Segments | None,
+        cached: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        logits, cache = self.model.prefill(
+            params, cache, tokens, length, block_table, lora_weights, segments, cached
         )
         return sample(logits[None], sampling)[0], cache
 
@@ -158,16 +198,17 @@ class CompiledSteps:
 
     # -- compilation -------------------------------------------------------------
 
-    def _compile(self, jitted, what: str, *args):
+    def _compile(self, jitted, what: str, *args, on_first_use: bool = False):
         start = time.perf_counter()
         executable = jitted.lower(*args).compile()
         self.num_compiles += 1
+        late = self.warmed_up and not on_first_use
         log.log(
-            logging.WARNING if self.warmed_up else logging.INFO,
+            logging.WARNING if late else logging.INFO,
             "compiled %s in %.1f s%s",
             what,
             time.perf_counter() - start,
-            " after warm-up" if self.warmed_up else "",
+            " after warm-up" if late else " on first use" if on_first_use else "",
         )
         return executable
 
@@ -178,20 +219,33 @@ class CompiledSteps:
         bucket: int,
         blocks_per_seq: int,
         lora_weights: LoraWeights | None,
+        *,
+        cached: bool = False,
     ) -> None:
-        if bucket not in self._prefill_exe:
-            self._prefill_exe[bucket] = self._compile(
-                self._prefill_jit,
-                f"prefill[{bucket}]",
-                params,
-                cache,
-                np.zeros(bucket, np.int32),
-                np.int32(1),
-                np.zeros(blocks_per_seq, np.int32),
-                host_sampling(1),
-                lora_weights,
-                None if lora_weights is None else Segments.single(-1, bucket),
+        """The prefill of `bucket` tokens; with `cached`, its cached-prefix variant."""
+        executables = self._prefill_cached_exe if cached else self._prefill_exe
+        if bucket in executables:
+            return
+        args = [
+            params,
+            cache,
+            np.zeros(bucket, np.int32),
+            np.int32(1),
+            np.zeros(blocks_per_seq, np.int32),
+            host_sampling(1),
+            lora_weights,
+            None if lora_weights is None else Segments.single(-1, bucket),
+        ]
+        if cached:
+            executables[bucket] = self._compile(
+                self._prefill_cached_jit,
+                f"prefill after a cached prefix[{bucket}]",
+                *args,
+                np.int32(0),
+                on_first_use=True,
             )
+        else:
+            executables[bucket] = self._compile(self._prefill_jit, f"prefill[{bucket}]", *args)
 
     def compile_segmented(
         self,
@@ -264,11 +318,14 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
+        cached: int = 0,
     ) -> tuple[jax.Array, KVCache]:
-        executable = self._prefill_exe[tokens.shape[0]]
-        return executable(
-            params, cache, tokens, np.int32(length), block_table, sampling, lora_weights, segments
-        )
+        """`tokens` (padded; `length` real) into `block_table`'s blocks, after the first
+        `cached` tokens already there (0: none, the plain prefill)."""
+        args = (params, cache, tokens, np.int32(length), block_table, sampling, lora_weights)
+        if cached:
+            return self._prefill_cached_exe[tokens.shape[0]](*args, segments, np.int32(cached))
+        return self._prefill_exe[tokens.shape[0]](*args, segments)
 
     def embed(self, params: Params, tokens: np.ndarray) -> jax.Array:
         return self._embed_exe[tokens.shape[0]](params, tokens)
@@ -320,6 +377,136 @@ class CompiledSteps:
         return executable(
             params, cache, tokens, positions, block_tables, sampling, lora_weights, lora_idx
         )
+
+
+class KVBlocks:
+    """Whole KV blocks (every layer, keys and values) copied out of the cache and back
+    in: the device engine's prefix-cache swaps (device.py, `kv_snapshot` to
+    `kv_restore`), each crossing of the link taking at least its emulated time.
+
+    A copy of n blocks runs at the next power of two, padded with the sentinel
+    `num_blocks` (clipped on reads, the copies then cut; dropped on writes), so only
+    log2(num_blocks) shapes of each kind compile: one block's at warm-up (`warm`), the
+    others on first use (a gather or a scatter: milliseconds). Copies keep the cache's
+    layout, [layers, n, block_size, kv_heads, head_dim], and its sharding (split over the KV heads under tensor
+    parallelism), so a restore writes each device's heads where they are. In host
+    memory, `HostBlocks.data` is the numpy (keys, values) of the n blocks.
+    """
+
+    def __init__(self, shardings: KVCache, num_blocks: int, emulated_link_gbps: float) -> None:
+        self.shardings = shardings  # the cache's NamedShardings
+        self.num_blocks = num_blocks
+        self.emulated_link_gbps = emulated_link_gbps
+
+        def gather(cache: KVCache, blocks: jax.Array) -> KVCache:
+            return jax.tree.map(lambda pages: jnp.take(pages, blocks, axis=1, mode="clip"), cache)
+
+        def scatter(cache: KVCache, blocks: jax.Array, copies: KVCache) -> KVCache:
+            return jax.tree.map(
+                lambda pages, new: pages.at[:, blocks].set(new, mode="drop"), cache, copies
+            )
+
+        self._gather = jax.jit(gather, out_shardings=shardings)
+        self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=shardings)
+
+    def warm(self, cache: KVCache) -> KVCache:
+        """Compile the copies of one block (the size the memory manager swaps) by copying
+        nothing: a gather and a scatter of the sentinel alone."""
+        nowhere = self._indices(1)
+        return self._scatter(cache, nowhere, self._gather(cache, nowhere))
+
+    def _indices(self, count: int, blocks: Sequence[int] = ()) -> np.ndarray:
+        """i32[the power of two >= count]: `blocks`, then the sentinel."""
+        indices = np.full(1 << max(0, count - 1).bit_length(), self.num_blocks, np.int32)
+        indices[: len(blocks)] = blocks
+        return indices
+
+    def snapshot(self, cache: KVCache, blocks: Sequence[int]) -> tuple[int, KVCache]:
+        """Dispatch the copy of `blocks`; the cache may change once this returns."""
+        return len(blocks), self._gather(cache, self._indices(len(blocks), blocks))
+
+    def to_host(self, snapshot: tuple[int, KVCache]) -> HostBlocks:
+        count, copies = snapshot
+        started = time.perf_counter()
+        keys, values = (np.asarray(pages)[:, :count].copy() for pages in (copies.k, copies.v))
+        nbytes = keys.nbytes + values.nbytes
+        wait_for_link(nbytes, self.emulated_link_gbps, started)
+        return HostBlocks(count, nbytes, (keys, values))
+
+    def to_device(self, host: HostBlocks) -> tuple[int, KVCache]:
+        """Host blocks on the device, padded to the power of two a restore takes."""
+        started = time.perf_counter()
+        width = [(0, 0), (0, len(self._indices(host.count)) - host.count)] + [(0, 0)] * 3
+        padded = tuple(np.pad(pages, width) for pages in cast(tuple, host.data))
+        keys, values = jax.device_put(padded, (self.shardings.k, self.shardings.v))
+        copies = KVCache(k=keys, v=values)
+        jax.block_until_ready(copies)
+        wait_for_link(host.nbytes, self.emulated_link_gbps, started)
+        return host.count, copies
+
+    def restore(
+        self, cache: KVCache, blocks: Sequence[int], staged: tuple[int, KVCache]
+    ) -> KVCache:
+        """`cache` (donated) with the i-th staged block written into blocks[i]."""
+        count, copies = staged
+        if len(blocks) != count:
+            raise AssertionError(f"kv_restore of {count} staged blocks into {len(blocks)}")
+        return self._scatter(cache, self._indices(count, blocks), copies)
+
+
+def size_pool(
+    cfg: EngineConfig, tp: TensorParallel, model_config: ModelConfig, dtype: jnp.dtype
+) -> EngineConfig:
+    """`cfg` with the device pool's size resolved into KV blocks (kv_cache_tokens set,
+    pool_bytes and pool_fraction cleared), as everyone reads it: `num_blocks`.
+
+    A KV block is its keys and values in every layer, in the serving dtype, on the whole
+    mesh (`kv_block_bytes`). pool_bytes holds pool_bytes // kv_block_bytes blocks;
+    pool_fraction, that fraction of the memory free now (bytes_limit - bytes_in_use;
+    the engine asks once its weights and adapter slots are placed) on the mesh's device
+    with least, in blocks of what each device holds of one; neither: kv_cache_tokens'
+    blocks, and with adapters (max_loras) the pages of max_loras adapters at
+    max_lora_rank on all lora_targets, so a configuration sized before the pool was
+    shared keeps its KV room. ConfigError, naming the field, for fewer than
+    blocks_per_seq blocks, or pool_fraction on a device that does not report its memory.
+    """
+    block = (model_config.num_layers, 1, cfg.block_size, tp.kv_heads, model_config.head_dim)
+    pair = 2 * dtype.itemsize  # a key and a value
+    if not (cfg.pool_bytes or cfg.pool_fraction):
+        if not cfg.max_loras:
+            return cfg
+        # The default pool: kv_cache_tokens for KV, and room for max_loras adapters at
+        # max_lora_rank on every target, which they share.
+        shapes = target_shapes(model_config)
+        row = (
+            model_config.num_layers * dtype.itemsize * sum(sum(shapes[t]) for t in cfg.lora_targets)
+        )
+        per_adapter = math.ceil(row * cfg.max_lora_rank / (math.prod(block) * pair))
+        blocks = cfg.num_blocks + cfg.max_loras * per_adapter
+        return dataclasses.replace(cfg, kv_cache_tokens=blocks * cfg.block_size)
+    field = "pool_bytes" if cfg.pool_bytes else "pool_fraction"
+    if cfg.pool_bytes:
+        blocks = cfg.pool_bytes // (math.prod(block) * pair)
+    else:
+        free = []
+        for device in tp.mesh.devices.flat:
+            stats = device.memory_stats() or {}
+            if "bytes_limit" not in stats:
+                raise ConfigError(
+                    f"EngineConfig.pool_fraction={cfg.pool_fraction} needs a device that "
+                    f"reports its memory, and {device.platform} does not: give pool_bytes"
+                )
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        shard = NamedSharding(tp.mesh, tp.kv_spec).shard_shape(block)  # one device's part
+        blocks = int(cfg.pool_fraction * min(free)) // (math.prod(shard) * pair)
+    if blocks < cfg.blocks_per_seq:
+        raise ConfigError(
+            f"EngineConfig.{field}={getattr(cfg, field)} holds {blocks} KV blocks; one "
+            f"sequence of max_seq_len={cfg.max_seq_len} needs {cfg.blocks_per_seq}"
+        )
+    return dataclasses.replace(
+        cfg, kv_cache_tokens=blocks * cfg.block_size, pool_bytes=0, pool_fraction=0.0
+    )
 
 
 def host_sampling(rows: int) -> SamplingArrays:

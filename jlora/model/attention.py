@@ -58,6 +58,35 @@ def paged_decode_attention(
     return out.reshape(slots, heads * head_dim)
 
 
+def paged_prefix_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
+    """A prompt's new tokens attending to its cached prefix and, causally, to each other.
+
+    Semantics: out[t] = softmax_{j <= positions[t]}(q[t]·K[j] / sqrt(d)) · V[j], where
+    K[j] = k_pages[block_table[j // block_size], j % block_size].
+
+    q: [T, heads, head_dim], the new tokens (padded); k_pages, v_pages: [num_blocks,
+    block_size, kv_heads, head_dim] (one layer, the new tokens' keys already written);
+    block_table: i32[max_blocks] (sentinel entries are read clipped, and masked);
+    positions: i32[T], each query's position (rows past the real tokens are padding and
+    their output is unspecified). Returns [T, heads * head_dim].
+    """
+    seq, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    keys = jnp.take(k_pages, block_table, axis=0, mode="clip")  # [MB, bs, kvh, d]
+    values = jnp.take(v_pages, block_table, axis=0, mode="clip")
+    keys = keys.reshape(-1, kv_heads, head_dim)  # [MB*bs, kvh, d]
+    values = values.reshape(-1, kv_heads, head_dim)
+    visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]  # [T, MB*bs]
+    out = jax.nn.dot_product_attention(q[None], keys[None], values[None], mask=visible[None, None])
+    return out.reshape(seq, heads * head_dim)
+
+
 def write_kv(
     pages: jax.Array, layer: jax.Array, blocks: jax.Array, offsets: jax.Array, new: jax.Array
 ) -> jax.Array:

@@ -38,7 +38,12 @@ from jax.experimental import io_callback
 from configs import ModelConfig
 from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
 from jlora.adapters.targets import INPUT_GROUPS, target_shapes
-from jlora.model.attention import causal_attention, paged_decode_attention, write_kv
+from jlora.model.attention import (
+    causal_attention,
+    paged_decode_attention,
+    paged_prefix_attention,
+    write_kv,
+)
 from jlora.model.kv_cache import KVCache
 from jlora.model.sharding import TensorParallel
 
@@ -407,6 +412,7 @@ class Llama:
         block_table: jax.Array,
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
+        cached: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Run one prompt, write its keys/values into its blocks, return the last logits.
 
@@ -414,11 +420,23 @@ class Llama:
         block_table: i32[max_blocks] (entries past the prompt may be the sentinel);
         lora_weights, segments: the device adapter slots and which rows use which slot
         (both None, or both given when the model has a LoRA backend).
-        Returns fp32 logits [V] at position length-1, and the updated cache.
+        cached: None, or i32[] (a multiple of the block size): a prefix-cache hit, the
+        prompt's first `cached` tokens already in its first blocks; `tokens` are then
+        the ones after them (positions cached..), and attend to the cached ones too.
+        Returns fp32 logits [V] at the last real token, and the updated cache.
         """
         x = self.embed(params, tokens)
         x, cache = self.prefill_layers(
-            params, cache, x, length, block_table, 0, self.config.num_layers, lora_weights, segments
+            params,
+            cache,
+            x,
+            length,
+            block_table,
+            0,
+            self.config.num_layers,
+            lora_weights,
+            segments,
+            cached=cached,
         )
         return self.last_logits(params, x, length), cache
 
@@ -434,16 +452,23 @@ class Llama:
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
         route: jax.Array | None = None,
+        cached: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The prefill of layers [layer_start, layer_start + num_layers): one segment.
 
         x: [T, D], the hidden states entering the segment; num_layers is static.
         route: i32[num_layers] or None: 1 computes that layer's LoRA on the CPU workers
-        (`cpu_lora`), 0 with the device backend and `segments`. Returns (x, cache).
+        (`cpu_lora`), 0 with the device backend and `segments`. cached: as in `prefill`
+        (None: the prompt starts at position 0 and attends to itself alone; otherwise
+        each layer writes its keys first and attends over the table's blocks, which
+        hold the cached prefix). Returns (x, cache).
         """
         positions = jnp.arange(x.shape[0], dtype=jnp.int32)
+        end = length
+        if cached is not None:
+            positions, end = positions + cached, length + cached
         blocks = jnp.where(
-            positions < length, block_table[positions // cache.block_size], cache.num_blocks
+            positions < end, block_table[positions // cache.block_size], cache.num_blocks
         )
         offsets = positions % cache.block_size
 
@@ -468,7 +493,13 @@ class Llama:
                 k=write_kv(cache.k, index, blocks, offsets, k),
                 v=write_kv(cache.v, index, blocks, offsets, v),
             )
-            return layer.finish(x, causal_attention(q, k, v, length), lora), cache
+            if cached is None:
+                attn = causal_attention(q, k, v, length)
+            else:
+                attn = paged_prefix_attention(
+                    q, cache.k[index], cache.v[index], block_table, positions
+                )
+            return layer.finish(x, attn, lora), cache
 
         return self._scan_layers(params, x, cache, layer_fn, layer_start, num_layers)
 

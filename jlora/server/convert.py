@@ -18,6 +18,7 @@ from jlora.engine.api import (
     HOST,
     LOADING,
     AdapterInfo,
+    CacheStats,
     EngineStats,
     Request,
     RunningInfo,
@@ -169,6 +170,26 @@ def _request_message(info: RunningInfo) -> pb.RunningRequest:
     )
 
 
+def cache_message(cache: CacheStats) -> pb.CacheStats:
+    return pb.CacheStats(
+        policy=cache.policy,
+        page_bytes=cache.page_bytes,
+        pages_total=cache.pages_total,
+        pages_kv=cache.pages_kv,
+        pages_kv_cached=cache.pages_kv_cached,
+        pages_lora=cache.pages_lora,
+        host_bytes_used=cache.host_bytes_used,
+        host_bytes_capacity=cache.host_bytes_capacity,
+        prompt_tokens=cache.prompt_tokens,
+        hit_tokens=cache.hit_tokens,
+        swaps_out=cache.swaps_out,
+        swaps_in=cache.swaps_in,
+        swap_out_bytes=cache.swap_out_bytes,
+        swap_in_bytes=cache.swap_in_bytes,
+        invalid_kv_pages=cache.invalid_kv_pages,
+    )
+
+
 def stats_message(stats: EngineStats, *, max_queue: int, draining: bool) -> pb.StatsResponse:
     return pb.StatsResponse(
         running=[_request_message(info) for info in stats.running],
@@ -187,6 +208,7 @@ def stats_message(stats: EngineStats, *, max_queue: int, draining: bool) -> pb.S
             device_bytes_in_use=stats.device_bytes_in_use,
             device_bytes_limit=stats.device_bytes_limit,
             kv_bytes_per_block=stats.kv_block_bytes,
+            cache=cache_message(stats.cache) if stats.cache is not None else None,
         ),
         adapter_slots=pb.AdapterSlots(
             total=stats.adapter_slots_total,

@@ -13,7 +13,13 @@ client library). Who updates what:
   with merging on (dLoRA): jlora_merged_iterations_total, jlora_unmerged_iterations_total,
   jlora_merge_switches_total, jlora_merged_adapter{adapter}, jlora_merge_threshold{name},
   jlora_adapter_credit{adapter}, jlora_adapter_wait_seconds{adapter} ("" is the base
-  model).
+  model), and with a memory pool (EngineStats.cache): jlora_pool_pages{kind},
+  jlora_pool_page_bytes, jlora_host_pool_bytes_used, jlora_host_pool_bytes_capacity,
+  jlora_prefix_cache_hit_rate, jlora_prefix_cache_prompt_tokens_total,
+  jlora_prefix_cache_hit_tokens_total, jlora_pool_swaps_total{direction},
+  jlora_pool_swap_bytes_total{direction}, jlora_invalid_kv_pages.
+
+Counters mirror the engine's cumulative counts: each snapshot adds what they grew by.
 
 prometheus_client's metrics are thread-safe. `serve(..., metrics_port=...)` exposes the
 registry at http://host:port/metrics.
@@ -28,12 +34,14 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from jlora.contract.metrics import LATENCY_BUCKETS, OUTCOMES, PER_TOKEN_BUCKETS
-from jlora.engine.api import EngineStats, MergeStats
+from jlora.engine.api import CacheStats, EngineStats, MergeStats
 
 STATS_INTERVAL = 0.5  # seconds between two engine-stats refreshes
 
 
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# jlora_pool_pages{kind}: the kinds partition the pool (they sum to its pages).
+POOL_KINDS = ("kv", "kv_cached", "lora", "free")
 
 
 class Metrics:
@@ -140,31 +148,82 @@ class Metrics:
             ["adapter"],
             registry=registry,
         )
-        self._seen_loads = 0
-        self._seen_evictions = 0
-        self._seen_merge: tuple[int, ...] = (0, 0, 0)
+        self.pool_pages = Gauge(
+            "jlora_pool_pages",
+            "Device pool pages by use: kv (KV blocks running requests read), kv_cached "
+            "(prefix-cache history only), lora (adapter rank rows), free",
+            ["kind"],
+            registry=registry,
+        )
+        self.pool_page_bytes = Gauge(
+            "jlora_pool_page_bytes",
+            "Bytes of one pool page (one KV block of every layer, keys and values)",
+            registry=registry,
+        )
+        self.host_pool_bytes_used = Gauge(
+            "jlora_host_pool_bytes_used",
+            "Bytes of the host pool holding swapped-out KV and adapters",
+            registry=registry,
+        )
+        self.host_pool_bytes_capacity = Gauge(
+            "jlora_host_pool_bytes_capacity", "Capacity of the host pool", registry=registry
+        )
+        self.prefix_hit_rate = Gauge(
+            "jlora_prefix_cache_hit_rate",
+            "Prefilled prompt tokens taken from the prefix cache, as a fraction of all",
+            registry=registry,
+        )
+        self.prefix_prompt_tokens = Counter(
+            "jlora_prefix_cache_prompt_tokens",
+            "Prompt tokens prefilled (the hit rate's denominator)",
+            registry=registry,
+        )
+        self.prefix_hit_tokens = Counter(
+            "jlora_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache instead of being computed",
+            registry=registry,
+        )
+        self.pool_swaps = Counter(
+            "jlora_pool_swaps",
+            "KV blocks and adapters moved between the device pool and the host pool "
+            "(out: to the host)",
+            ["direction"],
+            registry=registry,
+        )
+        self.pool_swap_bytes = Counter(
+            "jlora_pool_swap_bytes",
+            "Bytes moved between the device pool and the host pool (out: to the host)",
+            ["direction"],
+            registry=registry,
+        )
+        self.invalid_kv_pages = Gauge(
+            "jlora_invalid_kv_pages",
+            "Device KV pages whose adapter is not on the device (FastLibra's invalid KV)",
+            registry=registry,
+        )
+        self._seen: dict[Counter, float] = {}  # each mirrored counter's last engine count
 
     def observe_engine(self, stats: EngineStats) -> None:
         """Fold an engine-stats snapshot in (the engine's counters are cumulative)."""
-        self.adapter_loads.inc(max(0, stats.adapter_loads - self._seen_loads))
-        self.adapter_evictions.inc(max(0, stats.adapter_evictions - self._seen_evictions))
-        self._seen_loads = max(self._seen_loads, stats.adapter_loads)
-        self._seen_evictions = max(self._seen_evictions, stats.adapter_evictions)
+        self._catch_up(self.adapter_loads, stats.adapter_loads)
+        self._catch_up(self.adapter_evictions, stats.adapter_evictions)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.adapter_slots_free.set(stats.adapter_slots_free)
         if stats.merging is not None:
             self._observe_merging(stats.merging)
+        if stats.cache is not None:
+            self._observe_cache(stats.cache)
+
+    def _catch_up(self, counter: Counter, count: float) -> None:
+        """Advance `counter` to the engine's cumulative `count` (never backwards)."""
+        seen = self._seen.get(counter, 0)
+        counter.inc(max(0, count - seen))
+        self._seen[counter] = max(seen, count)
 
     def _observe_merging(self, merging: MergeStats) -> None:
-        now = (merging.merged_iterations, merging.unmerged_iterations, merging.switches)
-        for counter, seen, value in zip(
-            (self.merged_iterations, self.unmerged_iterations, self.merge_switches),
-            self._seen_merge,
-            now,
-            strict=True,
-        ):
-            counter.inc(max(0, value - seen))
-        self._seen_merge = tuple(max(a, b) for a, b in zip(self._seen_merge, now, strict=True))
+        self._catch_up(self.merged_iterations, merging.merged_iterations)
+        self._catch_up(self.unmerged_iterations, merging.unmerged_iterations)
+        self._catch_up(self.merge_switches, merging.switches)
         self.merge_threshold.labels("alpha").set(merging.alpha)
         self.merge_threshold.labels("beta").set(merging.beta)
         for adapter, credit in merging.credits:
@@ -172,6 +231,29 @@ class Metrics:
             self.merged_adapter.labels(adapter).set(adapter == (merging.merged or None))
         for adapter, wait in merging.waits:
             self.adapter_wait.labels(adapter).set(wait)
+
+    def _observe_cache(self, cache: CacheStats) -> None:
+        pages = {
+            "kv": cache.pages_kv - cache.pages_kv_cached,
+            "kv_cached": cache.pages_kv_cached,
+            "lora": cache.pages_lora,
+            "free": cache.pages_total - cache.pages_kv - cache.pages_lora,
+        }
+        for kind in POOL_KINDS:
+            self.pool_pages.labels(kind).set(pages[kind])
+        self.pool_page_bytes.set(cache.page_bytes)
+        self.host_pool_bytes_used.set(cache.host_bytes_used)
+        self.host_pool_bytes_capacity.set(cache.host_bytes_capacity)
+        self.prefix_hit_rate.set(cache.hit_rate)
+        self.invalid_kv_pages.set(cache.invalid_kv_pages)
+        self._catch_up(self.prefix_prompt_tokens, cache.prompt_tokens)
+        self._catch_up(self.prefix_hit_tokens, cache.hit_tokens)
+        for direction, swaps, swapped_bytes in (
+            ("in", cache.swaps_in, cache.swap_in_bytes),
+            ("out", cache.swaps_out, cache.swap_out_bytes),
+        ):
+            self._catch_up(self.pool_swaps.labels(direction), swaps)
+            self._catch_up(self.pool_swap_bytes.labels(direction), swapped_bytes)
 
     def start_http(self, host: str, port: int) -> tuple[WSGIServer, int]:
         """Serve /metrics on a daemon thread; returns the HTTP server (`shutdown()` takes at

@@ -19,7 +19,9 @@ thread owns the engine (scheduler.py). A Generate call's life:
    updates the metrics and puts each event on its stream's queue; events of a closed
    stream are dropped.
 4. The handler awaits its queue and yields one GenerateResponse per token; the last one
-   carries the finish reason and the usage, and the stream closes. A request that
+   carries the finish reason and the usage (its cached_tokens: the prompt tokens the
+   engine's prefills took from the prefix cache, `TokenEvent.cached_tokens` summed), and
+   the stream closes. A request that
    fails in the engine (finish reason "error": its adapter could not be loaded, its CPU
    path broke) ends the call with the error's status, after the tokens it had.
 5. If the call ends before that (the client cancels, its deadline passes, the server
@@ -37,7 +39,9 @@ returns the state. The Generate handler yields those tokens, then ends the call 
 ABORTED, reason "MIGRATED" (`MIGRATED_REASON`): the contract the router recognises. A
 GenerateRequest with `resume` (the prompt as token ids, the generated ids, the seed)
 is checked here (`_resume_state`) and queued with `engine.resume`: the stream continues
-with the next token, and its usage counts the resumed tokens as completion tokens.
+with the next token, and its usage counts the resumed tokens as completion tokens. The
+Migrate reply carries the prefix-cache hits of the stream it ends (`cached_tokens`), which
+its caller adds to the usage of the stream that finishes the request.
 
 Every refusal is a `RequestError` (jlora.contract.errors), raised where the fault is
 found and sent as the call's status with rich details (the field, the reason).
@@ -106,6 +110,7 @@ class _Stream:
         default_factory=asyncio.Queue
     )
     tokens: int = 0  # handed to the queue
+    cached: int = 0  # prompt tokens its prefills took from the prefix cache
     resumed: int = 0  # generated before it was migrated here (GenerateRequest.resume)
     finished: bool = False  # its last event (a finish reason or an error) is queued
     migrated: bool = False  # Migrate took it: the MIGRATED marker is queued
@@ -163,6 +168,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             else:
                 self._metrics.tpt.observe(since_previous)
             stream.tokens += 1
+            stream.cached += event.cached_tokens
             tokens += 1
             stream.last = stamp
             since_arrival = stamp - stream.request.arrival_time
@@ -300,6 +306,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             response.finish_reason = convert.FINISH_REASONS[event.finish_reason]
             response.usage.prompt_tokens = len(stream.request.prompt_ids)
             response.usage.completion_tokens = stream.resumed + stream.tokens
+            response.usage.cached_tokens = stream.cached
         return response
 
     def _resume_state(
@@ -366,6 +373,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             adapter=state.adapter or "",
             streamed_tokens=stream.tokens,
             running=running,
+            cached_tokens=stream.cached,
         )
 
     # -- adapters -------------------------------------------------------------------

@@ -125,12 +125,14 @@ class TokenTiming(_message.Message):
     def __init__(self, since_arrival_us: _Optional[int] = ..., since_previous_us: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Adapter(_message.Message):
     __slots__ = ("name", "path", "rank", "alpha", "target_modules", "sha256", "size_bytes", "state", "slot", "pinned", "running_requests")
@@ -271,7 +273,7 @@ class StatsResponse(_message.Message):
     def __init__(self, running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., memory: _Optional[_Union[Memory, _Mapping]] = ..., adapter_slots: _Optional[_Union[AdapterSlots, _Mapping]] = ..., draining: _Optional[bool] = ..., waiting: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ...) -> None: ...
 
 class Memory(_message.Message):
-    __slots__ = ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "host_store_bytes_used", "host_store_bytes_capacity", "device_bytes_in_use", "device_bytes_limit", "kv_bytes_per_block")
+    __slots__ = ("kv_blocks_total", "kv_blocks_free", "kv_block_size", "host_store_bytes_used", "host_store_bytes_capacity", "device_bytes_in_use", "device_bytes_limit", "kv_bytes_per_block", "cache")
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +282,7 @@ class Memory(_message.Message):
     DEVICE_BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     kv_blocks_total: int
     kv_blocks_free: int
     kv_block_size: int
@@ -288,7 +291,42 @@ class Memory(_message.Message):
     device_bytes_in_use: int
     device_bytes_limit: int
     kv_bytes_per_block: int
-    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., host_store_bytes_used: _Optional[int] = ..., host_store_bytes_capacity: _Optional[int] = ..., device_bytes_in_use: _Optional[int] = ..., device_bytes_limit: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+    cache: CacheStats
+    def __init__(self, kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., host_store_bytes_used: _Optional[int] = ..., host_store_bytes_capacity: _Optional[int] = ..., device_bytes_in_use: _Optional[int] = ..., device_bytes_limit: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ...) -> None: ...
+
+class CacheStats(_message.Message):
+    __slots__ = ("policy", "page_bytes", "pages_total", "pages_kv", "pages_kv_cached", "pages_lora", "host_bytes_used", "host_bytes_capacity", "prompt_tokens", "hit_tokens", "swaps_out", "swaps_in", "swap_out_bytes", "swap_in_bytes", "invalid_kv_pages")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_KV_FIELD_NUMBER: _ClassVar[int]
+    PAGES_KV_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_LORA_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWAPS_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAPS_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INVALID_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    page_bytes: int
+    pages_total: int
+    pages_kv: int
+    pages_kv_cached: int
+    pages_lora: int
+    host_bytes_used: int
+    host_bytes_capacity: int
+    prompt_tokens: int
+    hit_tokens: int
+    swaps_out: int
+    swaps_in: int
+    swap_out_bytes: int
+    swap_in_bytes: int
+    invalid_kv_pages: int
+    def __init__(self, policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_kv: _Optional[int] = ..., pages_kv_cached: _Optional[int] = ..., pages_lora: _Optional[int] = ..., host_bytes_used: _Optional[int] = ..., host_bytes_capacity: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., swaps_out: _Optional[int] = ..., swaps_in: _Optional[int] = ..., swap_out_bytes: _Optional[int] = ..., swap_in_bytes: _Optional[int] = ..., invalid_kv_pages: _Optional[int] = ...) -> None: ...
 
 class AdapterSlots(_message.Message):
     __slots__ = ("total", "free", "loading", "loads", "evictions")
@@ -335,7 +373,7 @@ class MigrateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "generated_ids", "seed", "sampling", "adapter", "streamed_tokens", "running")
+    __slots__ = ("request_id", "prompt_ids", "generated_ids", "seed", "sampling", "adapter", "streamed_tokens", "running", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +382,7 @@ class MigrateResponse(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     STREAMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -352,4 +391,5 @@ class MigrateResponse(_message.Message):
     adapter: str
     streamed_tokens: int
     running: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., streamed_tokens: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., generated_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter: _Optional[str] = ..., streamed_tokens: _Optional[int] = ..., running: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

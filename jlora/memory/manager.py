@@ -1,0 +1,574 @@
+"""The memory manager: the pool, the prefix tree and the swaps, behind one interface.
+
+The orchestrator asks it for a request's KV (`admit`), tells it when a prompt's KV is
+written (`prefilled`) and when the request leaves (`release`), and calls `tick` once
+per step; the adapter slot manager asks it for an adapter's pages (`reserve`) and
+tells it when an adapter lands or leaves (`installed`, `released`). Policies
+(EngineConfig.cache_policy):
+
+- "fastlibra": one pool for KV and adapters, each adapter charged the pages of its own
+  rank (pool.py); prompts' full blocks are kept after their request in the tree, keyed
+  by adapter content (tree.py), and swapped to and from the host pool by the cost model
+  (swapper.py), on demand when pages run out and periodically between the marks. An
+  adapter leaves the device only after its KV has (FastLibra §4.2: no invalid KV).
+- "lru": vLLM's: the adapters' share of the pool is fixed when the first one is
+  registered (max_loras slots at max_lora_rank); the prefix cache evicts its least
+  recently used leaf to the host pool when pages run out; adapters are evicted by the
+  slot manager's LRU, whatever KV depends on them (that KV is then invalid).
+- "none": S-LoRA's: one pool for KV and adapters, no history: a request's blocks are
+  freed when it leaves.
+
+A request reuses the longest cached prefix of full blocks for the same adapter content,
+less its last token (a prefill computes at least one token). If part of that prefix is
+in the host pool, it is swapped in (asynchronously) and the request waits for it, as it
+would for its adapter; if the pages for it cannot be had, the request uses the part on
+the device. Swaps run on one background thread, over the link the engine emulates or
+has: `device.kv_to_host` / `kv_to_device` take its time; `tick` installs what landed.
+
+Threads: everything but the copies runs on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from jlora.engine.api import CacheStats
+from jlora.engine.device import DeviceEngine, HostBlocks
+from jlora.memory import swapper
+from jlora.memory.pool import KV, LORA, PagePool
+from jlora.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Node, Tree
+
+SWAPPING, FULL = "swapping", "full"  # why `admit` gave no lease
+DEFAULT_LINK_BYTES_PER_S = 16e9  # until a swap has been timed (about PCIe 4.0 x16)
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    """A request's KV: the cached prefix it reads (`nodes`, held) and its own pages."""
+
+    owner: Hashable
+    adapter: Node | None  # None under the "none" policy
+    nodes: list[Node]
+    pages: list[int]
+    cached_tokens: int
+
+    @property
+    def table(self) -> list[int]:
+        return [node.page for node in self.nodes] + self.pages
+
+
+@dataclasses.dataclass(eq=False)
+class _Adapter:
+    key: Hashable
+    device_bytes: int
+    pages: list[int] = dataclasses.field(default_factory=list)
+    resident: bool = False  # its pages are reserved (landing or landed)
+
+
+class MemoryManager:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        policy: str,
+        device: DeviceEngine,
+        num_pages: int,
+        page_bytes: int,
+        block_size: int,
+        host_bytes: int,
+        max_loras: int = 0,
+        max_rank: int = 0,
+        min_kv_pages: int = 1,
+        link_bytes_per_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.device = device
+        self.pool = PagePool(num_pages, page_bytes)
+        self.tree = Tree()
+        self.block_size = block_size
+        self.host_capacity = host_bytes
+        self.host_used = 0
+        self._max_loras, self._max_rank = max_loras, max_rank
+        self._min_kv_pages = min_kv_pages  # what the static LoRA share ("lru") leaves
+        self._link = link_bytes_per_s
+        self._measured_link = link_bytes_per_s <= 0
+        self._clock = clock
+        self._adapters: dict[str, _Adapter] = {}
+        self._leases: set[Lease] = set()  # granted, not yet released
+        self._static_share = False  # "lru": the adapters' pages are set aside
+        self._base = self.tree.adapter(BASE)
+        self._base.where = DEVICE
+        self._batch = swapper.BatchWindow()
+        self._last_tick = clock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jlora-kv-swap")
+        self._done: queue.SimpleQueue[tuple[Node, str, object, float]] = queue.SimpleQueue()
+        self._in_flight = 0
+        self._stats = dict.fromkeys(
+            ("prompt_tokens", "hit_tokens", "swaps_out", "swaps_in", "out_bytes", "in_bytes"), 0
+        )
+        self.evict_adapter: Callable[[str], bool] | None = None  # the slot manager's, if any
+        self.idle_adapters: Callable[[], list[str]] = list
+
+    # -- adapters (the slot manager's hooks) ----------------------------------------------
+
+    def register(self, name: str, key: Hashable, device_bytes: int, rank: int) -> None:
+        """A registered adapter: its content key (what its KV is cached under) and the
+        bytes of its rank rows on the device."""
+        self._adapters[name] = _Adapter(key, device_bytes)
+        if self.policy == "lru" and not self._static_share and self._max_loras:
+            # vLLM sizes every LoRA slot for the largest rank, once.
+            per_slot = device_bytes * self._max_rank // rank
+            share = self._max_loras * self.pool.pages_for(per_slot)
+            share = min(share, self.pool.num_pages - self._min_kv_pages)
+            self._make_room(share)
+            self.pool.allocate(min(share, self.pool.num_free), LORA, ("static share",))
+            self._static_share = True
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter (no-op for one never registered); it left the device first."""
+        adapter = self._adapters.pop(name, None)
+        assert adapter is None or not adapter.resident, f"adapter {name!r} is on the device"
+
+    def reserve(self, name: str) -> bool:
+        """Pages for `name`'s load (it is about to start); False: not now."""
+        adapter = self._adapters[name]
+        if self.policy != "lru":
+            need = self.pool.pages_for(adapter.device_bytes)
+            if self.pool.num_free < need:
+                self._make_room(need - self.pool.num_free, evict_adapters=True, keep=name)
+            if self.pool.num_free < need:
+                return False
+            adapter.pages = self.pool.allocate(need, LORA, (LORA, name))
+        adapter.resident = True
+        self.tree.adapter(adapter.key).where = DEVICE
+        return True
+
+    def released(self, name: str) -> None:
+        """`name` left the device (evicted, failed or discarded)."""
+        adapter = self._adapters.get(name)
+        if adapter is None or not adapter.resident:
+            return
+        adapter.resident = False
+        self.pool.free(adapter.pages)
+        adapter.pages = []
+        if any(a.resident and a.key == adapter.key for a in self._adapters.values()):
+            return  # the same weights are still resident under another name
+        node = self.tree.adapter(adapter.key)
+        if self.policy == "fastlibra":
+            for kv in reversed(list(self.tree.kv_nodes(node))):  # children before parents
+                if kv.where in (DEVICE, TO_DEVICE):
+                    assert kv.refs == 0, "an idle adapter's KV is read by a request"
+                    self._swap_out(kv)
+        node.where = HOST
+
+    def evict_order(self, names: list[str]) -> list[str]:
+        """The order in which idle adapters (given least recently used first) are evicted."""
+        if self.policy != "fastlibra":
+            return names
+        now, demand = self._clock(), self._demand()
+
+        def value(name: str) -> tuple[bool, float]:
+            adapter = self._adapters[name]
+            node = self.tree.adapter(adapter.key)
+            has_kv = any(kv.where == DEVICE for kv in self.tree.kv_nodes(node))
+            return has_kv, swapper.evaluate(self._candidate(node, adapter), demand, now)
+
+        return sorted(names, key=value)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def admit(
+        self, owner: Hashable, adapter: str | None, tokens: Sequence[int], blocks: int, reuse: bool
+    ) -> Lease | str:
+        """A lease of `blocks` blocks for a request of `tokens` (its prompt and anything
+        generated), the cached prefix first; SWAPPING if part of that prefix is being
+        swapped in (ask again later), FULL if the pages cannot be had now."""
+        if self.policy == "none":
+            pages = self._allocate(blocks, owner, protect=[], keep=adapter)
+            if pages is None:
+                return FULL
+            self._stats["prompt_tokens"] += len(tokens)
+            return self._grant(Lease(owner, None, [], pages, 0))
+        node = self._base if adapter is None else self.tree.adapter(self._adapters[adapter].key)
+        full = (len(tokens) - 1) // self.block_size if reuse else 0
+        bs = self.block_size
+        matched = self.tree.match(node, [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(full)])
+        prefix = []
+        for kv in matched:
+            if kv.where != DEVICE:
+                break
+            prefix.append(kv)
+        rest = matched[len(prefix) :]
+        if rest and rest[0].where == TO_DEVICE:
+            return SWAPPING
+        if rest and rest[0].where == HOST and node.where == DEVICE:
+            run = []
+            for kv in rest:
+                if kv.where != HOST:
+                    break
+                run.append(kv)
+            if self._swap_in(run, protect=prefix, keep=adapter):
+                return SWAPPING
+        pages = self._allocate(blocks - len(prefix), owner, protect=prefix, keep=adapter)
+        if pages is None:
+            return FULL
+        now = self._clock()
+        node.visits += 1
+        node.last_used = now
+        for kv in prefix:
+            kv.refs += 1
+            kv.visits += 1
+            kv.last_used = now
+        self._stats["prompt_tokens"] += len(tokens)
+        self._stats["hit_tokens"] += len(prefix) * bs
+        return self._grant(Lease(owner, node, prefix, pages, len(prefix) * bs))
+
+    def prefilled(self, lease: Lease, tokens: Sequence[int]) -> None:
+        """`tokens`' keys and values are written: cache their full blocks."""
+        self._cache(lease, tokens, len(tokens))
+
+    def release(self, lease: Lease, tokens: Sequence[int], written: int) -> None:
+        """The request leaves; the first `written` of `tokens` have their KV written."""
+        self._cache(lease, tokens, written)
+        now = self._clock()
+        for kv in lease.nodes:
+            kv.refs -= 1
+            kv.last_used = now
+        self.pool.free(lease.pages)
+        lease.nodes, lease.pages = [], []
+        self._leases.discard(lease)
+
+    # -- each step --------------------------------------------------------------------------
+
+    def tick(self, rows: int) -> None:
+        """Once per step (`rows` running): install finished swaps; every INTERVAL_S, let the
+        swapper move nodes between the marks (fastlibra)."""
+        self._poll()
+        now = self._clock()
+        self._batch.add(now, rows)
+        if self.policy != "fastlibra" or now - self._last_tick < swapper.INTERVAL_S:
+            return
+        self._last_tick = now
+        if self.pool.usage > swapper.HIGH:
+            target = int(self.pool.num_pages * swapper.HIGH)
+            self._make_room(self.pool.num_pages - target - self.pool.num_free, evict_adapters=True)
+        elif self.pool.usage < swapper.LOW and self.host_used:
+            self._fill(int(self.pool.num_pages * swapper.LOW))
+
+    def swap_out(self, pages: int) -> None:
+        """Swap out (or drop, without host room) up to `pages` cached KV pages that no
+        request reads, least valuable first: an operator's (and a test's) lever."""
+        self._make_room(pages)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a swap finishes (or the timeout); True if one did."""
+        if not self._in_flight:
+            return False
+        try:
+            item = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        self._finish(*item)
+        return True
+
+    @property
+    def swapping(self) -> bool:
+        return self._in_flight > 0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        kv_nodes = list(self.tree.kv_nodes())
+        cached = sum(1 for kv in kv_nodes if kv.where in (DEVICE, TO_DEVICE) and kv.refs == 0)
+        s = self._stats
+        return CacheStats(
+            policy=self.policy,
+            page_bytes=self.pool.page_bytes,
+            pages_total=self.pool.num_pages,
+            pages_kv=self.pool.used(KV),
+            pages_kv_cached=cached,
+            pages_lora=self.pool.used(LORA),
+            host_bytes_used=self.host_used,
+            host_bytes_capacity=self.host_capacity,
+            prompt_tokens=s["prompt_tokens"],
+            hit_tokens=s["hit_tokens"],
+            swaps_out=s["swaps_out"],
+            swaps_in=s["swaps_in"],
+            swap_out_bytes=s["out_bytes"],
+            swap_in_bytes=s["in_bytes"],
+            invalid_kv_pages=self.invalid_kv_pages(),
+        )
+
+    def held_pages(self) -> int:
+        """KV pages that requests hold (their own, and cached ones they read): 0 when none
+        runs, whatever stays cached."""
+        return sum(
+            1
+            for kind, owner in self.pool.owned().values()
+            if kind == KV and (not isinstance(owner, Node) or owner.refs > 0)
+        )
+
+    def invalid_kv_pages(self) -> int:
+        """Device KV pages whose adapter is not on the device (FastLibra's invalid KV)."""
+        return sum(
+            1
+            for adapter in self.tree.adapters()
+            if adapter.where != DEVICE
+            for kv in self.tree.kv_nodes(adapter)
+            if kv.where in (DEVICE, TO_DEVICE)
+        )
+
+    def check(self, leases: Sequence[Lease] = ()) -> None:
+        """Assert the invariants: pages conserved and singly owned, the dependency rule
+        (fastlibra), nodes read by a request on the device."""
+        self.pool.check()
+        owned = self.pool.owned()
+        seen: set[int] = set()
+        for kv in self.tree.kv_nodes():
+            if kv.where in (DEVICE, TO_DEVICE):
+                assert owned.get(kv.page) == (KV, kv), f"node page {kv.page} not owned by it"
+                assert kv.page not in seen
+                seen.add(kv.page)
+                if self.policy == "fastlibra":  # a run swapping in lands parent first
+                    parents = (DEVICE, TO_DEVICE) if kv.where == TO_DEVICE else (DEVICE,)
+                    assert kv.parent is not None and kv.parent.where in parents, "invalid KV"
+            else:
+                assert kv.page == -1
+            if kv.refs:
+                assert kv.where == DEVICE, "a node read by a request is not on the device"
+            assert (kv.where in (HOST, TO_DEVICE)) == (kv.host is not None)
+        for lease in {*self._leases, *leases}:
+            for page in lease.pages:
+                assert owned.get(page) == (KV, lease.owner), f"lease page {page} not its own"
+                assert page not in seen
+                seen.add(page)
+            for kv in lease.nodes:
+                assert kv.refs > 0 and kv.where == DEVICE
+        kv_pages = {p for p, (kind, _) in owned.items() if kind == KV}
+        assert kv_pages == seen, f"KV pages without an owner: {sorted(kv_pages - seen)}"
+        host = sum(kv.host.nbytes for kv in self.tree.kv_nodes() if kv.host is not None)
+        assert host + self._pending_host() == self.host_used, "host pool bytes drifted"
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _grant(self, lease: Lease) -> Lease:
+        self._leases.add(lease)
+        return lease
+
+    def _cache(self, lease: Lease, tokens: Sequence[int], written: int) -> None:
+        """Move the lease's pages that hold full written blocks into the tree."""
+        if lease.adapter is None:
+            return
+        bs, now = self.block_size, self._clock()
+        parent = lease.nodes[-1] if lease.nodes else lease.adapter
+        for i in range(len(lease.nodes), written // bs):
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            if block in parent.children or not lease.pages or parent.where != DEVICE:
+                return  # cached already (another request's copy), or nowhere to hang it
+            page = lease.pages.pop(0)
+            node = self.tree.add(parent, block, page, now)
+            node.refs = 1
+            self.pool.transfer([page], node)
+            lease.nodes.append(node)
+            parent = node
+
+    def _allocate(
+        self, count: int, owner: Hashable, protect: list[Node], keep: str | None = None
+    ) -> list[int] | None:
+        """`count` pages for `owner`, making room if needed (never by moving `protect` or
+        evicting adapter `keep`, what the pages are for); None if they cannot be had."""
+        for kv in protect:
+            kv.refs += 1
+        try:
+            if self.pool.num_free < count:
+                self._make_room(count - self.pool.num_free, evict_adapters=True, keep=keep)
+            if self.pool.num_free < count:
+                return None
+            return self.pool.allocate(count, KV, owner)
+        finally:
+            for kv in protect:
+                kv.refs -= 1
+
+    def _make_room(self, pages: int, evict_adapters: bool = False, keep: str | None = None) -> None:
+        """Free `pages` pages by swapping out (or dropping) cached leaves, lowest value
+        first (LRU under "lru"); with `evict_adapters`, idle adapters but `keep` compete
+        too (not under "lru", whose adapters have their own share)."""
+        freed = 0
+        while freed < pages:
+            leaves = self.tree.device_leaves()
+            idle = [n for n in self._idle_adapters() if n != keep] if evict_adapters else []
+            if not leaves and not idle:
+                return
+            if self.policy == "lru":
+                victim = min(leaves, key=lambda kv: kv.last_used)
+                self._swap_out(victim)
+                freed += 1
+                continue
+            now, demand = self._clock(), self._demand()
+            ranked: list[tuple[float, Node | str]] = [
+                (self._value(kv, demand, now), kv) for kv in leaves
+            ]
+            for name in idle:
+                a = self._adapters[name]
+                value = swapper.evaluate(self._candidate(self.tree.adapter(a.key), a), demand, now)
+                ranked.append((value, name))
+            _, chosen = min(ranked, key=lambda r: (r[0], isinstance(r[1], str)))
+            if isinstance(chosen, str):
+                before = self.pool.num_free
+                assert self.evict_adapter is not None
+                self.evict_adapter(chosen)
+                freed += self.pool.num_free - before
+            else:
+                self._swap_out(chosen)
+                freed += 1
+
+    def _idle_adapters(self) -> list[str]:
+        if self.evict_adapter is None or self.policy == "lru":
+            return []
+        adapters = self._adapters
+        return [n for n in self.idle_adapters() if n in adapters and adapters[n].resident]
+
+    def _fill(self, target_used: int) -> None:
+        """Swap in the most valuable host roots while usage stays at or below the target."""
+        now, demand = self._clock(), self._demand()
+        while True:
+            used = self.pool.num_pages - self.pool.num_free
+            roots = self.tree.host_roots()
+            if not roots or used + 1 > target_used:
+                return
+            best = max(roots, key=lambda kv: self._value(kv, demand, now))
+            if not self._swap_in([best], protect=[]):
+                return
+
+    def _swap_out(self, kv: Node) -> None:
+        """Move a device leaf to the host pool (or drop it if the host pool cannot take it);
+        its page is free when this returns."""
+        assert kv.refs == 0 and kv.where in (DEVICE, TO_DEVICE)
+        nbytes = self.pool.page_bytes
+        if kv.where == TO_DEVICE or not self._host_room(nbytes):
+            self.pool.free([kv.page])
+            kv.page = -1
+            self._drop(kv)
+            return
+        snapshot = self.device.kv_snapshot([kv.page])
+        self.pool.free([kv.page])
+        kv.page, kv.where = -1, TO_HOST
+        self.host_used += nbytes
+        self._submit(kv, TO_HOST, lambda: self.device.kv_to_host(snapshot))
+        self._stats["swaps_out"] += 1
+        self._stats["out_bytes"] += nbytes
+
+    def _swap_in(self, run: list[Node], protect: list[Node], keep: str | None = None) -> bool:
+        """Start moving host nodes (a parent before its children) to the device, never
+        making room by evicting adapter `keep` (theirs); False if the pages cannot be had."""
+        # The run is protected too: making room must not drop it from the host pool.
+        pages = self._allocate(len(run), ("swap-in",), [*protect, *run], keep=keep)
+        if pages is None:
+            return False
+        for kv, page in zip(run, pages, strict=True):
+            self.pool.transfer([page], kv)
+            kv.page, kv.where = page, TO_DEVICE
+            host = kv.host
+            assert host is not None
+            self._submit(kv, TO_DEVICE, functools.partial(self.device.kv_to_device, host))
+            self._stats["swaps_in"] += 1
+            self._stats["in_bytes"] += host.nbytes
+        return True
+
+    def _submit(self, kv: Node, direction: str, copy: Callable[[], object]) -> None:
+        done, start = self._done, time.perf_counter()
+
+        def run() -> None:
+            try:
+                result = copy()
+            except BaseException as error:  # noqa: BLE001 (handed to the scheduler thread)
+                result = error
+            done.put((kv, direction, result, time.perf_counter() - start))
+
+        self._in_flight += 1
+        self._executor.submit(run)
+
+    def _poll(self) -> None:
+        while True:
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._finish(*item)
+
+    def _finish(self, kv: Node, direction: str, result: object, seconds: float) -> None:
+        self._in_flight -= 1
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"a KV swap ({direction}) failed") from result
+        nbytes = self.pool.page_bytes
+        if self._measured_link and seconds > 0:
+            rate = nbytes / seconds
+            self._link = rate if self._link <= 0 else 0.8 * self._link + 0.2 * rate
+        if kv.where == "gone":
+            return
+        if direction == TO_HOST:
+            assert isinstance(result, HostBlocks)
+            kv.host, kv.where = result, HOST
+            self.host_used += result.nbytes - nbytes
+        else:
+            self.device.kv_restore([kv.page], result)
+            assert kv.host is not None
+            self.host_used -= kv.host.nbytes
+            kv.host, kv.where = None, DEVICE
+
+    def _pending_host(self) -> int:
+        return sum(self.pool.page_bytes for kv in self.tree.kv_nodes() if kv.where == TO_HOST)
+
+    def _host_room(self, nbytes: int) -> bool:
+        """Make room in the host pool for `nbytes` by dropping its least valuable leaves."""
+        if nbytes > self.host_capacity:
+            return False
+        now, demand = self._clock(), self._demand()
+        while self.host_used + nbytes > self.host_capacity:
+            leaves = self.tree.host_leaves()
+            if not leaves:
+                return False
+            if self.policy == "lru":
+                victim = min(leaves, key=lambda kv: kv.last_used)
+            else:
+                victim = min(leaves, key=lambda kv: self._value(kv, demand, now))
+            self._drop(victim)
+        return True
+
+    def _drop(self, kv: Node) -> None:
+        """Forget a node and its subtree (none of it on the device)."""
+        for node in [kv, *self.tree.kv_nodes(kv)]:
+            assert node.refs == 0 and node.page == -1, "dropping a node in use"
+            if node.host is not None:  # in the host pool, or on its way from it
+                self.host_used -= node.host.nbytes
+            elif node.where == TO_HOST:
+                self.host_used -= self.pool.page_bytes
+            node.host, node.where = None, "gone"
+        self.tree.remove(kv)
+
+    def _demand(self) -> swapper.Demand:
+        adapters = [a for a in self.tree.adapters() if a is not self._base]
+        return swapper.Demand(
+            link_bytes_per_s=self._link or DEFAULT_LINK_BYTES_PER_S,
+            total_visits=sum(a.visits for a in self.tree.adapters()),
+            adapter_visits=[a.visits for a in adapters],
+            batch=self._batch.mean(),
+            now_lora=sum(1 for a in adapters if a.where == DEVICE),
+        )
+
+    def _value(self, kv: Node, demand: swapper.Demand, now: float) -> float:
+        return swapper.evaluate(self._candidate(kv), demand, now)
+
+    def _candidate(self, node: Node, adapter: _Adapter | None = None) -> swapper.Candidate:
+        nbytes = adapter.device_bytes if adapter is not None else self.pool.page_bytes
+        return swapper.Candidate(node, adapter is not None, nbytes, node.visits, node.last_used)

@@ -1,0 +1,84 @@
+"""The device pool: fixed-size pages shared by KV blocks and adapter rank rows.
+
+FastLibra §4.3 ("Unified Caching Pool for LoRAs and KVs"): device memory is cut into
+pages of one size, a page holds one KV block (keys and values of `block_size` tokens
+across every layer), and an adapter takes as many pages as its rank rows fill
+(`pages_for`), so the split between KV and adapters follows the load instead of being
+fixed. Page ids are the KV cache's block indices.
+
+The pool is a ledger: it knows who owns every page and hands out free ones; it moves no
+data. Every page is free or has exactly one owner: a running request (its private
+blocks), a node of the prefix tree (cached KV), or an adapter. `check` asserts that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+
+KV, LORA = "kv", "lora"
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages right now."""
+
+
+class PagePool:
+    """`num_pages` pages of `page_bytes`; see the module docstring."""
+
+    def __init__(self, num_pages: int, page_bytes: int) -> None:
+        if num_pages < 1 or page_bytes < 1:
+            raise ValueError(f"{num_pages=} and {page_bytes=} must be positive")
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self._free = list(range(num_pages - 1, -1, -1))  # LIFO: recently freed first
+        self._owner: dict[int, tuple[str, Hashable]] = {}  # page -> (kind, owner)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.page_bytes)
+
+    def used(self, kind: str) -> int:
+        return sum(1 for k, _ in self._owner.values() if k == kind)
+
+    @property
+    def usage(self) -> float:
+        """The share of pages in use, 0..1."""
+        return 1.0 - len(self._free) / self.num_pages
+
+    def allocate(self, count: int, kind: str, owner: Hashable) -> list[int]:
+        if count > len(self._free):
+            raise OutOfPages(f"need {count} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self._owner[page] = (kind, owner)
+        return pages
+
+    def transfer(self, pages: Iterable[int], owner: Hashable) -> None:
+        """Give pages to a new owner (a request's block becomes a cached node's)."""
+        for page in pages:
+            kind, _ = self._owner[page]
+            self._owner[page] = (kind, owner)
+
+    def free(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            if page not in self._owner:
+                raise ValueError(f"page {page} is not allocated")
+            del self._owner[page]
+            self._free.append(page)
+
+    def owner(self, page: int) -> tuple[str, Hashable] | None:
+        return self._owner.get(page)
+
+    def owned(self) -> dict[int, tuple[str, Hashable]]:
+        return dict(self._owner)
+
+    def check(self) -> None:
+        """Every page is either free (once) or owned (once)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is free twice"
+        assert not free & self._owner.keys(), "a page is both free and owned"
+        assert len(free) + len(self._owner) == self.num_pages, "pages leaked"
