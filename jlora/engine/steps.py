@@ -388,9 +388,9 @@ class KVBlocks:
     `num_blocks` (clipped on reads, the copies then cut; dropped on writes), so only
     log2(num_blocks) shapes of each kind compile: one block's at warm-up (`warm`), the
     others on first use (a gather or a scatter: milliseconds). Copies keep the cache's
-    layout, [layers, n, block_size, kv_heads, head_dim], and its sharding (split over the KV heads under tensor
-    parallelism), so a restore writes each device's heads where they are. In host
-    memory, `HostBlocks.data` is the numpy (keys, values) of the n blocks.
+    layout, [layers, n, block_size, kv_heads, head_dim], and its sharding (split over
+    the KV heads under tensor parallelism), so a restore writes each device's heads
+    where they are. In host memory, `HostBlocks.data` is the numpy (keys, values) of the n blocks.
     """
 
     def __init__(self, shardings: KVCache, num_blocks: int, emulated_link_gbps: float) -> None:
