@@ -52,9 +52,11 @@ bench-dlora: $(STAMP)
 	$(BIN)/python -m bench.dlora_migration
 
 # FastLibra's cache policies (fastlibra, lru as vLLM, none as S-LoRA) on a multi-turn
-# chatbot workload, in one process (about 10 min on 2 cores).
+# chatbot workload, in one process: the chat scenario and the many-adapters one (about
+# 10 min on 2 cores).
 bench-cache: $(STAMP)
 	$(BIN)/python -m bench.cache
+	$(BIN)/python -m bench.cache --scenario many-adapters
 
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput

@@ -1,11 +1,12 @@
 """FastLibra's comparison on jlora: one multi-turn chatbot workload (FastLibra §6.2)
 served under the three cache policies, FastLibra and its baselines (§6.1).
 
-Run: `python -m bench.cache [--quick]` (`make bench-cache`; about 10 minutes on two
-cores, `--quick` one or two). Writes `bench/results/<date>-cpu-cache.md` and `.json`.
+Run: `python -m bench.cache [--quick] [--scenario chat|many-adapters]` (`make
+bench-cache` runs both scenarios; about 5 minutes each on two cores, `--quick` one or
+two). Writes `bench/results/<date>-cpu-cache[-many-adapters].md` and `.json`.
 
 Setup (one process): SmolLM2 in fp32, `adapters` demo adapters of mixed ranks on all
-seven projections, loaded on demand into `max_loras` device slots over an emulated
+seven projections, loaded on demand into device slots over an emulated
 host-to-device link of `link_gbps` (a CPU has no real link, so loads and KV swaps would
 otherwise cost nothing), a device pool of `pool_blocks` KV blocks (pool_bytes, measured
 in SmolLM2's KV blocks) small enough that history KV must leave it, and a host pool
@@ -14,10 +15,15 @@ for what is swapped out. Three engines are built in turn on the same weights, on
 
 - `fastlibra`: one pool for KV and adapters, history KV kept in a tree under its
   adapter, a cost-model swapper (FastLibra);
-- `lru`: a static share of the pool for the adapter slots, history KV evicted least
-  recently used to the host pool, adapters evicted whatever KV depends on them (the
-  paper's vLLM baseline, with its swap-out);
+- `lru`: a static share of the pool for `max_loras` adapter slots at the top rank
+  (vLLM's --max-loras), history KV evicted least recently used to the host pool,
+  adapters evicted whatever KV depends on them (the paper's vLLM baseline, with its
+  swap-out);
 - `none`: one pool, no history KV (S-LoRA).
+
+The two unified policies get a device slot for every adapter: in them the pool, not a
+slot count, decides how many adapters are resident (FastLibra §5.1), and jlora's slots
+hold none of the pool's pages (only `lru` sets a share of the pool aside for slots).
 
 Each replays the same `multiturn_workload` (bench/workloads.py), closed loop within a
 session: turn k is sent at max(its trace arrival, turn k-1's finish + think_s), its
@@ -66,7 +72,7 @@ from bench.workloads import (
 from configs import EngineConfig, ModelConfig
 from jlora.adapters.peft import make_demo_adapters
 from jlora.engine.api import CacheStats, EngineStats, Request, SamplingParams
-from jlora.engine.llama_engine import LlamaEngine, build_engine
+from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 
@@ -337,7 +343,7 @@ def engine_config(plan: Plan, policy: str, block_bytes: int) -> EngineConfig:
         max_slots=plan.slots,
         max_seq_len=plan.max_seq_len,
         prefill_buckets=plan.prefill_buckets,
-        max_loras=plan.max_loras,
+        max_loras=plan.max_loras if policy == "lru" else plan.adapters,
         max_lora_rank=max(plan.ranks),
         lora_mode="ondemand",
         cache_policy=policy,
@@ -362,15 +368,6 @@ def build(loaded: LoadedModel, plan: Plan, policy: str, adapter_paths: list[Path
     for path in adapter_paths:
         engine.register_adapter(path.name, path)
     engine.warmup(max_length=plan.max_seq_len)
-    device = engine.device
-    assert isinstance(device, LlamaEngine)
-    # Warm-up leaves the cached-prefix prefill to its first use (steps.py), which would
-    # put a compilation inside some turn's TTFT under the policies that hit.
-    weights = None if device.lora is None else device.lora.weights
-    for size in device.config.prefill_buckets:
-        device.steps.compile_prefill(
-            device.params, device.cache, size, device.config.blocks_per_seq, weights, cached=True
-        )
     # One adapter of each rank through a load and a prefill, then off the device again.
     # Eight prompt tokens and four generated fill no KV block, so nothing stays cached.
     first_of_rank = {int(path.name.rsplit("-r", 1)[1]): path.name for path in adapter_paths}
@@ -492,8 +489,9 @@ def render(
         f"{', '.join(map(str, plan.ranks))} (Zipf {plan.zipf_s:g}, base model "
         f"{plan.base_fraction:.0%}).",
         "",
-        f"Engine: {plan.slots} decode rows, max_seq_len {plan.max_seq_len}, {plan.max_loras} "
-        f"adapter slots loaded on demand, a device pool of {plan.pool_blocks} KV blocks "
+        f"Engine: {plan.slots} decode rows, max_seq_len {plan.max_seq_len}, adapters "
+        f"loaded on demand into {plan.max_loras} slots (lru's static share) or one slot "
+        f"each (fastlibra, none: the pool decides), a device pool of {plan.pool_blocks} KV blocks "
         f"({rows[0]['pool_pages'] if rows else plan.pool_blocks} pages), a host pool of "
         f"{plan.host_pool_mib} MiB, an emulated link of {plan.link_gbps:g} GB/s.",
         "",
@@ -510,17 +508,28 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+# The default chat scenario, and one where adapters compete for the pool: twice the
+# adapters, flatter popularity, a slower link (loads and swaps cost 4x as much).
+SCENARIOS = {
+    "chat": Plan(),
+    "many-adapters": dataclasses.replace(Plan(), adapters=16, zipf_s=0.5, link_gbps=0.25),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 short turns, a smoke run")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="chat", help="the setup")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else Plan()
+    plan = QUICK if args.quick else SCENARIOS[args.scenario]
     _persistent_compilation_cache()
     facts = machine_facts()
     loaded = load_model(plan.model)
     workload, rows = compare(plan, loaded)
     stem = f"{datetime.date.today().isoformat()}-cpu-cache"
+    if args.scenario != "chat":
+        stem += f"-{args.scenario}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.md").write_text(render(facts, plan, workload, rows))
     write_report(args.out / f"{stem}.json", facts, plan, rows, workload=workload.meta)

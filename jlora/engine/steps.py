@@ -88,7 +88,7 @@ class CompiledSteps:
         )
         self._prefill_cached_jit = jax.jit(
             sharded(
-                self._prefill_cached,
+                self._prefill,
                 (params, cache, rep, rep, rep, rep, lora, rep, rep),
                 (rep, cache),
             ),
@@ -127,24 +127,10 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None,
         segments: Segments | None,
+        cached: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        logits, cache = self.model.prefill(
-            params, cache, tokens, length, block_table, lora_weights, segments
-        )
-        return sample(logits[None], sampling)[0], cache
-
-    def _prefill_cached(
-        self,
-        params: Params,
-        cache: KVCache,
-        tokens: jax.Array,
-        length: jax.Array,
-        block_table: jax.Array,
-        sampling: SamplingArrays,
-        lora_weights: LoraWeights | None,
-        segments: Segments | None,
-        cached: jax.Array,
-    ) -> tuple[jax.Array, KVCache]:
+        """A prompt's prefill and its first token; `cached` (the cached-prefix variant):
+        its first tokens' keys and values are in the cache already."""
         logits, cache = self.model.prefill(
             params, cache, tokens, length, block_table, lora_weights, segments, cached
         )

@@ -404,32 +404,32 @@ class MemoryManager:
         first (LRU under "lru"); with `evict_adapters`, idle adapters but `keep` compete
         too (not under "lru", whose adapters have their own share)."""
         freed = 0
-        while freed < pages:
+        while freed < pages:  # a pass ranks the candidates once, then takes them in order
             leaves = self.tree.device_leaves()
             idle = [n for n in self._idle_adapters() if n != keep] if evict_adapters else []
             if not leaves and not idle:
                 return
+            ranked: list[tuple[float, Node | str]]
             if self.policy == "lru":
-                victim = min(leaves, key=lambda kv: kv.last_used)
-                self._swap_out(victim)
-                freed += 1
-                continue
-            now, demand = self._clock(), self._demand()
-            ranked: list[tuple[float, Node | str]] = [
-                (self._value(kv, demand, now), kv) for kv in leaves
-            ]
-            for name in idle:
-                a = self._adapters[name]
-                value = swapper.evaluate(self._candidate(self.tree.adapter(a.key), a), demand, now)
-                ranked.append((value, name))
-            _, chosen = min(ranked, key=lambda r: (r[0], isinstance(r[1], str)))
-            if isinstance(chosen, str):
-                before = self.pool.num_free
-                assert self.evict_adapter is not None
-                self.evict_adapter(chosen)
-                freed += self.pool.num_free - before
+                ranked = [(kv.last_used, kv) for kv in leaves]
             else:
-                self._swap_out(chosen)
+                now, demand = self._clock(), self._demand()
+                ranked = [(self._value(kv, demand, now), kv) for kv in leaves]
+                for name in idle:
+                    a = self._adapters[name]
+                    node = self.tree.adapter(a.key)
+                    ranked.append((swapper.evaluate(self._candidate(node, a), demand, now), name))
+            ranked.sort(key=lambda r: (r[0], isinstance(r[1], str)))
+            for _, chosen in ranked:
+                if freed >= pages:
+                    return
+                if isinstance(chosen, str):  # its KV leaves with it: rank again
+                    before = self.pool.num_free
+                    assert self.evict_adapter is not None
+                    self.evict_adapter(chosen)
+                    freed += self.pool.num_free - before
+                    break
+                self._swap_out(chosen)  # the other leaves stay leaves
                 freed += 1
 
     def _idle_adapters(self) -> list[str]:
