@@ -745,6 +745,7 @@ class Orchestrator:
         """Take `seq` out, queued or running, and give back what it holds."""
         if seq.row < 0 and not seq.paused:
             self._waiting.remove(seq)
+            self.memory.forget(seq.request.request_id)
         else:
             if seq.paused:
                 self._paused.remove(seq)

@@ -102,6 +102,7 @@ class MemoryManager:
         self._clock = clock
         self._adapters: dict[str, _Adapter] = {}
         self._leases: set[Lease] = set()  # granted, not yet released
+        self._waiting: dict[Hashable, list[Node]] = {}  # owner -> the path it waits on
         self._static_share = False  # "lru": the adapters' pages are set aside
         self._base = self.tree.adapter(BASE)
         self._base.where = DEVICE
@@ -172,13 +173,14 @@ class MemoryManager:
         """The order in which idle adapters (given least recently used first) are evicted."""
         if self.policy != "fastlibra":
             return names
-        now, demand = self._clock(), self._demand()
+        now, demand, awaited = self._clock(), self._demand(), self._awaited()
 
-        def value(name: str) -> tuple[bool, float]:
+        def value(name: str) -> tuple[bool, bool, float]:
             adapter = self._adapters[name]
             node = self.tree.adapter(adapter.key)
             has_kv = any(kv.where == DEVICE for kv in self.tree.kv_nodes(node))
-            return has_kv, swapper.evaluate(self._candidate(node, adapter), demand, now)
+            evaluated = swapper.evaluate(self._candidate(node, adapter), demand, now)
+            return adapter.key in awaited, has_kv, evaluated
 
         return sorted(names, key=value)
 
@@ -190,6 +192,7 @@ class MemoryManager:
         """A lease of `blocks` blocks for a request of `tokens` (its prompt and anything
         generated), the cached prefix first; SWAPPING if part of that prefix is being
         swapped in (ask again later), FULL if the pages cannot be had now."""
+        self.forget(owner)
         if self.policy == "none":
             pages = self._allocate(blocks, owner, protect=[], keep=adapter)
             if pages is None:
@@ -207,7 +210,7 @@ class MemoryManager:
             prefix.append(kv)
         rest = matched[len(prefix) :]
         if rest and rest[0].where == TO_DEVICE:
-            return SWAPPING
+            return self._wait(owner, prefix + [kv for kv in rest if kv.where == TO_DEVICE])
         if rest and rest[0].where == HOST and node.where == DEVICE:
             run = []
             for kv in rest:
@@ -215,7 +218,7 @@ class MemoryManager:
                     break
                 run.append(kv)
             if self._swap_in(run, protect=prefix, keep=adapter):
-                return SWAPPING
+                return self._wait(owner, prefix + run)
         pages = self._allocate(blocks - len(prefix), owner, protect=prefix, keep=adapter)
         if pages is None:
             return FULL
@@ -229,6 +232,12 @@ class MemoryManager:
         self._stats["prompt_tokens"] += len(tokens)
         self._stats["hit_tokens"] += len(prefix) * bs
         return self._grant(Lease(owner, node, prefix, pages, len(prefix) * bs))
+
+    def forget(self, owner: Hashable) -> None:
+        """A queued request no longer waits for the swap-in its last `admit` started (it
+        asks again, or leaves)."""
+        for kv in self._waiting.pop(owner, ()):
+            kv.reserved -= 1
 
     def prefilled(self, lease: Lease, tokens: Sequence[int]) -> None:
         """`tokens`' keys and values are written: cache their full blocks."""
@@ -361,6 +370,15 @@ class MemoryManager:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _wait(self, owner: Hashable, path: list[Node]) -> str:
+        """SWAPPING, with `path` (the cached prefix and the blocks landing) kept on the
+        device for `owner` until it asks again: the swapper must not send back out what
+        it is waiting for."""
+        for kv in path:
+            kv.reserved += 1
+        self._waiting[owner] = path
+        return SWAPPING
+
     def _grant(self, lease: Lease) -> Lease:
         self._leases.add(lease)
         return lease
@@ -433,10 +451,23 @@ class MemoryManager:
                 freed += 1
 
     def _idle_adapters(self) -> list[str]:
+        """Resident adapters that no request holds and no queued request waits on."""
         if self.evict_adapter is None or self.policy == "lru":
             return []
-        adapters = self._adapters
-        return [n for n in self.idle_adapters() if n in adapters and adapters[n].resident]
+        adapters, awaited = self._adapters, self._awaited()
+        return [
+            n
+            for n in self.idle_adapters()
+            if n in adapters and adapters[n].resident and adapters[n].key not in awaited
+        ]
+
+    def _awaited(self) -> set[Hashable]:
+        """The adapter keys whose KV queued requests wait to have swapped in."""
+        keys: set[Hashable] = set()
+        for path in self._waiting.values():
+            for kv in path[:1]:
+                keys.update(node.key for node in kv.path() if node.kind == "lora")
+        return keys
 
     def _fill(self, target_used: int) -> None:
         """Swap in the most valuable host roots while usage stays at or below the target."""
@@ -455,7 +486,11 @@ class MemoryManager:
         its page is free when this returns."""
         assert kv.refs == 0 and kv.where in (DEVICE, TO_DEVICE)
         nbytes = self.pool.page_bytes
-        if kv.where == TO_DEVICE or not self._host_room(nbytes):
+        if kv.where == TO_DEVICE:  # called off: its host copy is still there
+            self.pool.free([kv.page])
+            kv.page, kv.where = -1, HOST
+            return
+        if not self._host_room(nbytes):
             self.pool.free([kv.page])
             kv.page = -1
             self._drop(kv)
@@ -514,7 +549,7 @@ class MemoryManager:
         if self._measured_link and seconds > 0:
             rate = nbytes / seconds
             self._link = rate if self._link <= 0 else 0.8 * self._link + 0.2 * rate
-        if kv.where == "gone":
+        if kv.where != direction:  # dropped, or a swap-in called off (or landed already)
             return
         if direction == TO_HOST:
             assert isinstance(result, HostBlocks)

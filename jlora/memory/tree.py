@@ -36,6 +36,7 @@ class Node:
     page: int = -1  # a KV node on the device (or landing there): its page
     host: HostBlocks | None = None  # a KV node in the host pool: its blocks
     refs: int = 0
+    reserved: int = 0  # queued requests waiting for a swap-in along this path
     visits: int = 0
     last_used: float = 0.0
     children: dict[Hashable, Node] = dataclasses.field(default_factory=dict)
@@ -109,6 +110,7 @@ class Tree:
             for node in self.kv_nodes()
             if node.where == DEVICE
             and node.refs == 0
+            and node.reserved == 0
             and not any(c.where in (DEVICE, TO_DEVICE) for c in node.children.values())
         ]
 
