@@ -20,10 +20,11 @@ tells it when an adapter lands or leaves (`installed`, `released`). Policies
 
 A request reuses the longest cached prefix of full blocks for the same adapter content,
 less its last token (a prefill computes at least one token). If part of that prefix is
-in the host pool, it is swapped in (asynchronously) and the request waits for it, as it
-would for its adapter; if the pages for it cannot be had, the request uses the part on
-the device. Swaps run on one background thread, over the link the engine emulates or
-has: `device.kv_to_host` / `kv_to_device` take its time; `tick` installs what landed.
+in the host pool (or on its way there), it is swapped in (asynchronously) and the
+request waits for it, as it would for its adapter; if the pages for it cannot be had,
+the request uses the part on the device. Swaps run on one background thread, over the
+link the engine emulates or has: `device.kv_to_host` / `kv_to_device` take its time;
+`tick` installs what landed.
 
 Threads: everything but the copies runs on the scheduler's thread.
 """
@@ -209,8 +210,8 @@ class MemoryManager:
                 break
             prefix.append(kv)
         rest = matched[len(prefix) :]
-        if rest and rest[0].where == TO_DEVICE:
-            return self._wait(owner, prefix + [kv for kv in rest if kv.where == TO_DEVICE])
+        if rest and rest[0].where in (TO_DEVICE, TO_HOST):  # in flight: wait for it
+            return self._wait(owner, prefix + [kv for kv in rest if kv.where == rest[0].where])
         if rest and rest[0].where == HOST and node.where == DEVICE:
             run = []
             for kv in rest:
