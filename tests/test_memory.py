@@ -211,7 +211,7 @@ class Harness:
     KV as the orchestrator does (admit, prefill, release)."""
 
     def __init__(
-        self, policy: str, num_pages: int, host_pages: int, max_loras: int = 2, max_rank: int = 8
+        self, policy: str, num_pages: int, host_pages: int, max_loras: int = 0, max_rank: int = 8
     ) -> None:
         self.clock = FakeClock()
         self.device = FakeDevice()
@@ -222,8 +222,8 @@ class Harness:
             page_bytes=PAGE_BYTES,
             block_size=BLOCK_SIZE,
             host_bytes=host_pages * PAGE_BYTES,
-            max_loras=max_loras,  # the "lru" policy's static share
-            max_rank=max_rank,
+            # the "lru" policy's static share: max_loras slots at max_rank, PAGE_BYTES a rank 8
+            lora_share_bytes=max_loras * PAGE_BYTES * max_rank // 8,
             link_bytes_per_s=LINK_BYTES_PER_S,
             clock=self.clock,
         )
@@ -232,7 +232,7 @@ class Harness:
 
     def adapter(self, name: str, key: Hashable) -> None:
         """Register `name` (one page of rank rows) and put it on the device."""
-        self.manager.register(name, key, PAGE_BYTES, 8)
+        self.manager.register(name, key, PAGE_BYTES)
         assert self.manager.reserve(name)
         self.keys[name] = key
 
@@ -316,7 +316,7 @@ def test_a_prefix_hit_reads_the_cached_nodes(make):
     stats = mem.manager.stats()
     assert (stats.prompt_tokens, stats.hit_tokens) == (5 + 7, 4)
     assert all(n.refs == 1 for n in cached)
-    mem.manager.check([second])
+    mem.manager.check()
 
 
 def test_a_prefix_ending_mid_block_reuses_its_full_blocks_only(make):
@@ -329,7 +329,7 @@ def test_a_prefix_ending_mid_block_reuses_its_full_blocks_only(make):
     # all but the block of its last token.
     exact = mem.admit(None, [1, 2, 3, 4])
     assert isinstance(exact, Lease) and exact.cached_tokens == 2
-    mem.manager.check([mid, exact])
+    mem.manager.check()
 
 
 def test_adapters_share_kv_by_content_only(make):
@@ -345,7 +345,7 @@ def test_adapters_share_kv_by_content_only(make):
     assert isinstance(base, Lease) and base.cached_tokens == 0
     assert isinstance(same, Lease) and same.cached_tokens == 2
     assert mem.device.pages[same.table[0]] == ("ka", (1, 2))
-    mem.manager.check([other, base, same])
+    mem.manager.check()
 
 
 def test_base_model_requests_share_among_themselves(make):
@@ -390,7 +390,7 @@ def test_the_none_policy_caches_nothing(make):
     again = mem.admit(None, [1, 2, 3, 4, 5])
     assert isinstance(again, Lease) and again.cached_tokens == 0
     assert mem.manager.stats().hit_tokens == 0
-    mem.manager.check([again])
+    mem.manager.check()
 
 
 @pytest.mark.parametrize("policy, victim", [("fastlibra", "y"), ("lru", "x")])
@@ -412,7 +412,7 @@ def test_demand_eviction_swaps_a_leaf_out_and_back_with_its_content(make, policy
     out, kept = (y, x) if victim == "y" else (x, y)
     assert out.where in (TO_HOST, HOST) and out.page == -1
     mem.assert_holds([kept])
-    mem.manager.check([big])
+    mem.manager.check()
     mem.write(big, None, [3, 3, 3, 3, 3], 0, 5)  # overwrites the page the victim had
     mem.finish(big, [3, 3, 3, 3, 3], written=0)
     mem.settle()
@@ -432,7 +432,7 @@ def test_demand_eviction_swaps_a_leaf_out_and_back_with_its_content(make, policy
     assert (stats.swaps_out, stats.swaps_in) == (1, 1)
     assert (stats.swap_out_bytes, stats.swap_in_bytes) == (PAGE_BYTES, PAGE_BYTES)
     assert stats.host_bytes_used == 0
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 def test_a_chain_swaps_out_deepest_first_and_back_in_as_one_run(make):
@@ -451,7 +451,7 @@ def test_a_chain_swaps_out_deepest_first_and_back_in_as_one_run(make):
     lease = mem.admit(None, [1, 2, 3, 4, 5, 6, 7, 8])
     assert isinstance(lease, Lease) and lease.nodes == nodes and lease.cached_tokens == 6
     mem.assert_holds(nodes)
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 def test_the_host_pool_drops_its_least_valuable_leaves(make):
@@ -472,7 +472,7 @@ def test_the_host_pool_drops_its_least_valuable_leaves(make):
     mem.settle()
     assert y.where == HOST and mem.manager.host_used == PAGE_BYTES
     mem.assert_holds([z])
-    mem.manager.check([first, second])
+    mem.manager.check()
     mem.finish(first, [4, 4], written=0)
     mem.finish(second, [5, 5], written=0)
     forgotten = mem.admit(None, [1, 1, 7])  # no swap: x is gone
@@ -485,7 +485,7 @@ def test_no_host_pool_drops_what_is_swapped_out(make):
     lease = mem.admit(None, [2, 2])
     assert isinstance(lease, Lease) and x.where == "gone"
     assert mem.manager.stats().swaps_out == 0 and mem.manager.host_used == 0
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 def test_a_swap_in_keeps_its_blocks_when_the_host_pool_is_full(make):
@@ -507,7 +507,7 @@ def test_a_swap_in_keeps_its_blocks_when_the_host_pool_is_full(make):
     assert isinstance(lease, Lease) and lease.nodes == [x]
     mem.assert_holds([x])
     assert chain[0].where == TO_HOST  # the lease's own page: the host pool has room again
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 def test_a_swap_in_never_evicts_the_adapter_it_is_for(make):
@@ -518,13 +518,16 @@ def test_a_swap_in_never_evicts_the_adapter_it_is_for(make):
     mem = make(num_pages=4)
     idle: list[str] = []  # the slot manager's idle adapters
 
-    def evict(name: str) -> bool:
-        idle.remove(name)
-        mem.manager.released(name)
-        return True
+    class Slots:
+        def idle(self) -> list[str]:
+            return list(idle)
 
-    mem.manager.idle_adapters = lambda: list(idle)
-    mem.manager.evict_adapter = evict
+        def evict(self, name: str) -> bool:
+            idle.remove(name)
+            mem.manager.released(name)
+            return True
+
+    mem.manager.attach(Slots())
     mem.adapter("a", "ka")
     nodes = mem.cache("a", [1, 1, 2, 2, 9])  # (1, 1) -> (2, 2), and a's page: 3 used
     filler = mem.admit(None, [5, 5, 5], blocks=2)
@@ -534,14 +537,14 @@ def test_a_swap_in_never_evicts_the_adapter_it_is_for(make):
     assert mem.admit("a", [1, 1, 2, 2, 7]) == FULL  # the only page to take is a's own
     assert idle == ["a"] and mem.manager.invalid_kv_pages() == 0
     assert [n.where for n in nodes] == [DEVICE, HOST]
-    mem.manager.check([filler])
+    mem.manager.check()
     mem.finish(filler, [5, 5, 5], written=0)
     assert mem.admit("a", [1, 1, 2, 2, 7]) == SWAPPING
     mem.settle()
     lease = mem.admit("a", [1, 1, 2, 2, 7])
     assert isinstance(lease, Lease) and lease.nodes == nodes
     mem.assert_holds(nodes)
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 @pytest.mark.parametrize("policy", ["fastlibra", "lru"])
@@ -566,7 +569,7 @@ def test_an_adapter_leaves_after_its_kv_under_fastlibra_only(make, policy):
     lease = mem.admit("a", [1, 2, 3, 4, 5, 6])
     assert isinstance(lease, Lease) and lease.nodes == nodes and lease.cached_tokens == 4
     mem.assert_holds(nodes)
-    mem.manager.check([lease])
+    mem.manager.check()
 
 
 def test_the_marks_leave_usage_between_them_alone(make):
@@ -691,8 +694,7 @@ class MemoryMachine(RuleBasedStateMachine):
             num_slots, self.device.load_adapter, self.device.install_adapter, memory=self.manager
         )
         run_inline(self.manager, self.slots)
-        self.manager.evict_adapter = self.slots.evict
-        self.manager.idle_adapters = self.slots.idle
+        self.manager.attach(self.slots)
         self.registered: set[str] = set()
         self.running: dict[int, Running] = {}
         self.waiting: dict[int, tuple[str | None, list[int], int, bool]] = {}
@@ -703,8 +705,8 @@ class MemoryMachine(RuleBasedStateMachine):
     @rule(name=adapter_names)
     def register(self, name: str) -> None:
         if name not in self.registered:
-            key, nbytes, rank = ADAPTERS[name]
-            self.manager.register(name, key, nbytes, rank)
+            key, nbytes, _ = ADAPTERS[name]
+            self.manager.register(name, key, nbytes)
             self.registered.add(name)
 
     @rule(
@@ -864,7 +866,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_manager_checks(self) -> None:
-        self.manager.check([r.lease for r in self.running.values()])
+        self.manager.check()  # every lease it granted and not released: the running ones
         assert 0 <= self.manager.host_used <= self.manager.host_capacity
 
     @invariant()
@@ -905,7 +907,7 @@ class MemoryMachine(RuleBasedStateMachine):
     @invariant()
     def adapters_are_charged_their_pages(self) -> None:
         if self.POLICY == "lru":
-            return  # a fixed share, set aside at the first registration
+            return  # a fixed share, set aside when the manager is made
         pool = self.manager.pool
         loaded = [n for n in self.registered if self.slots.is_ready(n) or self.slots.is_loading(n)]
         assert pool.used(LORA) == sum(pool.pages_for(ADAPTERS[n][1]) for n in loaded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from configs import ModelConfig
 from configs.engine import LORA_TARGETS as TARGETS
 
-__all__ = ["INPUT_GROUPS", "MODULE_OF", "TARGETS", "target_shapes"]
+__all__ = ["INPUT_GROUPS", "MODULE_OF", "TARGETS", "rank_row_bytes", "target_shapes"]
 
 # The Hugging Face module that holds each projection inside a decoder layer.
 MODULE_OF = {
@@ -41,3 +41,11 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (d, i),
         "down_proj": (i, d),
     }
+
+
+def rank_row_bytes(
+    shapes: dict[str, tuple[int, int]], targets: tuple[str, ...], num_layers: int, itemsize: int
+) -> int:
+    """The device bytes of one rank of an adapter on `targets`: A's column and B's row of
+    each target (in_features + out_features), in every layer."""
+    return num_layers * itemsize * sum(sum(shapes[target]) for target in targets)

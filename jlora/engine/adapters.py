@@ -100,7 +100,7 @@ class AdapterManager:
         had), the adapter is discarded and the error raised."""
         name = staged.name
         self._adapters[name] = staged
-        self.memory.register(name, self._keys[name], staged.device_bytes, staged.rank)
+        self.memory.register(name, self._keys[name], staged.device_bytes)
         try:
             pin = pin or self.mode == "cached"
             if load or pin:

@@ -191,7 +191,7 @@ class CacheStats:
     host_bytes_capacity: int
     prompt_tokens: int
     hit_tokens: int
-    swaps_out: int  # KV blocks and adapters moved to the host pool
+    swaps_out: int  # KV blocks moved to the host pool (adapters stay in the host store)
     swaps_in: int  # moved back to the device
     swap_out_bytes: int
     swap_in_bytes: int

@@ -153,6 +153,7 @@ class Memory:
     device_limit: int = -1
     merged_weights: int = 0  # the merged copies of a merged adapter's targets (all devices)
     kv_block_bytes: int = 0  # one KV block, keys and values of every layer (0: not known)
+    lora_slot_bytes: int = 0  # one adapter slot: max_lora_rank on every lora target
 
 
 class DeviceEngine(abc.ABC):

@@ -21,7 +21,8 @@ A prefill pads its prompt to the next prefill bucket and runs in one compiled ca
 that also samples the first token; a decode step attends over the smallest decode
 bucket holding the longest row. Both compile once per bucket (`warmup`), never while
 serving a known shape. A prefill after a cached prefix (`PrefillJob.cached`) pads only
-the new tokens, in a variant compiled on first use (steps.py). In `cpu-assist` and
+the new tokens, in a variant of its own (steps.py), compiled at warm-up unless the cache
+policy keeps no history. In `cpu-assist` and
 `auto` modes a prefill whose adapter is still in flight runs layer group by layer group
 instead (`assisted.py`): the landed groups are installed before each segment, and the
 layers of the groups still in flight compute their LoRA on the CPU workers
@@ -62,7 +63,7 @@ from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
-from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+from jlora.adapters.targets import INPUT_GROUPS, rank_row_bytes, target_shapes
 from jlora.contract.errors import InvalidRequest, RequestError
 from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.cost_model import ColdStart
@@ -446,10 +447,7 @@ class LlamaEngine(DeviceEngine):
             sha256=stored.sha256,
             size_bytes=stored.file_bytes,
             host_bytes=stored.nbytes,
-            device_bytes=self.model_config.num_layers
-            * spec.rank
-            * self.model.dtype.itemsize
-            * sum(sum(self.lora.shapes[target]) for target in spec.targets),
+            device_bytes=spec.rank * self._rank_row_bytes(spec.targets),
         )
 
     def drop_adapter(self, name: str) -> None:
@@ -548,8 +546,18 @@ class LlamaEngine(DeviceEngine):
             device_in_use=stats.get("bytes_in_use", -1),
             device_limit=stats.get("bytes_limit", -1),
             kv_block_bytes=self.cache.nbytes() // self.config.num_blocks,
+            lora_slot_bytes=(
+                self.config.max_lora_rank * self._rank_row_bytes(self.config.lora_targets)
+                if self.lora is not None
+                else 0
+            ),
             merged_weights=sum(merged),
         )
+
+    def _rank_row_bytes(self, targets: tuple[str, ...]) -> int:
+        assert self.lora is not None
+        layers, itemsize = self.model_config.num_layers, self.model.dtype.itemsize
+        return rank_row_bytes(self.lora.shapes, targets, layers, itemsize)
 
     def close(self) -> None:
         if self.cpu is not None:

@@ -360,7 +360,10 @@ class MockEngine(DeviceEngine):
         self._merged = None
 
     def memory(self) -> Memory:
-        return Memory(kv_block_bytes=self.kv_block_bytes)
+        return Memory(
+            kv_block_bytes=self.kv_block_bytes,
+            lora_slot_bytes=self.rank_row_bytes * self.config.max_lora_rank,
+        )
 
 
 def mock_adapter_dir(rank: int, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:

@@ -114,6 +114,11 @@ class _Sequence:
     served_at: float = dataclasses.field(default_factory=time.monotonic)  # its last token
 
     @property
+    def tokens(self) -> list[int]:
+        """Its prompt and what it has generated."""
+        return [*self.request.prompt_ids, *self.generated]
+
+    @property
     def length(self) -> int:
         return len(self.request.prompt_ids) + len(self.generated)
 
@@ -131,15 +136,15 @@ class Orchestrator:
         self.device = device
         self.config = cfg = device.config
         self.tokenizer = device.tokenizer
+        sizes = device.memory()
         self.memory = MemoryManager(
             policy=cfg.cache_policy,
             device=device,
             num_pages=cfg.num_blocks,
-            page_bytes=device.memory().kv_block_bytes or 1,
+            page_bytes=sizes.kv_block_bytes or 1,
             block_size=cfg.block_size,
             host_bytes=cfg.host_pool_mib * 2**20 if device.can_swap_kv else 0,
-            max_loras=cfg.max_loras,
-            max_rank=cfg.max_lora_rank,
+            lora_share_bytes=cfg.max_loras * sizes.lora_slot_bytes,
             min_kv_pages=cfg.blocks_per_seq,
             link_bytes_per_s=cfg.emulated_link_gbps * 1e9,
         )
@@ -148,8 +153,7 @@ class Orchestrator:
             self.adapters = AdapterManager(
                 device, num_slots=cfg.max_loras, mode=cfg.lora_mode, memory=self.memory
             )
-            self.memory.evict_adapter = self.adapters.slots.evict
-            self.memory.idle_adapters = self.adapters.slots.idle
+            self.memory.attach(self.adapters.slots)
         self.counters: collections.Counter[str] = collections.Counter()
         self.batcher: DynamicBatcher | None = None
         if cfg.merge != "never":
@@ -368,7 +372,10 @@ class Orchestrator:
             max_slots=cfg.max_slots,
             max_seq_len=cfg.max_seq_len,
             kv_blocks_total=cfg.num_blocks,
-            kv_blocks_free=cache.pages_total - cache.pages_lora - self.memory.held_pages(),
+            kv_blocks_free=cache.pages_total
+            - cache.pages_lora
+            - cache.pages_kv
+            + cache.pages_kv_cached,
             kv_block_size=cfg.block_size,
             adapter_slots_total=cfg.max_loras,
             adapter_slots_free=slots.num_free if slots is not None else 0,
@@ -542,8 +549,9 @@ class Orchestrator:
     def _lease(self, seq: _Sequence, *, reuse: bool) -> Lease | str:
         """The KV blocks for `seq`'s whole sequence (a cached prefix first, if `reuse`)."""
         blocks = math.ceil(seq.limit / self.config.block_size)
-        tokens = [*seq.request.prompt_ids, *seq.generated]
-        return self.memory.admit(seq.request.request_id, seq.request.adapter, tokens, blocks, reuse)
+        return self.memory.admit(
+            seq.request.request_id, seq.request.adapter, seq.tokens, blocks, reuse
+        )
 
     def _prefill(
         self, seq: _Sequence, lease: Lease, assist: bool, events: list[TokenEvent]
@@ -555,7 +563,7 @@ class Orchestrator:
         seq.lease = lease
         seq.row = self._rows.index(None)
         self._rows[seq.row] = seq
-        tokens = [*seq.request.prompt_ids, *seq.generated]
+        tokens = seq.tokens
         job = PrefillJob(
             tokens=tokens,
             block_table=self._block_table(seq),
@@ -755,11 +763,10 @@ class Orchestrator:
                 self._rows[seq.row] = None
                 seq.row = -1
             assert seq.lease is not None
-            tokens = [*seq.request.prompt_ids, *seq.generated]
             # The newest token's KV is written by the step that would have fed it; a
             # prefill that failed may have written nothing.
             written = seq.length - 1 if seq.prefilled else 0
-            self.memory.release(seq.lease, tokens, written=written)
+            self.memory.release(seq.lease, seq.tokens, written=written)
             seq.lease, seq.prefilled = None, False
             if seq.request.adapter is not None:
                 assert self.adapters is not None

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ConfigError, EngineConfig, ModelConfig
 from jlora.adapters.backends import LoraWeights, Segments
-from jlora.adapters.targets import target_shapes
+from jlora.adapters.targets import rank_row_bytes, target_shapes
 from jlora.engine.device import HostBlocks
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
@@ -463,10 +463,8 @@ def size_pool(
             return cfg
         # The default pool: kv_cache_tokens for KV, and room for max_loras adapters at
         # max_lora_rank on every target, which they share.
-        shapes = target_shapes(model_config)
-        row = (
-            model_config.num_layers * dtype.itemsize * sum(sum(shapes[t]) for t in cfg.lora_targets)
-        )
+        shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
+        row = rank_row_bytes(shapes, cfg.lora_targets, model_config.num_layers, dtype.itemsize)
         per_adapter = math.ceil(row * cfg.max_lora_rank / (math.prod(block) * pair))
         blocks = cfg.num_blocks + cfg.max_loras * per_adapter
         return dataclasses.replace(cfg, kv_cache_tokens=blocks * cfg.block_size)

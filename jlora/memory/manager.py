@@ -37,15 +37,24 @@ import queue
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from jlora.engine.api import CacheStats
 from jlora.engine.device import DeviceEngine, HostBlocks
 from jlora.memory import swapper
 from jlora.memory.pool import KV, LORA, PagePool
-from jlora.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Node, Tree
+from jlora.memory.tree import BASE, DEVICE, GONE, HOST, TO_DEVICE, TO_HOST, Node, Tree
 
 SWAPPING, FULL = "swapping", "full"  # why `admit` gave no lease
 DEFAULT_LINK_BYTES_PER_S = 16e9  # until a swap has been timed (about PCIe 4.0 x16)
+
+
+class Slots(Protocol):
+    """What the pool needs of the adapter slot manager (jlora/adapters/slots.py)."""
+
+    def idle(self) -> list[str]: ...
+
+    def evict(self, name: str) -> bool: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,8 +92,7 @@ class MemoryManager:
         page_bytes: int,
         block_size: int,
         host_bytes: int,
-        max_loras: int = 0,
-        max_rank: int = 0,
+        lora_share_bytes: int = 0,
         min_kv_pages: int = 1,
         link_bytes_per_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
@@ -96,15 +104,12 @@ class MemoryManager:
         self.block_size = block_size
         self.host_capacity = host_bytes
         self.host_used = 0
-        self._max_loras, self._max_rank = max_loras, max_rank
-        self._min_kv_pages = min_kv_pages  # what the static LoRA share ("lru") leaves
         self._link = link_bytes_per_s
         self._measured_link = link_bytes_per_s <= 0
         self._clock = clock
         self._adapters: dict[str, _Adapter] = {}
         self._leases: set[Lease] = set()  # granted, not yet released
         self._waiting: dict[Hashable, list[Node]] = {}  # owner -> the path it waits on
-        self._static_share = False  # "lru": the adapters' pages are set aside
         self._base = self.tree.adapter(BASE)
         self._base.where = DEVICE
         self._batch = swapper.BatchWindow()
@@ -115,23 +120,22 @@ class MemoryManager:
         self._stats = dict.fromkeys(
             ("prompt_tokens", "hit_tokens", "swaps_out", "swaps_in", "out_bytes", "in_bytes"), 0
         )
-        self.evict_adapter: Callable[[str], bool] | None = None  # the slot manager's, if any
-        self.idle_adapters: Callable[[], list[str]] = list
+        self._slots: Slots | None = None  # `attach`ed
+        if policy == "lru" and lora_share_bytes:
+            # vLLM sizes every LoRA slot for the largest rank, once; KV keeps min_kv_pages.
+            share = min(self.pool.pages_for(lora_share_bytes), num_pages - min_kv_pages)
+            self.pool.allocate(share, LORA, ("static share",))
+
+    def attach(self, slots: Slots) -> None:
+        """The adapter slots whose idle adapters the pool may evict to make room."""
+        self._slots = slots
 
     # -- adapters (the slot manager's hooks) ----------------------------------------------
 
-    def register(self, name: str, key: Hashable, device_bytes: int, rank: int) -> None:
+    def register(self, name: str, key: Hashable, device_bytes: int) -> None:
         """A registered adapter: its content key (what its KV is cached under) and the
         bytes of its rank rows on the device."""
         self._adapters[name] = _Adapter(key, device_bytes)
-        if self.policy == "lru" and not self._static_share and self._max_loras:
-            # vLLM sizes every LoRA slot for the largest rank, once.
-            per_slot = device_bytes * self._max_rank // rank
-            share = self._max_loras * self.pool.pages_for(per_slot)
-            share = min(share, self.pool.num_pages - self._min_kv_pages)
-            self._make_room(share)
-            self.pool.allocate(min(share, self.pool.num_free), LORA, ("static share",))
-            self._static_share = True
 
     def unregister(self, name: str) -> None:
         """Forget an adapter (no-op for one never registered); it left the device first."""
@@ -196,43 +200,29 @@ class MemoryManager:
         self.forget(owner)
         if self.policy == "none":
             pages = self._allocate(blocks, owner, protect=[], keep=adapter)
-            if pages is None:
-                return FULL
-            self._stats["prompt_tokens"] += len(tokens)
-            return self._grant(Lease(owner, None, [], pages, 0))
+            return FULL if pages is None else self._grant(Lease(owner, None, [], pages, 0), tokens)
         node = self._base if adapter is None else self.tree.adapter(self._adapters[adapter].key)
         full = (len(tokens) - 1) // self.block_size if reuse else 0
         bs = self.block_size
         matched = self.tree.match(node, [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(full)])
-        prefix = []
-        for kv in matched:
-            if kv.where != DEVICE:
-                break
-            prefix.append(kv)
+        prefix = _leading(matched, DEVICE)
         rest = matched[len(prefix) :]
         if rest and rest[0].where in (TO_DEVICE, TO_HOST):  # in flight: wait for it
-            return self._wait(owner, prefix + [kv for kv in rest if kv.where == rest[0].where])
+            return self._wait(owner, prefix + _leading(rest, rest[0].where))
         if rest and rest[0].where == HOST and node.where == DEVICE:
-            run = []
-            for kv in rest:
-                if kv.where != HOST:
-                    break
-                run.append(kv)
+            run = _leading(rest, HOST)
             if self._swap_in(run, protect=prefix, keep=adapter):
                 return self._wait(owner, prefix + run)
         pages = self._allocate(blocks - len(prefix), owner, protect=prefix, keep=adapter)
         if pages is None:
             return FULL
         now = self._clock()
-        node.visits += 1
-        node.last_used = now
+        for visited in (node, *prefix):
+            visited.visits += 1
+            visited.last_used = now
         for kv in prefix:
             kv.refs += 1
-            kv.visits += 1
-            kv.last_used = now
-        self._stats["prompt_tokens"] += len(tokens)
-        self._stats["hit_tokens"] += len(prefix) * bs
-        return self._grant(Lease(owner, node, prefix, pages, len(prefix) * bs))
+        return self._grant(Lease(owner, node, prefix, pages, len(prefix) * bs), tokens)
 
     def forget(self, owner: Hashable) -> None:
         """A queued request no longer waits for the swap-in its last `admit` started (it
@@ -298,15 +288,13 @@ class MemoryManager:
     # -- reports ------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
-        kv_nodes = list(self.tree.kv_nodes())
-        cached = sum(1 for kv in kv_nodes if kv.where in (DEVICE, TO_DEVICE) and kv.refs == 0)
         s = self._stats
         return CacheStats(
             policy=self.policy,
             page_bytes=self.pool.page_bytes,
             pages_total=self.pool.num_pages,
             pages_kv=self.pool.used(KV),
-            pages_kv_cached=cached,
+            pages_kv_cached=self._cached_pages(),
             pages_lora=self.pool.used(LORA),
             host_bytes_used=self.host_used,
             host_bytes_capacity=self.host_capacity,
@@ -322,10 +310,12 @@ class MemoryManager:
     def held_pages(self) -> int:
         """KV pages that requests hold (their own, and cached ones they read): 0 when none
         runs, whatever stays cached."""
+        return self.pool.used(KV) - self._cached_pages()
+
+    def _cached_pages(self) -> int:
+        """Device KV pages of the tree that no request reads."""
         return sum(
-            1
-            for kind, owner in self.pool.owned().values()
-            if kind == KV and (not isinstance(owner, Node) or owner.refs > 0)
+            1 for kv in self.tree.kv_nodes() if kv.where in (DEVICE, TO_DEVICE) and kv.refs == 0
         )
 
     def invalid_kv_pages(self) -> int:
@@ -338,7 +328,7 @@ class MemoryManager:
             if kv.where in (DEVICE, TO_DEVICE)
         )
 
-    def check(self, leases: Sequence[Lease] = ()) -> None:
+    def check(self) -> None:
         """Assert the invariants: pages conserved and singly owned, the dependency rule
         (fastlibra), nodes read by a request on the device."""
         self.pool.check()
@@ -357,7 +347,7 @@ class MemoryManager:
             if kv.refs:
                 assert kv.where == DEVICE, "a node read by a request is not on the device"
             assert (kv.where in (HOST, TO_DEVICE)) == (kv.host is not None)
-        for lease in {*self._leases, *leases}:
+        for lease in self._leases:
             for page in lease.pages:
                 assert owned.get(page) == (KV, lease.owner), f"lease page {page} not its own"
                 assert page not in seen
@@ -380,8 +370,10 @@ class MemoryManager:
         self._waiting[owner] = path
         return SWAPPING
 
-    def _grant(self, lease: Lease) -> Lease:
+    def _grant(self, lease: Lease, tokens: Sequence[int]) -> Lease:
         self._leases.add(lease)
+        self._stats["prompt_tokens"] += len(tokens)
+        self._stats["hit_tokens"] += lease.cached_tokens
         return lease
 
     def _cache(self, lease: Lease, tokens: Sequence[int], written: int) -> None:
@@ -428,24 +420,22 @@ class MemoryManager:
             idle = [n for n in self._idle_adapters() if n != keep] if evict_adapters else []
             if not leaves and not idle:
                 return
-            ranked: list[tuple[float, Node | str]]
-            if self.policy == "lru":
-                ranked = [(kv.last_used, kv) for kv in leaves]
-            else:
-                now, demand = self._clock(), self._demand()
-                ranked = [(self._value(kv, demand, now), kv) for kv in leaves]
-                for name in idle:
-                    a = self._adapters[name]
-                    node = self.tree.adapter(a.key)
-                    ranked.append((swapper.evaluate(self._candidate(node, a), demand, now), name))
+            now, demand = self._clock(), self._demand()
+            ranked: list[tuple[float, Node | str]] = [
+                (self._score(kv, demand, now), kv) for kv in leaves
+            ]
+            for name in idle:  # none under "lru"
+                a = self._adapters[name]
+                node = self.tree.adapter(a.key)
+                ranked.append((swapper.evaluate(self._candidate(node, a), demand, now), name))
             ranked.sort(key=lambda r: (r[0], isinstance(r[1], str)))
             for _, chosen in ranked:
                 if freed >= pages:
                     return
                 if isinstance(chosen, str):  # its KV leaves with it: rank again
                     before = self.pool.num_free
-                    assert self.evict_adapter is not None
-                    self.evict_adapter(chosen)
+                    assert self._slots is not None
+                    self._slots.evict(chosen)
                     freed += self.pool.num_free - before
                     break
                 self._swap_out(chosen)  # the other leaves stay leaves
@@ -453,12 +443,12 @@ class MemoryManager:
 
     def _idle_adapters(self) -> list[str]:
         """Resident adapters that no request holds and no queued request waits on."""
-        if self.evict_adapter is None or self.policy == "lru":
+        if self._slots is None or self.policy == "lru":
             return []
         adapters, awaited = self._adapters, self._awaited()
         return [
             n
-            for n in self.idle_adapters()
+            for n in self._slots.idle()
             if n in adapters and adapters[n].resident and adapters[n].key not in awaited
         ]
 
@@ -478,7 +468,7 @@ class MemoryManager:
             roots = self.tree.host_roots()
             if not roots or used + 1 > target_used:
                 return
-            best = max(roots, key=lambda kv: self._value(kv, demand, now))
+            best = max(roots, key=lambda kv: self._score(kv, demand, now))
             if not self._swap_in([best], protect=[]):
                 return
 
@@ -574,11 +564,7 @@ class MemoryManager:
             leaves = self.tree.host_leaves()
             if not leaves:
                 return False
-            if self.policy == "lru":
-                victim = min(leaves, key=lambda kv: kv.last_used)
-            else:
-                victim = min(leaves, key=lambda kv: self._value(kv, demand, now))
-            self._drop(victim)
+            self._drop(min(leaves, key=lambda kv: self._score(kv, demand, now)))
         return True
 
     def _drop(self, kv: Node) -> None:
@@ -589,7 +575,7 @@ class MemoryManager:
                 self.host_used -= node.host.nbytes
             elif node.where == TO_HOST:
                 self.host_used -= self.pool.page_bytes
-            node.host, node.where = None, "gone"
+            node.host, node.where = None, GONE
         self.tree.remove(kv)
 
     def _demand(self) -> swapper.Demand:
@@ -602,9 +588,22 @@ class MemoryManager:
             now_lora=sum(1 for a in adapters if a.where == DEVICE),
         )
 
-    def _value(self, kv: Node, demand: swapper.Demand, now: float) -> float:
+    def _score(self, kv: Node, demand: swapper.Demand, now: float) -> float:
+        """A cached block's worth on the device: its last use under "lru", else Eq. 6."""
+        if self.policy == "lru":
+            return kv.last_used
         return swapper.evaluate(self._candidate(kv), demand, now)
 
     def _candidate(self, node: Node, adapter: _Adapter | None = None) -> swapper.Candidate:
         nbytes = adapter.device_bytes if adapter is not None else self.pool.page_bytes
         return swapper.Candidate(node, adapter is not None, nbytes, node.visits, node.last_used)
+
+
+def _leading(nodes: list[Node], where: str) -> list[Node]:
+    """The first nodes of `nodes`, as long as they are all `where`."""
+    run = []
+    for node in nodes:
+        if node.where != where:
+            break
+        run.append(node)
+    return run

@@ -13,6 +13,7 @@ blocks), a node of the prefix tree (cached KV), or an adapter. `check` asserts t
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Hashable, Iterable
 
@@ -33,6 +34,7 @@ class PagePool:
         self.page_bytes = page_bytes
         self._free = list(range(num_pages - 1, -1, -1))  # LIFO: recently freed first
         self._owner: dict[int, tuple[str, Hashable]] = {}  # page -> (kind, owner)
+        self._used: collections.Counter[str] = collections.Counter()  # pages per kind
 
     @property
     def num_free(self) -> int:
@@ -42,7 +44,7 @@ class PagePool:
         return math.ceil(nbytes / self.page_bytes)
 
     def used(self, kind: str) -> int:
-        return sum(1 for k, _ in self._owner.values() if k == kind)
+        return self._used[kind]
 
     @property
     def usage(self) -> float:
@@ -55,6 +57,7 @@ class PagePool:
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
             self._owner[page] = (kind, owner)
+        self._used[kind] += count
         return pages
 
     def transfer(self, pages: Iterable[int], owner: Hashable) -> None:
@@ -67,11 +70,9 @@ class PagePool:
         for page in pages:
             if page not in self._owner:
                 raise ValueError(f"page {page} is not allocated")
-            del self._owner[page]
+            kind, _ = self._owner.pop(page)
+            self._used[kind] -= 1
             self._free.append(page)
-
-    def owner(self, page: int) -> tuple[str, Hashable] | None:
-        return self._owner.get(page)
 
     def owned(self) -> dict[int, tuple[str, Hashable]]:
         return dict(self._owner)
@@ -82,3 +83,5 @@ class PagePool:
         assert len(free) == len(self._free), "a page is free twice"
         assert not free & self._owner.keys(), "a page is both free and owned"
         assert len(free) + len(self._owner) == self.num_pages, "pages leaked"
+        kinds = collections.Counter(kind for kind, _ in self._owner.values())
+        assert kinds == +self._used, "the pages per kind drifted"

@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterator
 from jlora.engine.device import HostBlocks
 
 DEVICE, HOST, TO_HOST, TO_DEVICE = "device", "host", "to_host", "to_device"
+GONE = "gone"  # dropped from the tree (a swap still in flight finds it so)
 BASE = ("base",)  # the adapter key of base-model requests
 
 

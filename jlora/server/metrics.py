@@ -162,7 +162,7 @@ class Metrics:
         )
         self.host_pool_bytes_used = Gauge(
             "jlora_host_pool_bytes_used",
-            "Bytes of the host pool holding swapped-out KV and adapters",
+            "Bytes of the host pool holding swapped-out KV blocks",
             registry=registry,
         )
         self.host_pool_bytes_capacity = Gauge(
@@ -185,8 +185,7 @@ class Metrics:
         )
         self.pool_swaps = Counter(
             "jlora_pool_swaps",
-            "KV blocks and adapters moved between the device pool and the host pool "
-            "(out: to the host)",
+            "KV blocks moved between the device pool and the host pool (out: to the host)",
             ["direction"],
             registry=registry,
         )
