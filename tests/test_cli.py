@@ -4,10 +4,15 @@ Bad input exits with status 2, prints nothing on stdout and names the problem on
 stderr. The fast cases fail before any real model is loaded; the slow ones load
 SmolLM2 in a fresh process (~10 s each), so there are few of them. All the runs share
 one XLA compilation cache in a temporary directory, so later runs skip compiling.
+
+The per-line settings of a *.jsonl prompts file are checked in this process instead:
+`generate.run` on parsed arguments, with the model's loading replaced by the mock
+engine (or cpu-tiny, for seeded sampling) and the mock tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from jlora.cli import generate
+from jlora.cli.common import UsageError
+from jlora.cli.main import build_parser
+from jlora.engine.api import SamplingParams
+from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
 
 _SCRIPT = Path(sys.executable).with_name("jlora")
 JLORA = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "jlora.cli.main"]
@@ -138,7 +149,12 @@ FAST_BAD_INPUT = [
     (
         "jsonl-unknown-field",
         ["--prompts-file", "{tmp}/bad-field.jsonl"],
-        ["bad-field.jsonl line 1", "unknown fields ['lora']"],
+        ["bad-field.jsonl line 1", "unknown fields ['lora']", "adapter, max_tokens"],
+    ),
+    (
+        "jsonl-max-tokens-negative",
+        ["--prompts-file", "{tmp}/bad-max-tokens.jsonl"],
+        ["bad-max-tokens.jsonl line 2: max_tokens=-1 must be a positive integer"],
     ),
     (
         "lora-backend-unknown",
@@ -171,6 +187,9 @@ def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragme
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": \n')
     (tmp_path / "bad-adapter.jsonl").write_text('{"prompt": "hi", "adapter": 5}\n')
     (tmp_path / "bad-field.jsonl").write_text('{"prompt": "hi", "lora": "x"}\n')
+    (tmp_path / "bad-max-tokens.jsonl").write_text(
+        '{"prompt": "hi"}\n{"prompt": "hi", "max_tokens": -1}\n'
+    )
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     _assert_usage_error(_jlora(cli_env, "generate", *args, cwd=tmp_path), fragments)
 
@@ -209,6 +228,196 @@ def test_serve_refuses_bad_sharding_flags(tmp_path, cli_env, args, fragments):
     _assert_usage_error(
         _jlora(cli_env, "serve", "--model", "cpu-tiny", *args, cwd=tmp_path), fragments
     )
+
+
+# -- per-line settings in a prompts file (in this process) ----------------------------
+
+MOCK_VOCAB = 1000  # MockEngine's default
+
+
+@pytest.fixture
+def generate_jsonl(tmp_path, monkeypatch, capsys):
+    """`jlora generate --prompts-file P.jsonl --output jsonl FLAGS` for `rows` (P's lines),
+    with `make_engine(slots)` in place of the model's engine and MockTokenizer's encoding
+    (a prompt's UTF-8 bytes); returns the exit status and the output rows."""
+
+    def run(make_engine, rows: list[dict], *flags: str) -> tuple[int, list[dict]]:
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        encode = MockTokenizer().encode
+        monkeypatch.setattr(generate, "_load", lambda args, adapters: (make_engine, encode))
+        argv = ["generate", "--prompts-file", str(path), "--output", "jsonl", *flags]
+        status = generate.run(build_parser().parse_args(argv))
+        return status, [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    return run
+
+
+def test_prompts_file_lines_carry_their_own_sampling(monkeypatch, generate_jsonl):
+    """Every request reaches the engine with its line's settings; a missing (or null) key
+    takes its flag's value, and a line's stop replaces the --stop strings."""
+    requests = []
+
+    def make_engine(slots):
+        engine = mock_engine(max_slots=slots)
+        add_request = engine.add_request
+
+        def record(request):
+            requests.append(request)
+            add_request(request)
+
+        monkeypatch.setattr(engine, "add_request", record)
+        return engine
+
+    own = {"max_tokens": 2, "temperature": 1, "top_p": 0.5, "top_k": 0, "seed": 3}
+    own |= {"stop": "zz", "ignore_eos": False}  # temperature 1: a JSON integer is a number
+    rows = [
+        {"prompt": "defaults"},
+        {"prompt": "all its own", **own},
+        {"prompt": "nulls", "seed": None, "stop": [], "max_tokens": None},
+    ]
+    status, output = generate_jsonl(
+        make_engine, rows, "--max-tokens", "4", "--temperature", "0.5", "--top-p", "0.9",
+        "--top-k", "7", "--seed", "11", "--stop", "END", "--stop", "FIN", "--ignore-eos",
+    )  # fmt: skip
+
+    assert status == 0
+    from_flags = SamplingParams(
+        max_tokens=4, temperature=0.5, top_p=0.9, top_k=7, seed=11, stop=("END", "FIN"),
+        ignore_eos=True,
+    )  # fmt: skip
+    assert [r.sampling for r in requests] == [
+        from_flags,
+        SamplingParams(**{**own, "stop": ("zz",)}),
+        dataclasses.replace(from_flags, stop=()),
+    ]
+    # The output rows keep their fields: no settings are echoed.
+    assert [sorted(row) for row in output] == [
+        ["adapter", "cached_tokens", "finish_reason", "prompt", "text", "token_ids"]
+    ] * 3
+    assert [len(row["token_ids"]) for row in output] == [4, 2, 4]
+
+
+def test_prompts_file_max_tokens_and_stop_per_line(generate_jsonl):
+    """One batch, each line stopping where its own settings say (the mock's tokens are a
+    known function of the prompt: `mock_completion`; token t reads " t<t>")."""
+    prompt = "Once upon a time"
+    expected = mock_completion(list(prompt.encode()), None, 6, MOCK_VOCAB)
+    text = MockTokenizer().decode(expected)  # " t548 t70 t517 t39 t486 t8"
+    stop = f" t{expected[2]}"  # its first occurrence may start inside an earlier token
+    rows = [
+        {"prompt": prompt, "max_tokens": 2},
+        {"prompt": prompt},  # --max-tokens 6
+        {"prompt": prompt, "max_tokens": 1},
+        {"prompt": prompt, "stop": stop},
+        {"prompt": prompt, "stop": ["no such text", stop]},
+    ]
+    status, output = generate_jsonl(
+        lambda slots: mock_engine(max_slots=slots, vocab_size=MOCK_VOCAB), rows, "--max-tokens", "6"
+    )
+
+    assert status == 0
+    for row, count in zip(output[:3], (2, 6, 1), strict=True):
+        assert row["token_ids"] == expected[:count] and row["finish_reason"] == "length", row
+        assert row["text"] == MockTokenizer().decode(expected[:count])
+    for row in output[3:]:
+        assert row["finish_reason"] == "stop", row
+        assert row["text"] == text[: text.index(stop)]
+        assert len(row["token_ids"]) <= 3
+
+
+def test_prompts_file_seed_and_temperature_per_line(generate_jsonl, tiny):
+    """Seeded sampling on a real (random-weight) model: a line's seed gives the same text
+    in any batch position, another seed another text, and a line without a temperature
+    is greedy (--temperature 0) whatever its seed."""
+    from configs import EngineConfig
+    from jlora.engine.llama_engine import build_engine
+
+    def make_engine(slots):
+        config = EngineConfig(max_slots=slots, max_seq_len=64)
+        return build_engine(
+            model_config=tiny.config, params=tiny.params, tokenizer=MockTokenizer(),
+            engine_config=config,
+        )  # fmt: skip
+
+    prompt = "The three primary colors are"
+    sampled = {"prompt": prompt, "temperature": 1.0, "top_k": 50}
+    rows = [
+        {**sampled, "seed": 1},
+        {**sampled, "seed": 2},
+        {**sampled, "seed": 1},
+        {"prompt": prompt, "seed": 2},
+        {"prompt": prompt},
+    ]
+    status, output = generate_jsonl(make_engine, rows, "--max-tokens", "8", "--ignore-eos")
+
+    assert status == 0
+    one, two, one_again, greedy_seeded, greedy = [row["token_ids"] for row in output]
+    assert len(one) == 8
+    assert one == one_again and output[0]["text"] == output[2]["text"]
+    assert one != two
+    assert greedy_seeded == greedy != one
+
+
+# (a setting on line 3 of a prompts file, fragments of the error after "line 3: ")
+BAD_LINE_SETTINGS = [
+    ({"max_tokens": -1}, ["max_tokens=-1 must be a positive integer"]),
+    ({"max_tokens": "8"}, ["max_tokens='8' must be a positive integer"]),
+    ({"max_tokens": True}, ["max_tokens=True"]),
+    ({"max_tokens": 1.5}, ["max_tokens=1.5"]),
+    ({"temperature": "0.7"}, ["temperature='0.7'", "[0, 100]"]),
+    ({"temperature": -1}, ["temperature=-1", "[0, 100]"]),
+    ({"top_p": 0}, ["top_p=0", "(0, 1]"]),
+    ({"top_p": [0.5]}, ["top_p=[0.5]"]),
+    ({"top_k": -1}, ["top_k=-1"]),
+    ({"seed": -1}, ["seed=-1", "[0, 2**32)"]),
+    ({"seed": 2**32}, ["seed=4294967296"]),
+    ({"seed": "7"}, ["seed='7'"]),
+    ({"stop": 5}, ["stop=5 must be a string or a list of strings"]),
+    ({"stop": ["a", 1]}, ["stop=['a', 1] must be a string or a list of strings"]),
+    ({"stop": ""}, ["stop=('',)", "non-empty strings"]),
+    ({"stop": [str(i) for i in range(17)]}, ["at most 16"]),
+    ({"ignore_eos": "yes"}, ["ignore_eos='yes' must be true or false"]),
+    ({"ignore_eos": 1}, ["ignore_eos=1"]),
+    (
+        {"max_new_tokens": 8},
+        [
+            "unknown fields ['max_new_tokens']",
+            "(expected prompt, adapter, max_tokens, temperature, top_p, top_k, seed, stop, "
+            "ignore_eos)",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("setting", "fragments"),
+    [
+        pytest.param(setting, fragments, id="{}={!r}".format(*next(iter(setting.items())))[:32])
+        for setting, fragments in BAD_LINE_SETTINGS
+    ],
+)
+def test_prompts_file_bad_setting_names_line_and_field(
+    tmp_path, monkeypatch, capsys, setting, fragments
+):
+    """Refused before the model is loaded: nothing runs, nothing is printed."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "fine", "max_tokens": 2}) + "\n\n"
+        + json.dumps({"prompt": "bad", **setting}) + "\n"
+    )  # fmt: skip
+
+    def no_model(args, adapters):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(generate, "_load", no_model)
+    with pytest.raises(UsageError) as refused:
+        generate.run(build_parser().parse_args(["generate", "--prompts-file", str(path)]))
+    message = str(refused.value)
+    assert message.startswith(f"--prompts-file {path} line 3: "), message
+    for fragment in fragments:
+        assert fragment in message
+    assert capsys.readouterr().out == ""
 
 
 # -- generation ------------------------------------------------------------------------

@@ -9,9 +9,16 @@ conversation). `--cache-policy`, `--pool-size` and `--host-pool-mib` set how the
 shares device memory between KV blocks and adapters and keeps history KV.
 
 Adapters: `--adapter PATH_OR_NAME` applies one PEFT adapter to every prompt (a
-directory, or a name under `--adapters-dir`). A prompts file named `*.jsonl` holds one
-JSON object per line, `{"prompt": ..., "adapter": ...}`, so one batch mixes adapters
-(`"adapter": null` is the base model; a missing field means `--adapter`).
+directory, or a name under `--adapters-dir`).
+
+A prompts file named `*.jsonl` holds one JSON object per line, so one batch mixes
+adapters and settings and a trace replays as is: `{"prompt": ..., "adapter": ...}`
+(`"adapter": null` is the base model; a missing field means `--adapter`), and any of
+`max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` (a string or a list of
+strings) and `ignore_eos` (true or false), each in place of its flag for that prompt
+(missing or null: the flag's value; a line's `stop` replaces the `--stop` strings).
+Any other key, a value of the wrong JSON type or out of range is refused, naming the
+line and the key, before anything runs.
 """
 
 from __future__ import annotations
@@ -37,9 +44,14 @@ from jlora.cli.common import (
     sharding_config,
 )
 from jlora.contract.adapters import resolve_adapter_dir
-from jlora.contract.errors import RequestError
+from jlora.contract.errors import InvalidRequest, RequestError
 from jlora.engine.api import Request, SamplingParams, TokenEvent
 from jlora.engine.orchestrator import Orchestrator
+
+# The keys of a *.jsonl prompts file's line: the prompt, its adapter and its sampling
+# (SamplingParams' fields, which the flags of the same names set for the whole file).
+SAMPLING_KEYS = tuple(field.name for field in dataclasses.fields(SamplingParams))
+LINE_KEYS = ("prompt", "adapter", *SAMPLING_KEYS)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -52,7 +64,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--prompts-file",
         type=Path,
         metavar="FILE",
-        help="one prompt per line (blank lines are skipped), batched together",
+        help="one prompt per line (blank lines are skipped), batched together; a *.jsonl "
+        "file holds a JSON object per line with the prompt and, optionally, its own "
+        f"{', '.join(LINE_KEYS[1:])} (missing: the flags' values)",
     )
     parser.add_argument(
         "--output",
@@ -120,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.prompts_file:
-        prompts = _read_prompts(args.prompts_file, args.adapter)
+        prompts = _read_prompts(args.prompts_file, args.adapter, sampling)
     elif args.prompt is not None:
-        prompts = [Prompt(args.prompt, args.adapter)]
+        prompts = [Prompt(args.prompt, args.adapter, sampling)]
     else:
         prompts = []  # interactive: one conversation at a time
     adapters = _resolve_adapters(
@@ -146,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
             encode,
             prompts,
             served,
-            sampling,
             args.output,
             stream=args.prompt is not None and args.output == "text",
         )
@@ -158,16 +171,19 @@ def run(args: argparse.Namespace) -> int:
 class Prompt:
     text: str
     adapter: str | None  # as given: a path or a name; None is the base model
+    sampling: SamplingParams
 
 
-def _read_prompts(path: Path, default_adapter: str | None) -> list[Prompt]:
+def _read_prompts(
+    path: Path, default_adapter: str | None, default_sampling: SamplingParams
+) -> list[Prompt]:
     if not path.is_file():
         raise UsageError(f"--prompts-file {path}: no such file")
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if not lines:
         raise UsageError(f"--prompts-file {path}: no prompts (every line is blank)")
     if path.suffix != ".jsonl":
-        return [Prompt(line, default_adapter) for _, line in lines]
+        return [Prompt(line, default_adapter, default_sampling) for _, line in lines]
     prompts = []
     for number, line in lines:
         where = f"--prompts-file {path} line {number}"
@@ -177,16 +193,35 @@ def _read_prompts(path: Path, default_adapter: str | None) -> list[Prompt]:
             raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
         if not isinstance(item, dict):
             raise UsageError(f"{where}: expected a JSON object with a 'prompt' field")
-        if unknown := sorted(set(item) - {"prompt", "adapter"}):
-            raise UsageError(f"{where}: unknown fields {unknown} (expected prompt, adapter)")
+        if unknown := sorted(set(item) - set(LINE_KEYS)):
+            raise UsageError(f"{where}: unknown fields {unknown} (expected {', '.join(LINE_KEYS)})")
         text = item.get("prompt")
         if not isinstance(text, str) or not text:
             raise UsageError(f"{where}: prompt={text!r} must be a non-empty string")
         adapter = item.get("adapter", default_adapter)
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             raise UsageError(f"{where}: adapter={adapter!r} must be a non-empty string or null")
-        prompts.append(Prompt(text, adapter))
+        prompts.append(Prompt(text, adapter, _line_sampling(item, default_sampling, where)))
     return prompts
+
+
+def _line_sampling(item: dict[str, Any], default: SamplingParams, where: str) -> SamplingParams:
+    """`default` (the flags' settings) with the line's own sampling keys in their place;
+    UsageError naming `where` and the key if one is refused."""
+    given = {key: item[key] for key in SAMPLING_KEYS if item.get(key) is not None}
+    if "stop" in given:  # SamplingParams takes a tuple of strings; JSON offers more
+        stop = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise UsageError(
+                f"{where}: stop={item['stop']!r} must be a string or a list of strings"
+            )
+        given["stop"] = tuple(stop)
+    if not isinstance(given.get("ignore_eos", False), bool):
+        raise UsageError(f"{where}: ignore_eos={item['ignore_eos']!r} must be true or false")
+    try:
+        return dataclasses.replace(default, **given)
+    except InvalidRequest as err:
+        raise UsageError(f"{where}: {err.message}") from None
 
 
 def _resolve_adapters(
@@ -285,13 +320,12 @@ def _run_batch(
     encode: Encoder,
     prompts: list[Prompt],
     served: dict[str, str],
-    sampling: SamplingParams,
     output: str,
     stream: bool = False,
 ) -> int:
     """Run `prompts` in one batch; `served` maps each adapter as given to its served name."""
     requests = [
-        Request(str(i), encode(p.text), sampling, adapter=served.get(p.adapter or ""))
+        Request(str(i), encode(p.text), p.sampling, adapter=served.get(p.adapter or ""))
         for i, p in enumerate(prompts)
     ]
     for i, request in enumerate(requests):  # validate every prompt before running any
@@ -304,7 +338,7 @@ def _run_batch(
             raise UsageError(f"{where}{err.message}") from err
     engine.warmup(
         prompt_lengths=[len(r.prompt_ids) for r in requests],
-        max_length=max(len(r.prompt_ids) + sampling.max_tokens for r in requests),
+        max_length=max(len(r.prompt_ids) + r.sampling.max_tokens for r in requests),
     )
     results: dict[str, dict] = {
         r.request_id: {"text": [], "token_ids": [], "cached_tokens": 0} for r in requests
