@@ -16,6 +16,7 @@ LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the de
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
 MERGE_MODES = ("never", "auto", "always")  # the first is the default
 CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
+KV_ALLOCATIONS = ("lazy", "upfront")  # the first is the default
 
 
 def _number(value: object) -> bool:
@@ -42,6 +43,13 @@ class EngineConfig:
       min_bucket up to max_seq_len). A prompt is padded to the next prefill bucket; a
       decode step attends over the next decode bucket above the longest running
       sequence.
+    packed_prefill_tokens / packed_prefill_prompts: a packed prefill (the device
+      engine's `prefill_many`) runs up to this many prompt tokens of up to this many
+      prompts (at most max_slots) in one compiled call, padded to the prefill bucket
+      holding them: one variant per prefill bucket up to packed_prefill_tokens,
+      compiled at warm-up. A prompt of more than a quarter of the largest such bucket
+      runs alone (so a token's attention reads only the keys within that reach). 0
+      (either), or fewer than two prompts: no packing, nothing more compiled.
     max_loras: device adapter slots (0: serve the base model only, no LoRA code in the
       compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
       they hold. Adapters of higher rank or other targets are refused at registration.
@@ -73,6 +81,11 @@ class EngineConfig:
       a static share of the pool for max_loras adapters at max_lora_rank, the prefix
       cache evicted least-recently-used to the host pool), "none" (S-LoRA's: one pool,
       no history KV: a request's blocks are freed when it finishes).
+    kv_allocation: how a request's KV blocks are taken: "lazy" (vLLM's: its prompt's at
+      admission, then one block at a time as it decodes; when the pool runs out, the
+      newest request is preempted and recomputed later, its cached blocks reused) or
+      "upfront" (the blocks of its whole sequence, prompt + max_tokens, at admission: no
+      preemption, fewer requests at once).
     pool_bytes: the device pool's size in bytes (KV blocks and, under "fastlibra" and
       "none", adapter rank rows); 0: pool_fraction, else kv_cache_tokens' blocks.
     pool_fraction: the device pool as this fraction of the device memory free after the
@@ -96,6 +109,8 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] = ()
     min_bucket: int = 32
     prefill_token_budget: int = 2048  # prompt tokens prefilled per iteration (at least one)
+    packed_prefill_tokens: int = 512
+    packed_prefill_prompts: int = 16
     max_loras: int = 0
     max_lora_rank: int = 64
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -103,6 +118,7 @@ class EngineConfig:
     lora_backend: str = "reference"
     merge: str = "never"
     cache_policy: str = "fastlibra"
+    kv_allocation: str = "lazy"
     pool_bytes: int = 0
     pool_fraction: float = 0.0
     host_pool_mib: int = 1024
@@ -137,6 +153,10 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.cpu_workers={self.cpu_workers!r} must be >= 0 (0: one per core)"
             )
+        for field in ("packed_prefill_tokens", "packed_prefill_prompts"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"EngineConfig.{field}={value!r} must be >= 0 (0: no packing)")
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r} must be >= 0")
         targets = tuple(self.lora_targets)
@@ -175,6 +195,10 @@ class EngineConfig:
         if self.cache_policy not in CACHE_POLICIES:
             raise ConfigError(
                 f"EngineConfig.cache_policy={self.cache_policy!r} must be one of {CACHE_POLICIES}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ConfigError(
+                f"EngineConfig.kv_allocation={self.kv_allocation!r} must be one of {KV_ALLOCATIONS}"
             )
         if not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
             raise ConfigError(f"EngineConfig.pool_bytes={self.pool_bytes!r} must be >= 0")

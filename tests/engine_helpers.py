@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from configs import EngineConfig
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import build_engine
@@ -42,3 +44,12 @@ def run_to_completion(
             result["text"] += event.text
             result["finish_reason"] = event.finish_reason
     return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+def step_until(engine: Orchestrator, done, timeout: float = 5.0) -> list:
+    """Step until done() holds; the events of those steps."""
+    events, deadline = [], time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the condition never held"
+        events += engine.step()
+    return events

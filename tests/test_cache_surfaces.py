@@ -299,14 +299,17 @@ def test_the_cache_flags_parse_into_the_engine_config(command):
     defaults = cache_config(parser.parse_args([command]))
     assert defaults == {
         "cache_policy": "fastlibra",
+        "kv_allocation": "lazy",
         "pool_bytes": 0,
         "pool_fraction": 0.0,
         "host_pool_mib": 1024,
     }
     given = ["--cache-policy", "lru", "--pool-size", "2GiB", "--host-pool-mib", "64"]
+    given += ["--kv-allocation", "upfront"]
     fields = cache_config(parser.parse_args([command, *given]))
     config = EngineConfig(**fields)
     assert (config.cache_policy, config.pool_bytes, config.host_pool_mib) == ("lru", 2**31, 64)
+    assert config.kv_allocation == "upfront"
     fraction = cache_config(parser.parse_args([command, "--pool-size", "0.8"]))
     assert EngineConfig(**fraction).pool_fraction == 0.8
 
@@ -322,6 +325,7 @@ def test_the_cache_flags_parse_into_the_engine_config(command):
         (["--host-pool-mib", "-1"], ["--host-pool-mib", "must be >= 0"]),
         (["--host-pool-mib", "lots"], ["--host-pool-mib", "'lots'"]),
         (["--cache-policy", "fifo"], ["--cache-policy", "invalid choice: 'fifo'"]),
+        (["--kv-allocation", "eager"], ["--kv-allocation", "invalid choice: 'eager'"]),
     ],
 )
 def test_bad_cache_flags_exit_2_naming_the_flag(capsys, command, flags, fragments):
@@ -337,7 +341,7 @@ def test_bad_cache_flags_exit_2_naming_the_flag(capsys, command, flags, fragment
 @pytest.mark.parametrize("pool_size", [None, "1.5GB", "0.8"])
 def test_up_passes_the_cache_flags_to_its_workers(tmp_path, pool_size):
     parser = build_parser()
-    given = ["--cache-policy", "none", "--host-pool-mib", "0"]
+    given = ["--cache-policy", "none", "--host-pool-mib", "0", "--kv-allocation", "upfront"]
     given += ["--pool-size", pool_size] if pool_size else []
     args = parser.parse_args(["up", "--state-dir", str(tmp_path), *given])
     command = up._worker_command(args, None, 50099)
@@ -350,11 +354,10 @@ def test_up_passes_the_cache_flags_to_its_workers(tmp_path, pool_size):
 def test_generate_jsonl_has_each_requests_cached_tokens(capsys):
     engine = report_hits(mock_engine(), 2)
     encode = MockTokenizer().encode
-    prompts = [Prompt("Hello", None), Prompt("Hi", None)]
+    sampling = SamplingParams(max_tokens=3)
+    prompts = [Prompt("Hello", None, sampling), Prompt("Hi", None, sampling)]
     try:
-        status = _run_batch(
-            engine, encode, prompts, {}, SamplingParams(max_tokens=3), "jsonl", stream=False
-        )
+        status = _run_batch(engine, encode, prompts, {}, "jsonl", stream=False)
     finally:
         engine.close()
     assert status == 0
@@ -377,5 +380,7 @@ def test_the_cache_flags_are_explained_in_the_help(capsys, command):
         "--pool-size SIZE",
         "512MiB",
         "--host-pool-mib N",
+        "--kv-allocation {lazy,upfront}",
+        "the newest is preempted",
     ):
         assert fragment in help_text

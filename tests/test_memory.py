@@ -671,7 +671,7 @@ class Running:
     tokens: list[int]
     limit: int
     written: int  # positions whose KV is written
-    table: list[int]  # the lease's table at admission: it never changes
+    table: list[int]  # the lease's table: it only grows (lazily, as the sequence does)
     expected: dict[int, object]  # page -> the content it must hold
     prefilled: bool = False
 
@@ -754,13 +754,24 @@ class MemoryMachine(RuleBasedStateMachine):
         runs = [r for r in self.running.values() if r.prefilled and len(r.tokens) < r.limit]
         if runs:
             run = self.pick(runs, pick)
+            need = (len(run.tokens) - 1) // BLOCK_SIZE + 1  # the block of the next write
+            if len(run.table) < need:
+                if not self.manager.grow(run.lease, need - len(run.table)):
+                    assert run.lease.table == run.table, "a failed grow changed the lease"
+                    self.release(run)  # the orchestrator preempts it
+                    return
+                assert run.lease.table[: len(run.table)] == run.table
+                assert len(run.lease.table) == need
+                run.table = list(run.lease.table)
             self.write(run, len(run.tokens) - 1, len(run.tokens))
             run.tokens.append(token)
 
     @precondition(lambda self: self.running)
     @rule(pick=picks)
     def finish(self, pick: int) -> None:
-        run = self.pick(list(self.running.values()), pick)
+        self.release(self.pick(list(self.running.values()), pick))
+
+    def release(self, run: Running) -> None:
         self.manager.release(run.lease, run.tokens, run.written)
         if run.adapter is not None:
             self.slots.release(run.adapter)
@@ -806,11 +817,12 @@ class MemoryMachine(RuleBasedStateMachine):
         gets neither is dropped, one whose prefix is swapping in waits (or lands it now)."""
         if adapter is not None and not self.adapter_ready(adapter):
             return
-        blocks = math.ceil(limit / BLOCK_SIZE)
+        blocks = math.ceil(min(len(prompt) + 1, limit) / BLOCK_SIZE)  # lazily
         result = self.manager.admit(owner, adapter, prompt, blocks, reuse)
         # Landing brings the next part of the prefix: the part a periodic swap-in started
-        # may be followed by more in the host pool. Each round gets one block further.
-        for _ in range(len(prompt) // BLOCK_SIZE):
+        # may be followed by more in the host pool, and a part on its way to the host
+        # lands there before it is swapped back in. Each round gets one step further.
+        for _ in range(2 * (len(prompt) // BLOCK_SIZE)):
             if result != SWAPPING or not land_now:
                 break
             self.land_swaps()
@@ -834,8 +846,9 @@ class MemoryMachine(RuleBasedStateMachine):
             expected[node.page] = (key, tuple(prompt[: (index + 1) * BLOCK_SIZE]))
             assert self.device.pages[node.page] == expected[node.page]
         self.running[owner] = Running(
-            lease, adapter, key, list(prompt), limit, lease.cached_tokens, lease.table, expected
-        )
+            lease, adapter, key, list(prompt), limit, lease.cached_tokens, list(lease.table),
+            expected,
+        )  # fmt: skip
 
     def prefill_run(self, run: Running, token: int) -> None:
         self.write(run, run.lease.cached_tokens, len(run.tokens))

@@ -25,18 +25,9 @@ from jlora.engine.mock import (
     write_adapter_config,
 )
 from jlora.engine.orchestrator import Orchestrator
-from tests.engine_helpers import run_to_completion
+from tests.engine_helpers import run_to_completion, step_until
 
 VOCAB = 1000  # MockEngine's default vocab_size
-
-
-def step_until(engine: Orchestrator, done, timeout: float = 5.0) -> list:
-    """Step until done() holds; the events of those steps."""
-    events, deadline = [], time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "the condition never held"
-        events += engine.step()
-    return events
 
 
 def test_token_function_is_pure_and_depends_on_each_input():
@@ -78,14 +69,16 @@ def test_max_slots_bound_the_running_batch_and_admission_gives_two_tokens():
     assert peak == 2
 
 
-def test_kv_blocks_bound_admission():
-    # 2 blocks of 16 tokens: a 20-token sequence takes both, so the second waits.
-    engine = mock_engine(max_slots=2, max_seq_len=32, num_blocks=2)
+def test_upfront_kv_blocks_bound_admission():
+    # 2 blocks of 16 tokens: a 20-token sequence takes both up front, so the second waits.
+    engine = mock_engine(max_slots=2, max_seq_len=32, num_blocks=2, kv_allocation="upfront")
     engine.add_request(Request("big", [1] * 10, SamplingParams(max_tokens=10)))
     engine.add_request(Request("next", [1], SamplingParams(max_tokens=2)))
     engine.step()
     assert engine.num_running == 1 and engine.num_waiting == 1
     assert engine.memory.pool.num_free == 0
+    step_until(engine, lambda: not engine.has_unfinished)
+    assert engine.stats().preemptions == 0
 
 
 def test_length_stops_at_max_seq_len():

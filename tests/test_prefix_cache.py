@@ -85,9 +85,12 @@ def test_the_none_policy_keeps_no_history():
 
 @pytest.mark.parametrize("policy", ["fastlibra", "lru"])
 def test_evicted_prefixes_come_back_from_the_host_pool(policy):
-    # 12 blocks, one sequence takes at most 8: the second prompt's blocks push the
-    # first prompt's out to the host pool; asking for it again swaps them back in.
-    engine = mock_engine(max_seq_len=128, num_blocks=12, cache_policy=policy)
+    # 12 blocks: the later prompts' blocks push the first prompt's out to the host pool;
+    # asking for it again swaps them back in. The link is fast enough that a block comes
+    # back quicker than the mock recomputes it (see the next test).
+    engine = mock_engine(
+        max_seq_len=128, num_blocks=12, cache_policy=policy, emulated_link_gbps=1000
+    )
     first = list(range(1, 65))  # 4 blocks, and 4 more for the answer's room
     serve(engine, "first", first)
     serve(engine, "other", list(range(200, 264)))
@@ -98,6 +101,23 @@ def test_evicted_prefixes_come_back_from_the_host_pool(policy):
     stats = engine.stats().cache
     assert cached == 4 * BLOCK and stats.swaps_in > 0
     assert stats.invalid_kv_pages == 0
+
+
+@pytest.mark.parametrize("policy", ["fastlibra", "lru"])
+def test_evicted_blocks_are_dropped_where_recomputing_them_is_quicker(policy):
+    # 64 KiB pages over 1 MB/s take 65 ms to come back; the mock prefills a block in
+    # microseconds: the cost model drops evicted blocks instead of swapping them out.
+    engine = mock_engine(
+        max_seq_len=128, num_blocks=12, cache_policy=policy, emulated_link_gbps=0.001
+    )
+    first = list(range(1, 65))
+    serve(engine, "first", first)
+    serve(engine, "other", list(range(200, 264)))
+    serve(engine, "third", list(range(300, 364)))
+    stats = engine.stats().cache
+    assert stats.swaps_out == 0 and stats.host_bytes_used == 0
+    _, cached = serve(engine, "again", first + [5])
+    assert cached < 4 * BLOCK
 
 
 def test_without_a_host_pool_evicted_prefixes_are_dropped():

@@ -181,8 +181,10 @@ def test_the_deadline_holds_across_a_move(cluster):
 def test_the_migrator_moves_running_requests_off_a_full_worker(cluster):
     """Worker 0 takes four long requests that fill its KV cache while worker 1 is down;
     worker 1 comes up; the migrator moves running requests to it."""
-    # 4 blocks a request, and a page of the pool for each of the adapters a and b
-    busy = {"max_slots": 4, "num_blocks": 18, "step_latency": 0.02}
+    # 4 blocks a request, and a page of the pool for each of the adapters a and b;
+    # reserved up front, so worker 0 is full from the start (lazily, it would fill only
+    # as the answers grow, and have no reason to shed them before)
+    busy = {"max_slots": 4, "num_blocks": 18, "step_latency": 0.02, "kv_allocation": "upfront"}
     config = MigrationConfig(period=0.1, preload=False)
     router, start_late = cluster(busy, busy, late=(1,), migration=config)
     client = Client(router)

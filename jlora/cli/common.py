@@ -207,9 +207,9 @@ def _non_negative(text: str) -> int:
 
 def add_cache_args(group: argparse._ActionsContainer) -> None:
     """How an engine shares device memory and keeps history KV: --cache-policy,
-    --pool-size, --host-pool-mib (read back with `cache_config`, passed on to a child
-    `jlora serve` with `cache_flags`)."""
-    from configs.engine import CACHE_POLICIES, EngineConfig
+    --kv-allocation, --pool-size, --host-pool-mib (read back with `cache_config`, passed
+    on to a child `jlora serve` with `cache_flags`)."""
+    from configs.engine import CACHE_POLICIES, KV_ALLOCATIONS, EngineConfig
 
     group.add_argument(
         "--cache-policy",
@@ -220,6 +220,14 @@ def add_cache_args(group: argparse._ActionsContainer) -> None:
         "static share of the pool for adapters, an LRU prefix cache swapped out to host "
         "memory; none: S-LoRA's unified pool with no history KV (a request's blocks are "
         "freed when it ends)",
+    )
+    group.add_argument(
+        "--kv-allocation",
+        choices=KV_ALLOCATIONS,
+        default=KV_ALLOCATIONS[0],
+        help="lazy (default): a request takes KV blocks as it grows, and when the pool runs "
+        "out the newest is preempted and recomputed later; upfront: the blocks of its whole "
+        "sequence (prompt + max tokens) at admission, never preempted",
     )
     group.add_argument(
         "--pool-size",
@@ -244,6 +252,7 @@ def cache_config(args: argparse.Namespace) -> dict:
     size: PoolSize = args.pool_size or PoolSize()
     return {
         "cache_policy": args.cache_policy,
+        "kv_allocation": args.kv_allocation,
         "pool_bytes": size.pool_bytes,
         "pool_fraction": size.pool_fraction,
         "host_pool_mib": args.host_pool_mib,
@@ -252,7 +261,8 @@ def cache_config(args: argparse.Namespace) -> dict:
 
 def cache_flags(args: argparse.Namespace) -> list[str]:
     """The flags that pass `add_cache_args`' values on to a child `jlora serve`."""
-    flags = ["--cache-policy", args.cache_policy, "--host-pool-mib", str(args.host_pool_mib)]
+    flags = ["--cache-policy", args.cache_policy, "--kv-allocation", args.kv_allocation]
+    flags += ["--host-pool-mib", str(args.host_pool_mib)]
     return flags + (["--pool-size", str(args.pool_size)] if args.pool_size else [])
 
 

@@ -108,7 +108,9 @@ class TokenEvent:
     one is at fault) and the event carries no token (token_id -1).
     cached_tokens is set on the event of a prefill (a request's first token, or the
     first after a resume): how many of the prompt's tokens had their keys and values
-    taken from the prefix cache instead of being computed; 0 on every other event.
+    taken from the prefix cache instead of being computed; 0 on every other event,
+    including the prefill of a request preempted and admitted again (the engine's own
+    recomputation, not a prompt served).
     """
 
     request_id: str
@@ -227,3 +229,4 @@ class EngineStats:
     queued: tuple[RunningInfo, ...] = ()  # the `waiting` requests, in order (slot -1)
     kv_block_bytes: int = 0  # one KV block across layers, keys and values (0: unknown)
     cache: CacheStats | None = None  # the memory pool and prefix cache
+    preemptions: int = 0  # running requests sent back to the queue (the KV pool ran out)

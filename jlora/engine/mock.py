@@ -131,6 +131,7 @@ class MockEngine(DeviceEngine):
         merge: str = "never",
         merge_latency: float = 0.0,
         cache_policy: str = "fastlibra",
+        kv_allocation: str = "lazy",
         pool_bytes: int = 0,
         host_pool_mib: int = 1024,
         emulated_link_gbps: float = 0.0,
@@ -159,6 +160,7 @@ class MockEngine(DeviceEngine):
             max_lora_rank=max_lora_rank,
             merge=merge,
             cache_policy=cache_policy,
+            kv_allocation=kv_allocation,
             host_pool_mib=host_pool_mib,
             emulated_link_gbps=emulated_link_gbps,
         )

@@ -13,8 +13,10 @@ A request's life:
    in flight); the worker goes on. A request parked until its adapter landed is
    inserted into its decode row.
 3. Then queued requests are admitted first-come first-served while a decode row is
-   free and the KV blocks for their whole sequence (prompt + max_tokens, capped at
-   max_seq_len) can be reserved; prompt tokens prefilled per step are bounded by
+   free and the KV blocks for their prompt and first token can be had, leaving a
+   watermark of 1% of the pool (vLLM's) for the running requests to grow into (with
+   `kv_allocation="upfront"`, the blocks of their whole sequence, prompt + max_tokens
+   capped at max_seq_len); prompt tokens prefilled per step are bounded by
    `prefill_token_budget`, so running requests keep decoding. A request for an adapter
    that is not on the device waits while its adapter is copied in the background
    (later requests may go ahead of it), unless CPU assistance starts it at once: always
@@ -25,7 +27,14 @@ A request's life:
    inserted into its decode row, or parked if its adapter has not fully landed (a
    CPU-assisted prefill). A fault of this request alone (`RequestError` from the
    device engine) fails it and nothing else.
-5. `device.generate` advances every inserted row by one token; rows of different
+5. Before `device.generate`, a row whose next token starts a new block gets it; where
+   the pool has none, the newest request is preempted (vLLM's recompute preemption): its
+   KV is released, its full blocks cached like those of any request that leaves (kept
+   on the device, swapped to the host or dropped, as the cache policy and the swap cost
+   model decide, jlora/memory), and it is queued again ahead of later arrivals; when
+   admitted again, its prompt and generated tokens are prefilled (a cache hit where its
+   blocks survived) and it goes on with the token it would have had next. Then
+   `device.generate` advances every inserted row by one token; rows of different
    adapters (and the base model) share the step.
 6. Each token is checked on the host against EOS, stop strings, max_tokens and
    max_seq_len; a finished request frees its row and its blocks at once, so a queued
@@ -66,6 +75,7 @@ from jlora.contract.errors import (
     InvalidRequest,
     NotFound,
     RequestError,
+    ResourceExhausted,
 )
 from jlora.engine import cost_model
 from jlora.engine.adapters import AdapterManager
@@ -112,6 +122,7 @@ class _Sequence:
     parked: bool = False  # prefilled, not inserted: its adapter is still landing
     paused: bool = False  # prefilled, out of the batch (merging): keeps blocks and slot
     served_at: float = dataclasses.field(default_factory=time.monotonic)  # its last token
+    preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -169,6 +180,8 @@ class Orchestrator:
         self._rows: list[_Sequence | None] = [None] * cfg.max_slots
         self._ids: set[str] = set()
         self._seeds = np.random.default_rng()
+        self._lazy = cfg.kv_allocation == "lazy"
+        self._watermark = max(1, cfg.num_blocks // 100) if self._lazy else 0
         self._eos = set(self.tokenizer.eos_ids) if self.tokenizer is not None else set()
 
     # -- capacity and state ----------------------------------------------------------
@@ -266,7 +279,8 @@ class Orchestrator:
             self._admit(events)
         else:
             self._schedule(self.batcher, events)
-        decoding = [seq for seq in self._rows if seq is not None and not seq.parked]
+        self._grow(events)
+        decoding = self._decoding()
         if decoding:
             start = time.perf_counter()
             tokens = self.device.generate()
@@ -390,6 +404,7 @@ class Orchestrator:
             queued=tuple(info(seq) for seq in self._waiting),
             kv_block_bytes=memory.kv_block_bytes,
             cache=cache,
+            preemptions=self.counters["preemptions"],
         )
 
     def _merge_stats(self) -> MergeStats | None:
@@ -509,6 +524,8 @@ class Orchestrator:
             tokens = seq.length
             if prefilled and prefilled + tokens > budget:
                 break
+            if not self._room_for(seq):
+                break
             lease = self._lease(seq, reuse=not assist)
             if lease == SWAPPING:
                 continue  # its cached prefix is on its way; later requests may go first
@@ -547,11 +564,23 @@ class Orchestrator:
         return seq.assist
 
     def _lease(self, seq: _Sequence, *, reuse: bool) -> Lease | str:
-        """The KV blocks for `seq`'s whole sequence (a cached prefix first, if `reuse`)."""
-        blocks = math.ceil(seq.limit / self.config.block_size)
+        """The KV blocks for `seq` (a cached prefix first, if `reuse`)."""
         return self.memory.admit(
-            seq.request.request_id, seq.request.adapter, seq.tokens, blocks, reuse
+            seq.request.request_id, seq.request.adapter, seq.tokens, self._blocks(seq), reuse
         )
+
+    def _blocks(self, seq: _Sequence) -> int:
+        """The blocks `seq` is admitted with: its prompt (and generated tokens) and the
+        next token, lazily; its whole sequence, up front."""
+        tokens = seq.length + 1 if self._lazy else seq.limit
+        return math.ceil(min(tokens, seq.limit) / self.config.block_size)
+
+    def _room_for(self, seq: _Sequence) -> bool:
+        """Whether admitting `seq` leaves the watermark for the running requests to grow
+        into (lazily; at worst, its prefix is not cached)."""
+        if not self._watermark or not any(self._admitted()):
+            return True
+        return self.memory.available() >= self._blocks(seq) + self._watermark
 
     def _prefill(
         self, seq: _Sequence, lease: Lease, assist: bool, events: list[TokenEvent]
@@ -572,11 +601,14 @@ class Orchestrator:
             assist=adapter if assist else None,
             cached=lease.cached_tokens,
         )
+        start = time.perf_counter()
         try:
             prefilled = self.device.prefill(job)
         except RequestError as err:
             self._fail(seq, err, events)
             return
+        if not assist:
+            self.memory.observe_prefill(len(tokens) - job.cached, time.perf_counter() - start)
         seq.prefilled = True
         self.memory.prefilled(lease, tokens)
         if assist:
@@ -593,7 +625,9 @@ class Orchestrator:
                 routes,
                 ", parked until its adapter lands" if seq.parked else "",
             )
-        running = self._append(seq, prefilled.token, events, cached=lease.cached_tokens)
+        # A re-prefill after a preemption is the engine's own: no prompt token was served.
+        cached = 0 if seq.preemptions else lease.cached_tokens
+        running = self._append(seq, prefilled.token, events, cached=cached)
         if running and not seq.parked:
             self._insert(seq)
 
@@ -652,6 +686,8 @@ class Orchestrator:
             elif seq.row < 0:
                 if prefilled and prefilled + seq.length > budget:
                     continue
+                if not self._room_for(seq):
+                    continue
                 lease = self._lease(seq, reuse=True)
                 if not isinstance(lease, Lease):
                     continue
@@ -705,6 +741,57 @@ class Orchestrator:
                 parked.parked = False
                 self._insert(parked)
 
+    # -- lazy KV and preemption -------------------------------------------------------------
+
+    def _grow(self, events: list[TokenEvent]) -> None:
+        """Give each decoding row, oldest first, the block its next token's KV goes to;
+        where none can be had, the pages queued requests keep for their swap-ins are let
+        go, then the newest request is preempted, until one can (step 5)."""
+        bs = self.config.block_size
+        for seq in sorted(self._decoding(), key=lambda seq: seq.order):
+            while seq.lease is not None and len(seq.lease.table) * bs < seq.length:
+                if self.memory.grow(seq.lease, 1):
+                    self._insert(seq)  # the row's longer block table
+                    continue
+                waits = [self.memory.forget(queued.request.request_id) for queued in self._waiting]
+                if any(waits):  # queued requests' swap-ins give way to running requests
+                    continue
+                admitted = list(self._admitted())
+                if admitted == [seq]:  # the pool cannot hold this one sequence
+                    pages = self.memory.pool.num_pages
+                    self._fail(seq, ResourceExhausted(
+                        f"the device pool ({pages} pages of {bs} tokens, adapters included) "
+                        f"cannot hold this request's {seq.length} tokens; lower "
+                        "sampling.max_tokens or give the server a larger --pool-size",
+                        field="sampling.max_tokens",
+                    ), events)  # fmt: skip
+                    break
+                self._preempt(max(admitted, key=lambda seq: seq.order))
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Queue an admitted request again, after those that came before it, giving back
+        what it holds; it keeps its tokens, seed and text."""
+        self._release(seq)
+        seq.preemptions += 1
+        seq.parked = False
+        self.counters["preemptions"] += 1
+        position = sum(1 for queued in self._waiting if queued.order < seq.order)
+        self._waiting.insert(position, seq)
+        log.info(
+            "request %s preempted after %d tokens (%d waiting)",
+            seq.request.request_id,
+            len(seq.generated),
+            len(self._waiting),
+        )
+
+    def _decoding(self) -> list[_Sequence]:
+        """The rows the next decode step advances."""
+        return [seq for seq in self._rows if seq is not None and not seq.parked]
+
+    def _admitted(self) -> list[_Sequence]:
+        """Requests holding KV: in a decode row (parked or not) or paused."""
+        return [*(seq for seq in self._rows if seq is not None), *self._paused]
+
     # -- rows -------------------------------------------------------------------------------
 
     def _block_table(self, seq: _Sequence) -> np.ndarray:
@@ -755,23 +842,29 @@ class Orchestrator:
             self._waiting.remove(seq)
             self.memory.forget(seq.request.request_id)
         else:
-            if seq.paused:
-                self._paused.remove(seq)
-                seq.paused = False
-            else:
-                self.device.free(seq.row)
-                self._rows[seq.row] = None
-                seq.row = -1
-            assert seq.lease is not None
-            # The newest token's KV is written by the step that would have fed it; a
-            # prefill that failed may have written nothing.
-            written = seq.length - 1 if seq.prefilled else 0
-            self.memory.release(seq.lease, seq.tokens, written=written)
-            seq.lease, seq.prefilled = None, False
-            if seq.request.adapter is not None:
-                assert self.adapters is not None
-                self.adapters.slots.release(seq.request.adapter)
+            self._release(seq)
         self._ids.discard(seq.request.request_id)
+
+    def _release(self, seq: _Sequence) -> None:
+        """An admitted request gives back its row (or leaves the paused), its KV and its
+        adapter slot."""
+        if seq.paused:
+            self._paused.remove(seq)
+            seq.paused = False
+        else:
+            self.device.free(seq.row)
+            self._rows[seq.row] = None
+            seq.row = -1
+        assert seq.lease is not None
+        # The newest token's KV is written by the step that would have fed it; a prefill
+        # that failed may have written nothing.
+        written = seq.length - 1 if seq.prefilled else 0
+        self.memory.release(seq.lease, seq.tokens, written=written)
+        seq.lease, seq.prefilled = None, False
+        if seq.request.adapter is not None:
+            assert self.adapters is not None
+            self.adapters.slots.release(seq.request.adapter)
+            seq.adapter_slot = -1
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -18,13 +18,19 @@ tells it when an adapter lands or leaves (`installed`, `released`). Policies
 - "none": S-LoRA's: one pool for KV and adapters, no history: a request's blocks are
   freed when it leaves.
 
+A request's lease grows as its sequence does (`grow`, a block at a time while it
+decodes); when it cannot, the orchestrator preempts a request (`release`s its lease, whose
+full blocks join the cache like any leaving request's) and recomputes it later.
+
 A request reuses the longest cached prefix of full blocks for the same adapter content,
 less its last token (a prefill computes at least one token). If part of that prefix is
 in the host pool (or on its way there), it is swapped in (asynchronously) and the
 request waits for it, as it would for its adapter; if the pages for it cannot be had,
 the request uses the part on the device. Swaps run on one background thread, over the
 link the engine emulates or has: `device.kv_to_host` / `kv_to_device` take its time;
-`tick` installs what landed.
+`tick` installs what landed. A block leaving the device goes to the host pool only if
+bringing it back over the link is quicker than computing it again (`observe_prefill`
+measures that); otherwise it is dropped, and recomputed if it is needed again.
 
 Threads: everything but the copies runs on the scheduler's thread.
 """
@@ -121,6 +127,7 @@ class MemoryManager:
             ("prompt_tokens", "hit_tokens", "swaps_out", "swaps_in", "out_bytes", "in_bytes"), 0
         )
         self._slots: Slots | None = None  # `attach`ed
+        self._prefill_s_per_token = 0.0  # measured (`observe_prefill`); 0: not yet
         if policy == "lru" and lora_share_bytes:
             # vLLM sizes every LoRA slot for the largest rank, once; KV keeps min_kv_pages.
             share = min(self.pool.pages_for(lora_share_bytes), num_pages - min_kv_pages)
@@ -224,11 +231,36 @@ class MemoryManager:
             kv.refs += 1
         return self._grant(Lease(owner, node, prefix, pages, len(prefix) * bs), tokens)
 
-    def forget(self, owner: Hashable) -> None:
+    def grow(self, lease: Lease, count: int) -> bool:
+        """`count` more pages at the end of `lease`'s table (its sequence grows), making
+        room as `admit` does; False (and no change) if they cannot be had now."""
+        pages = self._allocate(count, lease.owner, protect=[])  # its adapter is held
+        if pages is None:
+            return False
+        lease.pages.extend(pages)
+        return True
+
+    def available(self) -> int:
+        """Pages a lease could have now without preempting a request: free ones and
+        cached KV that no request reads (idle adapters' pages not counted)."""
+        return self.pool.num_free + self._cached_pages()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill computed `tokens` tokens in `seconds`: the recompute side of the
+        swap-or-drop choice (a moving average of seconds per token)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = seconds / tokens
+        previous = self._prefill_s_per_token
+        self._prefill_s_per_token = rate if not previous else 0.8 * previous + 0.2 * rate
+
+    def forget(self, owner: Hashable) -> bool:
         """A queued request no longer waits for the swap-in its last `admit` started (it
-        asks again, or leaves)."""
-        for kv in self._waiting.pop(owner, ()):
+        asks again, or leaves, or gives way to a running request); False if it did not."""
+        path = self._waiting.pop(owner, None)
+        for kv in path or ():
             kv.reserved -= 1
+        return path is not None
 
     def prefilled(self, lease: Lease, tokens: Sequence[int]) -> None:
         """`tokens`' keys and values are written: cache their full blocks."""
@@ -481,7 +513,7 @@ class MemoryManager:
             self.pool.free([kv.page])
             kv.page, kv.where = -1, HOST
             return
-        if not self._host_room(nbytes):
+        if not self._worth_swapping() or not self._host_room(nbytes):
             self.pool.free([kv.page])
             kv.page = -1
             self._drop(kv)
@@ -493,6 +525,16 @@ class MemoryManager:
         self._submit(kv, TO_HOST, lambda: self.device.kv_to_host(snapshot))
         self._stats["swaps_out"] += 1
         self._stats["out_bytes"] += nbytes
+
+    def _worth_swapping(self) -> bool:
+        """Whether a block is worth keeping on the host: its copy back (one page over the
+        link) is quicker than a prefill computing its tokens again. The swap-out itself
+        overlaps with the steps, so only the way back is weighed; before a prefill has
+        been timed, it is."""
+        back_s = self.pool.page_bytes / (self._link or DEFAULT_LINK_BYTES_PER_S)
+        return not self._prefill_s_per_token or back_s < (
+            self._prefill_s_per_token * self.block_size
+        )
 
     def _swap_in(self, run: list[Node], protect: list[Node], keep: str | None = None) -> bool:
         """Start moving host nodes (a parent before its children) to the device, never

@@ -104,12 +104,13 @@ class Tree:
             stack.extend(node.children.values())
 
     def device_leaves(self) -> list[Node]:
-        """KV nodes on the device that no request reads and no device node depends on: the
-        swap-out candidates."""
+        """KV nodes on the device (or on their way to it) that no request reads or waits
+        for and no device node depends on: the swap-out candidates (a swap-in no one
+        waits for any more is called off)."""
         return [
             node
             for node in self.kv_nodes()
-            if node.where == DEVICE
+            if node.where in (DEVICE, TO_DEVICE)
             and node.refs == 0
             and node.reserved == 0
             and not any(c.where in (DEVICE, TO_DEVICE) for c in node.children.values())

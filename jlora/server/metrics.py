@@ -9,7 +9,8 @@ client library). Who updates what:
   jlora_request_latency_seconds;
 - the scheduler thread (per engine step): jlora_batch_size, jlora_step_seconds, and from
   the engine's stats at most every `STATS_INTERVAL` seconds: jlora_adapter_loads_total,
-  jlora_adapter_evictions_total, jlora_kv_blocks_free, jlora_adapter_slots_free, and
+  jlora_adapter_evictions_total, jlora_preemptions_total, jlora_kv_blocks_free,
+  jlora_adapter_slots_free, and
   with merging on (dLoRA): jlora_merged_iterations_total, jlora_unmerged_iterations_total,
   jlora_merge_switches_total, jlora_merged_adapter{adapter}, jlora_merge_threshold{name},
   jlora_adapter_credit{adapter}, jlora_adapter_wait_seconds{adapter} ("" is the base
@@ -104,6 +105,11 @@ class Metrics:
         )
         self.adapter_evictions = Counter(
             "jlora_adapter_evictions", "Adapters evicted from a device slot", registry=registry
+        )
+        self.preemptions = Counter(
+            "jlora_preemptions",
+            "Running requests sent back to the queue because the KV pool ran out",
+            registry=registry,
         )
         self.kv_blocks_free = Gauge(
             "jlora_kv_blocks_free", "Free KV-cache blocks", registry=registry
@@ -206,6 +212,7 @@ class Metrics:
         """Fold an engine-stats snapshot in (the engine's counters are cumulative)."""
         self._catch_up(self.adapter_loads, stats.adapter_loads)
         self._catch_up(self.adapter_evictions, stats.adapter_evictions)
+        self._catch_up(self.preemptions, stats.preemptions)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.adapter_slots_free.set(stats.adapter_slots_free)
         if stats.merging is not None:
