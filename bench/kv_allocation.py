@@ -22,9 +22,10 @@ Two engines run the same requests in turn, one per `EngineConfig.kv_allocation`:
   the pool runs out, the newest request is preempted and recomputed later.
 
 Reported per allocation: the decode rows in use per step (mean and peak: the
-concurrency the pool allows), preemptions, prompt tokens prefilled again because of
-them (the recomputation), generated tokens per second over the whole batch, and
-whether every request's greedy tokens equal those of the up-front run.
+concurrency the pool allows), preemptions, the prompt tokens admitted (each prompt
+once, plus prompt and generated tokens again for each preemption, cache hits
+included), generated tokens per second over the whole batch, and whether every
+request's greedy tokens equal those of the up-front run.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def render(facts: dict, plan: Plan, runs: list[Run], requests) -> str:
         f"{prompt_total} tokens in all, {sum(m for _, _, m in requests)} to generate), "
         f"{plan.max_slots} decode rows, a pool of {plan.pool_blocks} KV blocks of 16 tokens.",
         "",
-        "| allocation | rows mean | rows peak | preemptions | prompt tokens prefilled | "
+        "| allocation | rows mean | rows peak | preemptions | prompt tokens admitted | "
         "tokens/s | same tokens |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
