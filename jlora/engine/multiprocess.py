@@ -8,7 +8,7 @@ mesh must be launched by every process, in the same order, with the same inputs.
    collectives on CPU), loads the model, builds a `LlamaEngine` over the global mesh
    (each process holding its devices' shards) and compiles its steps.
 2. Process 0 runs the server, the scheduler and the orchestrator over a `Leader`: a
-   device engine that sends each call (prefill, insert, generate, free; staging,
+   device engine that sends each call (the prefills, insert, generate, free; staging,
    dropping and installing adapters) to the followers, over one authenticated
    connection each (`multiprocessing.connection`, the coordinator's port + 1), before
    making it itself.
@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
@@ -143,6 +143,22 @@ class Leader(DeviceEngine):
     def prefill(self, job: PrefillJob) -> Prefilled:
         self._send("prefill", job)
         return self.engine.prefill(job)
+
+    def prefill_many(self, jobs: Sequence[PrefillJob]) -> list[Prefilled]:
+        self._send("prefill_many", list(jobs))
+        return self.engine.prefill_many(jobs)
+
+    @property
+    def packed_prefill_tokens(self) -> int:
+        return self.engine.packed_prefill_tokens
+
+    @property
+    def packed_prefill_prompts(self) -> int:
+        return self.engine.packed_prefill_prompts
+
+    @property
+    def packed_prefill_prompt_tokens(self) -> int:
+        return self.engine.packed_prefill_prompt_tokens
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         self._send("insert", slot, row)

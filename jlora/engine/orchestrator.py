@@ -511,6 +511,7 @@ class Orchestrator:
 
     def _admit(self, events: list[TokenEvent]) -> None:
         budget, prefilled = self.config.prefill_token_budget, 0
+        admitted: list[tuple[_Sequence, Lease, bool]] = []
         for seq in list(self._waiting):
             if None not in self._rows:
                 break
@@ -532,9 +533,10 @@ class Orchestrator:
             if lease == FULL:
                 break
             assert isinstance(lease, Lease)
-            self._waiting.remove(seq)
-            self._prefill(seq, lease, assist, events)
+            self._start(seq, lease)
+            admitted.append((seq, lease, assist))
             prefilled += tokens - lease.cached_tokens
+        self._prefill(admitted, events)
 
     def _assists(self, seq: _Sequence) -> bool:
         """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""
@@ -582,9 +584,9 @@ class Orchestrator:
             return True
         return self.memory.available() >= self._blocks(seq) + self._watermark
 
-    def _prefill(
-        self, seq: _Sequence, lease: Lease, assist: bool, events: list[TokenEvent]
-    ) -> None:
+    def _start(self, seq: _Sequence, lease: Lease) -> None:
+        """An admitted request takes its lease, its adapter's slot and a decode row."""
+        self._waiting.remove(seq)
         adapter = seq.request.adapter
         if adapter is not None:
             assert self.adapters is not None
@@ -592,44 +594,60 @@ class Orchestrator:
         seq.lease = lease
         seq.row = self._rows.index(None)
         self._rows[seq.row] = seq
-        tokens = seq.tokens
-        job = PrefillJob(
-            tokens=tokens,
-            block_table=self._block_table(seq),
-            sampling=seq.sampling_row(),
-            adapter_slot=seq.adapter_slot,
-            assist=adapter if assist else None,
-            cached=lease.cached_tokens,
-        )
-        start = time.perf_counter()
-        try:
-            prefilled = self.device.prefill(job)
-        except RequestError as err:
-            self._fail(seq, err, events)
+
+    def _prefill(
+        self, admitted: list[tuple[_Sequence, Lease, bool]], events: list[TokenEvent]
+    ) -> None:
+        """Prefill the requests admitted this step, in one `prefill_many` (the engine
+        packs the plain ones several to a compiled call), and sample their first tokens.
+        A request whose prefill failed alone fails; the others go on."""
+        if not admitted:
             return
-        if not assist:
-            self.memory.observe_prefill(len(tokens) - job.cached, time.perf_counter() - start)
-        seq.prefilled = True
-        self.memory.prefilled(lease, tokens)
-        if assist:
-            assert self.adapters is not None and adapter is not None
-            routes = prefilled.routes
-            seq.parked = not self.adapters.slots.is_ready(adapter)
-            self.counters["assisted_prefills"] += 1
-            self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
-            self.counters["cpu_layer_groups"] += routes.count("C")
-            self.counters["device_layer_groups"] += routes.count("D")
-            log.info(
-                "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
-                seq.request.request_id,
-                routes,
-                ", parked until its adapter lands" if seq.parked else "",
+        jobs = [
+            PrefillJob(
+                tokens=seq.tokens,
+                block_table=self._block_table(seq),
+                sampling=seq.sampling_row(),
+                adapter_slot=seq.adapter_slot,
+                assist=seq.request.adapter if assist else None,
+                cached=lease.cached_tokens,
             )
-        # A re-prefill after a preemption is the engine's own: no prompt token was served.
-        cached = 0 if seq.preemptions else lease.cached_tokens
-        running = self._append(seq, prefilled.token, events, cached=cached)
-        if running and not seq.parked:
-            self._insert(seq)
+            for seq, lease, assist in admitted
+        ]
+        start = time.perf_counter()
+        results = self.device.prefill_many(jobs)
+        if not any(assist for _, _, assist in admitted):
+            computed = sum(len(job.tokens) - job.cached for job in jobs)
+            self.memory.observe_prefill(computed, time.perf_counter() - start)
+        for (seq, lease, assist), job, prefilled in zip(admitted, jobs, results, strict=True):
+            if prefilled.error is not None:
+                self._fail(seq, prefilled.error, events)
+                continue
+            seq.prefilled = True
+            self.memory.prefilled(lease, job.tokens)
+            if assist:
+                self._count_assist(seq, prefilled.routes)
+            # A re-prefill after a preemption is the engine's own: no prompt token served.
+            cached = 0 if seq.preemptions else lease.cached_tokens
+            running = self._append(seq, prefilled.token, events, cached=cached)
+            if running and not seq.parked:
+                self._insert(seq)
+
+    def _count_assist(self, seq: _Sequence, routes: str) -> None:
+        """A CPU-assisted prefill: park the request if its adapter has not landed yet."""
+        adapter = seq.request.adapter
+        assert self.adapters is not None and adapter is not None
+        seq.parked = not self.adapters.slots.is_ready(adapter)
+        self.counters["assisted_prefills"] += 1
+        self.counters["assisted_mixed_prefills"] += "C" in routes and "D" in routes
+        self.counters["cpu_layer_groups"] += routes.count("C")
+        self.counters["device_layer_groups"] += routes.count("D")
+        log.info(
+            "request %s prefilled with CPU assistance, layer groups %s (C: CPU, D: device)%s",
+            seq.request.request_id,
+            routes,
+            ", parked until its adapter lands" if seq.parked else "",
+        )
 
     # -- merging (dLoRA) ------------------------------------------------------------------
 
@@ -677,6 +695,7 @@ class Orchestrator:
 
     def _run_batch(self, batch: Batch, events: list[TokenEvent]) -> None:
         budget, prefilled = self.config.prefill_token_budget, 0
+        admitted: list[tuple[_Sequence, Lease, bool]] = []
         for seq in batch.items:
             assert isinstance(seq, _Sequence)
             if None not in self._rows:
@@ -691,9 +710,10 @@ class Orchestrator:
                 lease = self._lease(seq, reuse=True)
                 if not isinstance(lease, Lease):
                     continue
-                self._waiting.remove(seq)
+                self._start(seq, lease)
+                admitted.append((seq, lease, False))
                 prefilled += seq.length - lease.cached_tokens
-                self._prefill(seq, lease, False, events)
+        self._prefill(admitted, events)
 
     def _pause(self, seq: _Sequence) -> None:
         self.device.free(seq.row)

@@ -3,7 +3,10 @@
 `prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
 one token, attending over a bucketed prefix of the block tables. A prefill that
 continues a cached prefix (`cached` > 0: a prefix-cache hit) is a variant of its own,
-its new tokens padded to a bucket attending over the whole block table. A CPU-assisted
+its new tokens padded to a bucket attending over the whole block table. A packed
+prefill (`prefill_packed`) runs several prompts back to back, padded to a bucket
+together, with a fixed number of prompt rows (block tables, sampling, last logits;
+rows past the real prompts are empty). A CPU-assisted
 prefill runs the same prompt in three kinds of call instead, so the host can route
 each layer group between them: `embed`, one `prefill_segment` per layer group (with
 its per-layer route to the CPU or the device), and `prefill_head` (logits, sample). With LoRA, both
@@ -28,6 +31,7 @@ replicated): the model computes one shard and its collectives are explicit
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -43,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import ConfigError, EngineConfig, ModelConfig
 from jlora.adapters.backends import LoraWeights, Segments
 from jlora.adapters.targets import rank_row_bytes, target_shapes
-from jlora.engine.device import HostBlocks
+from jlora.engine.device import HostBlocks, SamplingRow
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
 from jlora.model.kv_cache import KVCache
@@ -68,8 +72,10 @@ class StepSpecs:
 
 
 class CompiledSteps:
-    def __init__(self, model: Llama, specs: StepSpecs) -> None:
+    def __init__(self, model: Llama, specs: StepSpecs, packed_longest: int | None = None) -> None:
+        """packed_longest: the most tokens of one prompt in a packed prefill (None: any)."""
         self.model = model
+        self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
         lora = rep if lora is None else lora
 
@@ -94,6 +100,14 @@ class CompiledSteps:
             ),
             donate_argnums=(1,),
         )
+        self._prefill_packed_jit = jax.jit(
+            sharded(
+                self._prefill_packed,
+                (params, cache, rep, rep, rep, rep, lora, rep),
+                (rep, cache),
+            ),
+            donate_argnums=(1,),
+        )
         self._decode_jit = jax.jit(
             sharded(self._decode, (params, cache, rep, rep, rep, rep, lora, rep), (rep, cache)),
             donate_argnums=(1,),
@@ -110,6 +124,7 @@ class CompiledSteps:
         self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), rep))
         self._prefill_exe: dict[int, Any] = {}
         self._prefill_cached_exe: dict[int, Any] = {}  # compiled on first use
+        self._prefill_packed_exe: dict[tuple[int, int], Any] = {}  # (bucket, prompts)
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self._embed_exe: dict[int, Any] = {}
         self._segment_exe: dict[tuple[int, int], Any] = {}  # (bucket, layers)
@@ -135,6 +150,23 @@ class CompiledSteps:
             params, cache, tokens, length, block_table, lora_weights, segments, cached
         )
         return sample(logits[None], sampling)[0], cache
+
+    def _prefill_packed(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        starts: jax.Array,
+        block_tables: jax.Array,
+        sampling: SamplingArrays,
+        lora_weights: LoraWeights | None,
+        segments: Segments | None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Several prompts' prefill and each one's first token (its own sampling row)."""
+        logits, cache = self.model.prefill_packed(
+            params, cache, tokens, starts, block_tables, lora_weights, segments, self.packed_longest
+        )
+        return sample(logits, sampling), cache
 
     def _prefill_segment(
         self,
@@ -233,6 +265,36 @@ class CompiledSteps:
         else:
             executables[bucket] = self._compile(self._prefill_jit, f"prefill[{bucket}]", *args)
 
+    def compile_prefill_packed(
+        self,
+        params: Params,
+        cache: KVCache,
+        bucket: int,
+        prompts: int,
+        blocks_per_seq: int,
+        lora_weights: LoraWeights | None,
+    ) -> None:
+        """The packed prefill of `bucket` tokens in up to `prompts` prompts (and as many
+        LoRA segments)."""
+        if (bucket, prompts) in self._prefill_packed_exe:
+            return
+        self._prefill_packed_exe[(bucket, prompts)] = self._compile(
+            self._prefill_packed_jit,
+            f"packed prefill[{bucket} tokens x {prompts} prompts]",
+            params,
+            cache,
+            np.zeros(bucket, np.int32),
+            np.zeros(prompts + 1, np.int32),
+            np.zeros((prompts, blocks_per_seq), np.int32),
+            host_sampling(prompts),
+            lora_weights,
+            None
+            if lora_weights is None
+            else Segments(
+                slot=np.full(prompts, -1, np.int32), start=np.zeros(prompts + 1, np.int32)
+            ),
+        )
+
     def compile_segmented(
         self,
         params: Params,
@@ -312,6 +374,24 @@ class CompiledSteps:
         if cached:
             return self._prefill_cached_exe[tokens.shape[0]](*args, segments, np.int32(cached))
         return self._prefill_exe[tokens.shape[0]](*args, segments)
+
+    def prefill_packed(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        block_tables: np.ndarray,
+        sampling: SamplingArrays,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Prompt p, tokens[starts[p]:starts[p + 1]], into block_tables[p]'s blocks
+        (Llama.prefill_packed): i32[P], each prompt's first token."""
+        executable = self._prefill_packed_exe[(tokens.shape[0], block_tables.shape[0])]
+        return executable(
+            params, cache, tokens, starts, block_tables, sampling, lora_weights, segments
+        )
 
     def embed(self, params: Params, tokens: np.ndarray) -> jax.Array:
         return self._embed_exe[tokens.shape[0]](params, tokens)
@@ -502,3 +582,17 @@ def host_sampling(rows: int) -> SamplingArrays:
         seed=np.zeros(rows, np.uint32),
         step=np.zeros(rows, np.int32),
     )
+
+
+def set_sampling(arrays: SamplingArrays, row: int, sampling: SamplingRow) -> None:
+    """Row `row` of host sampling arrays takes `sampling`'s parameters."""
+    arrays.temperature[row] = sampling.temperature
+    arrays.top_k[row] = sampling.top_k
+    arrays.top_p[row] = sampling.top_p
+    arrays.seed[row] = sampling.seed
+    arrays.step[row] = sampling.step
+
+
+def bucket(buckets: Sequence[int], length: int) -> int:
+    """The smallest of the sorted `buckets` that holds `length`."""
+    return buckets[bisect.bisect_left(buckets, length)]

@@ -1,10 +1,12 @@
 """Attention over the paged KV cache.
 
 Grouped-query attention throughout: `num_heads` query heads share `num_kv_heads`
-key/value heads in groups of `num_heads // num_kv_heads`. Both forms go through
+key/value heads in groups of `num_heads // num_kv_heads`. Every form goes through
 `jax.nn.dot_product_attention`, which picks the backend's best implementation
 (cuDNN's fused kernel on GPU; on CPU its XLA form measured ~30% faster than a plain
-masked einsum at T=512: 10.4 vs 15.0 ms per SmolLM2 layer).
+masked einsum at T=512: 10.4 vs 15.0 ms per SmolLM2 layer). A packed prefill (several
+prompts in one call) passes its block-diagonal causal mask explicitly, so its scores
+cover every pair of the call's tokens, the other prompts' included.
 """
 
 from __future__ import annotations
@@ -27,6 +29,60 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array
         q[None], k[None], v[None], is_causal=True, key_value_seq_lengths=length[None]
     )
     return out.reshape(seq, heads * head_dim)
+
+
+def packed_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, prompt: jax.Array, longest: int | None = None
+) -> jax.Array:
+    """Causal self-attention within each of several prompts packed back to back.
+
+    Semantics: out[t] = softmax_{j <= t, prompt[j] == prompt[t]}(q[t]·k[j] / sqrt(d)) · v[j]:
+    a token never sees another prompt's tokens.
+
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; prompt: i32[T], each token's
+    prompt index (>= 0), non-decreasing (padding rows share an index of their own, and
+    their output is unspecified). longest: None, or (static) the most tokens a prompt
+    has: the queries then attend in chunks of C = longest // 2, each chunk to itself
+    and the 2C keys before it, all a prompt that long can reach; the scores cost
+    T·3C instead of T² (SmolLM2's heads, T = 512, on 2 CPU cores: 3.0 ms a layer at
+    C = 32, 5.8 at C = 64, 10.6 for all the keys), and the result is the same.
+    Returns [T, heads * head_dim] in q's dtype.
+    """
+    seq, heads, head_dim = q.shape
+    chunk = max(1, (longest or 0) // 2)
+    if longest is None or seq <= 3 * chunk:  # the window would hold every key anyway
+        index = jnp.arange(seq)
+        visible = (prompt[:, None] == prompt[None, :]) & (index[None, :] <= index[:, None])
+        out = jax.nn.dot_product_attention(q[None], k[None], v[None], mask=visible[None, None])
+        return out.reshape(seq, heads * head_dim)
+    chunks = -(-seq // chunk)
+    tail = chunks * chunk - seq  # rows that round T up to whole chunks
+    before = 2 * chunk  # key rows ahead of the first chunk, never visible
+
+    def in_chunks(x: jax.Array, lead: int = 0) -> jax.Array:
+        """x after `lead` rows of zeros and before `tail`, as [chunks (+ lead / C), C, ...]."""
+        width = [(lead, tail)] + [(0, 0)] * (x.ndim - 1)
+        return jnp.pad(x, width).reshape(-1, chunk, *x.shape[1:])
+
+    def windows(x: jax.Array) -> jax.Array:
+        """[chunks + 2, C, ...] -> [chunks, 3C, ...]: each chunk's keys and the 2C before."""
+        return jnp.concatenate([x[j : j + chunks] for j in range(3)], axis=1)
+
+    # Prompt -1 marks the rows ahead, -2 the tail (visible to the tail's queries alone).
+    prompts = jnp.concatenate([jnp.full(before, -1), prompt, jnp.full(tail, -2)])
+    index = jnp.arange(-before, seq + tail)
+    query_prompt, query_index = (x[before:].reshape(chunks, chunk) for x in (prompts, index))
+    key_prompt, key_index = (windows(x.reshape(-1, chunk)) for x in (prompts, index))
+    visible = (query_prompt[:, :, None] == key_prompt[:, None, :]) & (
+        key_index[:, None, :] <= query_index[:, :, None]
+    )  # [chunks, C, 3C]
+    out = jax.nn.dot_product_attention(
+        in_chunks(q),
+        windows(in_chunks(k, before)),
+        windows(in_chunks(v, before)),
+        mask=visible[:, None],
+    )
+    return out.reshape(-1, heads * head_dim)[:seq]
 
 
 def paged_decode_attention(

@@ -14,7 +14,9 @@ stack, with the per-layer routing of LoRA to the device or the CPU as an i32 arr
 
 The attention itself is not part of the Flax layer: `DecoderLayer.qkv` projects and
 rotates, the caller attends over the paged KV cache (`attention.py`), and
-`DecoderLayer.finish` applies the output projection and the MLP.
+`DecoderLayer.finish` applies the output projection and the MLP. A packed prefill
+(`prefill_packed`) runs the prefill's layers over several prompts back to back, each
+token at its own position, writing to its own prompt's blocks and attending to it alone.
 
 On a mesh (`sharding.TensorParallel`) the same code runs per shard inside `shard_map`
 (the engine's steps): the config is the shard's (`tp.local`: its heads, its slice of
@@ -40,6 +42,7 @@ from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
 from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.model.attention import (
     causal_attention,
+    packed_causal_attention,
     paged_decode_attention,
     paged_prefix_attention,
     write_kv,
@@ -173,9 +176,9 @@ class DecoderLayer(nn.Module):
 
 
 class Llama:
-    """The model: parameter initialisation and the two step bodies (prefill, decode).
-
-    Both bodies are pure functions meant to be wrapped in `jax.jit` by the engine.
+    """The model: parameter initialisation and the step bodies (prefill, several prompts
+    packed in one prefill, decode): pure functions meant to be wrapped in `jax.jit` by
+    the engine.
     """
 
     def __init__(
@@ -470,38 +473,96 @@ class Llama:
         blocks = jnp.where(
             positions < end, block_table[positions // cache.block_size], cache.num_blocks
         )
+
+        def attend(q, k, v, cache, index):
+            if cached is None:
+                return causal_attention(q, k, v, length)
+            return paged_prefix_attention(q, cache.k[index], cache.v[index], block_table, positions)
+
+        def lora_for(index, step):
+            device = self._lora_fn(lora_weights, self._lora_apply(index, segments))
+            if route is None:
+                return device
+            assert lora_weights is not None and device is not None
+            on_cpu = self._cpu_lora_fn(lora_weights, index, length)
+
+            def lora(names, h, base):
+                return jax.lax.cond(
+                    route[step] > 0,
+                    lambda h: on_cpu(names, h, base),
+                    lambda h: device(names, h, base),
+                    h,
+                )
+
+            return lora
+
+        return self._prefill_scan(
+            params, cache, x, positions, blocks, attend, lora_for, layer_start, num_layers
+        )
+
+    def prefill_packed(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        starts: jax.Array,
+        block_tables: jax.Array,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
+        longest: int | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Several prompts in one pass, back to back: each is what `prefill` makes of it
+        alone (its tokens attend causally to its own, never to another prompt's), writes
+        its keys and values into its own blocks and gives its last logits.
+
+        tokens: i32[T]; prompt p is tokens[starts[p]:starts[p + 1]] (possibly empty), at
+        positions 0, 1, ... of its sequence. starts: i32[P + 1], non-decreasing from 0;
+        tokens from starts[P] on are padding (nothing is written). block_tables:
+        i32[P, max_blocks], each prompt's. lora_weights, segments: as in `prefill`, the
+        segments over the packed rows (each prompt inside its adapter's segment).
+        longest: None, or (static) the most tokens a prompt has, which bounds the keys
+        a token's attention reads (`packed_causal_attention`).
+        Returns fp32 logits [P, V] at each prompt's last token (an empty prompt's are
+        meaningless), and the updated cache.
+        """
+        index = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        prompt = jnp.sum(index[:, None] >= starts[None, 1:], axis=1)  # padding: P
+        real = index < starts[-1]
+        row = jnp.minimum(prompt, block_tables.shape[0] - 1)
+        positions = jnp.where(real, index - starts[row], 0)
+        blocks = jnp.where(real, block_tables[row, positions // cache.block_size], cache.num_blocks)
+
+        def attend(q, k, v, cache, index):
+            return packed_causal_attention(q, k, v, prompt, longest)
+
+        def lora_for(index, step):
+            return self._lora_fn(lora_weights, self._lora_apply(index, segments))
+
+        x = self.embed(params, tokens)
+        x, cache = self._prefill_scan(params, cache, x, positions, blocks, attend, lora_for)
+        return self._logits(params, x[jnp.maximum(starts[1:] - 1, 0)]), cache
+
+    def _prefill_scan(
+        self, params, cache, x, positions, blocks, attend, lora_for, start=0, count=None
+    ) -> tuple[jax.Array, KVCache]:
+        """The prefill's layers [start, start + count) over tokens at `positions`
+        (i32[T]): each layer writes token t's keys and values at offset positions[t] %
+        block_size of blocks[t] (the sentinel drops them), then attends with
+        `attend(q, k, v, cache, layer)` (the cache holding the layer's new keys);
+        `lora_for(layer, step)` gives the layer's LoRA hook."""
         offsets = positions % cache.block_size
 
         def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            device = self._lora_fn(lora_weights, self._lora_apply(index, segments))
-            lora = device
-            if route is not None:
-                assert lora_weights is not None and device is not None
-                on_cpu = self._cpu_lora_fn(lora_weights, index, length)
-
-                def lora(names, h, base):
-                    return jax.lax.cond(
-                        route[step] > 0,
-                        lambda h: on_cpu(names, h, base),
-                        lambda h: device(names, h, base),
-                        h,
-                    )
-
+            lora = lora_for(index, step)
             q, k, v = layer.qkv(x, positions, lora)
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k),
                 v=write_kv(cache.v, index, blocks, offsets, v),
             )
-            if cached is None:
-                attn = causal_attention(q, k, v, length)
-            else:
-                attn = paged_prefix_attention(
-                    q, cache.k[index], cache.v[index], block_table, positions
-                )
-            return layer.finish(x, attn, lora), cache
+            return layer.finish(x, attend(q, k, v, cache, index), lora), cache
 
-        return self._scan_layers(params, x, cache, layer_fn, layer_start, num_layers)
+        return self._scan_layers(params, x, cache, layer_fn, start, count)
 
     def decode(
         self,

@@ -196,16 +196,28 @@ class LoraBackend(abc.ABC):
             product = jnp.einsum("tk,tkn->tn", lhs, factor, preferred_element_type=jnp.float32)
             return jnp.where((rows >= 0)[:, None], product, 0.0), rows >= 0
         index = jnp.arange(lhs.shape[0])
-        adapted = jnp.zeros(lhs.shape[0], bool)
-        out = jnp.zeros((lhs.shape[0], 0), jnp.float32)
-        for g in range(rows.slot.shape[0]):  # prefill: one factor per segment
-            slot = rows.slot[g]
-            factor = self.factors(weights, target, layer, jnp.maximum(slot, 0)[None])[which][0]
-            part = jnp.einsum("tk,kn->tn", lhs, factor, preferred_element_type=jnp.float32)
-            inside = (index >= rows.start[g]) & (index < rows.start[g + 1]) & (slot >= 0)
-            out = jnp.where(inside[:, None], part, 0.0 if g == 0 else out)
-            adapted = adapted | inside
-        return out, adapted
+        slots, starts = jnp.asarray(rows.slot), jnp.asarray(rows.start)
+
+        def factor_of(slot: jax.Array) -> jax.Array:
+            return self.factors(weights, target, layer, jnp.maximum(slot, 0)[None])[which][0]
+
+        def segment(g, carry):  # prefill: one factor per segment
+            out, adapted = carry
+            part = jnp.einsum(
+                "tk,kn->tn", lhs, factor_of(slots[g]), preferred_element_type=jnp.float32
+            )
+            inside = (index >= starts[g]) & (index < starts[g + 1]) & (slots[g] >= 0)
+            return jnp.where(inside[:, None], part, out), adapted | inside
+
+        def skipping(g, carry):  # an empty or base-model segment costs nothing
+            inside = (index >= starts[g]) & (index < starts[g + 1]) & (slots[g] >= 0)
+            return jax.lax.cond(jnp.any(inside), lambda: segment(g, carry), lambda: carry)
+
+        width = jax.eval_shape(factor_of, jnp.int32(0)).shape[-1]
+        carry = (jnp.zeros((lhs.shape[0], width), jnp.float32), jnp.zeros(lhs.shape[0], bool))
+        if slots.shape[0] == 1:  # one prompt's prefill
+            return segment(0, carry)
+        return jax.lax.fori_loop(0, slots.shape[0], skipping, carry)  # a packed prefill's
 
 
 Rows = jax.Array | Segments  # the rows' adapters: i32[T] slots (decode) or segments (prefill)

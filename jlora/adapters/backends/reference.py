@@ -4,7 +4,9 @@
 
 Padding is exact: padded columns of x @ A are zeros, and the matching rows of B are
 zeros, so they add nothing. Cost ∝ rows × max_rank (like BGMV), whatever the ranks
-in the batch. When no row has an adapter, a `lax.cond` skips the LoRA work entirely.
+in the batch; in prefill, times the segments that have an adapter and rows (each is a
+masked product over every row). When no row has an adapter, a `lax.cond` skips the
+LoRA work entirely.
 """
 
 from __future__ import annotations
@@ -87,17 +89,28 @@ class ReferenceBackend(LoraBackend):
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
         a_slots, b_slots = weights[target]["a"], weights[target]["b"]
         rows = jnp.arange(x.shape[0])
+        slots, starts = jnp.asarray(segments.slot), jnp.asarray(segments.start)
+
+        def segment(g, carry):
+            delta, adapted = carry
+            slot = slots[g]
+            safe = jnp.maximum(slot, 0)
+            part = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "ti,ir->tr|tr,ro->to")
+            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & (slot >= 0)
+            return jnp.where(inside[:, None], part, delta), adapted | inside
+
+        def skipping(g, carry):
+            """`segment`, at no cost for an empty or base-model segment (a packed prefill
+            pads with them)."""
+            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & (slots[g] >= 0)
+            return jax.lax.cond(jnp.any(inside), lambda: segment(g, carry), lambda: carry)
 
         def compute() -> jax.Array:
-            delta = jnp.zeros(y.shape, jnp.float32)
-            adapted = jnp.zeros(x.shape[0], bool)
-            for g in range(segments.slot.shape[0]):
-                slot = segments.slot[g]
-                safe = jnp.maximum(slot, 0)
-                part = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "ti,ir->tr|tr,ro->to")
-                inside = (rows >= segments.start[g]) & (rows < segments.start[g + 1]) & (slot >= 0)
-                delta = jnp.where(inside[:, None], part, delta)
-                adapted = adapted | inside
+            carry = (jnp.zeros(y.shape, jnp.float32), jnp.zeros(x.shape[0], bool))
+            if slots.shape[0] == 1:  # one prompt's prefill
+                delta, adapted = segment(0, carry)
+            else:  # a loop: the compiled step does not grow with the segments
+                delta, adapted = jax.lax.fori_loop(0, slots.shape[0], skipping, carry)
             return _add_where(adapted, y, delta)
 
         return _unless_all_base(segments.slot, compute, y)

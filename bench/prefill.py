@@ -1,0 +1,225 @@
+"""Many short prompts: packed prefill (several per compiled call) next to one per call.
+
+Run: `python -m bench.prefill [--quick] [--json PATH]` (`make bench-prefill`; about 5
+minutes on two idle cores, compilation included).
+
+One process, SmolLM2-135M-Instruct fp32, the device engine alone (`LlamaEngine`, no
+orchestrator, so only the prefill is timed): N = 64 prompts of 16-64 tokens (seeded
+uniform lengths; real text, as `bench.throughput` makes it, each prompt starting
+elsewhere in the passage), greedy, each into blocks of its own. Two scenarios, each
+on an engine of its own: the base model, and LoRA (the reference backend, K = 4 demo
+adapters of rank 16 on all 7 projections, loaded beforehand, prompts round-robin over
+the adapters and the base model). Two systems per scenario, on the same engine:
+
+- `one_per_call`: `prefill(job)` for each prompt in turn: a compiled call per prompt,
+  padded to its prefill bucket (32 or 64 tokens);
+- `packed`: one `prefill_many(jobs)`: calls of up to `packed_prefill_prompts` = 16
+  prompts of at most `packed_prefill_tokens` = 512 tokens in all, in order, each
+  padded to the bucket holding its prompts (`packed_prefill_prompt_tokens` = 64: every
+  prompt here joins a packed call).
+
+Both are warm (`warmup` first, then one untimed run of each); then `repeats` timed runs,
+alternating. Reported: prompt tokens/s (real tokens only), the compiled calls and the
+tokens computed (padding included) per run, the median's ratio packed / one_per_call,
+and whether both systems gave every prompt the same first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.throughput import Measurement, compare, machine_facts, make_prompts, write_report
+from configs import EngineConfig
+from jlora.adapters.peft import make_demo_adapters
+from jlora.engine.device import PrefillJob, SamplingRow
+from jlora.engine.llama_engine import LlamaEngine
+from jlora.engine.steps import bucket
+from jlora.model.loading import LoadedModel, load_model
+
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str = "smollm2-135m"
+    prompts: int = 64
+    min_len: int = 16
+    max_len: int = 64
+    packed_tokens: int = 512
+    packed_prompts: int = 16  # packed_prefill_prompt_tokens: max_len
+    adapters: int = 4  # 0: the base-model scenario only
+    rank: int = 16
+    repeats: int = 3
+
+
+def make_engine(loaded: LoadedModel, plan: Plan, adapters: list[Path]) -> LlamaEngine:
+    lora: dict = (
+        {"max_loras": len(adapters), "max_lora_rank": plan.rank, "host_store_mib": 256}
+        if adapters
+        else {}
+    )
+    engine = LlamaEngine(
+        model_config=loaded.config,
+        params=loaded.params,
+        tokenizer=None,
+        engine_config=EngineConfig(
+            max_slots=plan.packed_prompts,
+            max_seq_len=plan.packed_tokens,  # the packed buckets end at max_seq_len
+            kv_cache_tokens=plan.prompts * plan.max_len,
+            packed_prefill_tokens=plan.packed_tokens,
+            packed_prefill_prompts=plan.packed_prompts,
+            packed_prefill_prompt_tokens=plan.max_len,
+            cache_policy="none",  # no cached-prefix variants to compile
+            **lora,
+        ),
+    )
+    for slot, path in enumerate(adapters):
+        engine.stage_adapter(path.name, str(path))
+        engine.install_adapter(path.name, slot, engine.load_adapter(path.name, slot))
+    engine.warmup(prompt_lengths=[plan.min_len, plan.max_len], max_length=plan.max_len)
+    return engine
+
+
+def make_jobs(loaded: LoadedModel, plan: Plan, engine: LlamaEngine) -> list[PrefillJob]:
+    """The prompts, each on its own blocks; with adapters, prompt i on slot i mod (K + 1)
+    (slot K: the base model)."""
+    cfg = engine.config
+    lengths = np.random.default_rng(0).integers(plan.min_len, plan.max_len + 1, plan.prompts)
+    texts = make_prompts(loaded, plan.prompts, plan.max_len)
+    adapters = len(engine.store.names()) if engine.store is not None else 0
+    per_prompt = plan.max_len // cfg.block_size
+    jobs = []
+    for i, (text, length) in enumerate(zip(texts, lengths.tolist(), strict=True)):
+        table = np.full(cfg.blocks_per_seq, cfg.num_blocks, np.int32)
+        table[:per_prompt] = np.arange(i * per_prompt, (i + 1) * per_prompt)
+        slot = i % (adapters + 1)
+        jobs.append(PrefillJob(text[:length], table, GREEDY, slot if slot < adapters else -1))
+    return jobs
+
+
+def one_per_call(engine: LlamaEngine, jobs: list[PrefillJob], first: dict) -> float:
+    start = time.perf_counter()
+    first["one_per_call"] = [engine.prefill(job).token for job in jobs]
+    return time.perf_counter() - start
+
+
+def packed(engine: LlamaEngine, jobs: list[PrefillJob], first: dict) -> float:
+    start = time.perf_counter()
+    first["packed"] = [result.token for result in engine.prefill_many(jobs)]
+    return time.perf_counter() - start
+
+
+def calls_and_computed(engine: LlamaEngine, jobs: list[PrefillJob]) -> dict[str, tuple[int, int]]:
+    """Per system: compiled calls and tokens computed (padding included) per run."""
+    buckets = engine.config.prefill_buckets
+    lengths = [len(job.tokens) for job in jobs]
+    calls = engine.packed.calls(dict(enumerate(lengths)))
+    alone = set(range(len(jobs))) - {index for call in calls for index in call}
+    computed = sum(bucket(buckets, sum(lengths[i] for i in call)) for call in calls)
+    computed += sum(bucket(buckets, lengths[i]) for i in alone)
+    return {
+        "one_per_call": (len(jobs), sum(bucket(buckets, n) for n in lengths)),
+        "packed": (len(calls) + len(alone), computed),
+    }
+
+
+def render(facts: dict, plan: Plan, rows: list[dict]) -> str:
+    lines = [
+        f"{plan.model} fp32 | {facts['device']} | {facts['cpu_count']} CPUs "
+        f"({facts['cpu_model']}) | jax {facts['jax']} ({facts['jax_backend']}) | "
+        f"{facts['date']} | 1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
+        f"{facts['load_avg_1min_end']:.1f} at end",
+        "",
+        f"{plan.prompts} prompts of {plan.min_len}-{plan.max_len} tokens, greedy; packed: up "
+        f"to {plan.packed_prompts} prompts of {plan.packed_tokens} tokens per call; median "
+        f"of {plan.repeats} warm runs",
+        "",
+        "| scenario | system | calls | tokens computed | prompt tokens/s | range | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        m: Measurement = row["measurement"]
+        spread = f"{m.tokens / max(m.seconds):.1f}-{m.tokens / min(m.seconds):.1f}"
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else ""
+        lines.append(
+            f"| {row['scenario']} | {m.system} | {row['calls']} | {row['computed']} | "
+            f"{m.tokens_per_s:.1f} | {spread} | {ratio} |"
+        )
+    lines += [
+        "",
+        "ratio = packed / one_per_call (medians). "
+        + "; ".join(f"{s}: first tokens equal {eq}" for s, eq in _equal(rows).items()),
+    ]
+    return "\n".join(lines)
+
+
+def _equal(rows: list[dict]) -> dict[str, str]:
+    return {row["scenario"]: row["equal"] for row in rows if row["ratio"] is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="16 prompts, 1 repetition")
+    parser.add_argument("--adapters", type=int, default=Plan.adapters, help="0: base only")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
+    args = parser.parse_args(argv)
+    plan = Plan(adapters=args.adapters)
+    if args.quick:
+        plan = dataclasses.replace(plan, prompts=16, repeats=1)
+
+    facts = machine_facts()
+    print("loading the model, compiling...", file=sys.stderr, flush=True)
+    loaded = load_model(plan.model)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scenarios = {"base": []}
+        if plan.adapters:
+            paths = make_demo_adapters(
+                loaded.config, tmp, n=plan.adapters, ranks=[plan.rank], seed=0
+            )
+            scenarios[f"lora (reference, {plan.adapters} adapters r{plan.rank})"] = paths
+        for scenario, adapters in scenarios.items():
+            engine = make_engine(loaded, plan, adapters)
+            try:
+                jobs = make_jobs(loaded, plan, engine)
+                tokens = sum(len(job.tokens) for job in jobs)
+                first: dict[str, list[int]] = {}
+                runs = {
+                    name: functools.partial(run, engine, jobs, first)
+                    for name, run in (("one_per_call", one_per_call), ("packed", packed))
+                }
+                shape = f"{plan.prompts}x({plan.min_len}-{plan.max_len})"
+                measured = compare("prefill", shape, tokens, plan.repeats, **runs)
+                counts = calls_and_computed(engine, jobs)
+            finally:
+                engine.close()
+            equal = sum(a == b for a, b in zip(first["one_per_call"], first["packed"], strict=True))
+            baseline = measured[0].tokens_per_s
+            for m in measured:
+                rows.append(
+                    {
+                        "scenario": scenario,
+                        "measurement": m,
+                        "calls": counts[m.system][0],
+                        "computed": counts[m.system][1],
+                        "ratio": m.tokens_per_s / baseline if m.system == "packed" else None,
+                        "equal": f"{equal}/{len(jobs)}",
+                    }
+                )
+    facts["load_avg_1min_end"] = os.getloadavg()[0]
+    print(render(facts, plan, rows))
+    if args.json:
+        write_report(args.json, facts, plan, [row["measurement"] for row in rows])
+
+
+if __name__ == "__main__":
+    main()

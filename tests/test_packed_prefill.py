@@ -1,0 +1,326 @@
+"""`prefill_many`: several prompts packed into one compiled prefill (jlora/engine/packing.py).
+
+A packed call must give each job what `prefill(job)` gives alone (device.py): the same
+first token, logits and keys and values to the model tolerance, and so the same greedy
+continuation. The prompts below (5, 23, 16 and 40 tokens: one call of the 128-token
+bucket, whose attention runs in windows, prompts being at most 64 tokens) mix two
+adapters of different ranks and the base model, one samples at a temperature, and they
+run on every LoRA backend (Pallas kernels interpreted on a CPU), on cpu-tiny. Jobs that
+are not plain (a cached prefix, CPU assistance) or too long run one by one; a fault of
+one of them is reported in its result, and the others are served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import pytest
+
+from configs import EngineConfig
+from jlora.adapters.backends import Segments
+from jlora.adapters.peft import make_demo_adapters
+from jlora.contract.errors import RequestError
+from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
+from jlora.engine.llama_engine import LlamaEngine
+from jlora.engine.mock import MockEngine
+from jlora.engine.packing import layout, packs
+from jlora.model.kv_cache import KVCache
+from tests.tolerances import assert_close
+
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+WARM = SamplingRow(temperature=0.8, top_k=20, top_p=0.9, seed=7, step=0)
+LENGTHS = (5, 23, 16, 40)
+ADAPTERS = {"a": 0, "b": 1}  # name -> device slot
+ROWS = ("a", None, "b", "a")  # each prompt's adapter
+STEPS = 5  # greedy tokens compared after a prefill (its own first token included)
+
+
+@pytest.fixture(scope="module", params=["reference", "bgmv", "mbgmv"])
+def engine(request, tiny, tmp_path_factory):
+    """A LlamaEngine with adapters "a" (rank 8) and "b" (rank 16) installed."""
+    engine = LlamaEngine(
+        model_config=tiny.config,
+        params=tiny.params,
+        tokenizer=None,
+        engine_config=EngineConfig(
+            max_slots=4,
+            max_seq_len=256,  # packed calls of up to 256 tokens, prompts of up to 64
+            min_bucket=16,
+            kv_cache_tokens=96 * 16,
+            max_loras=2,
+            max_lora_rank=16,
+            host_store_mib=64,
+            lora_backend=request.param,
+        ),
+    )
+    paths = make_demo_adapters(
+        tiny.config, tmp_path_factory.mktemp("demo"), n=2, ranks=[8, 16], seed=11
+    )
+    for (name, slot), path in zip(ADAPTERS.items(), paths, strict=True):
+        engine.stage_adapter(name, str(path))
+        engine.install_adapter(name, slot, engine.load_adapter(name, slot))
+    yield engine
+    engine.close()
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 512, length).tolist()
+
+
+class _Blocks:
+    """Block tables from consecutive fresh blocks (a test's tables never share blocks
+    unless it says so)."""
+
+    def __init__(self, engine: DeviceEngine) -> None:
+        self.config, self.next = engine.config, 0
+
+    def table(self, tokens: int, shared: Sequence[int] = ()) -> np.ndarray:
+        """A table for `tokens` tokens and STEPS more: `shared`, then fresh blocks."""
+        cfg = self.config
+        count = math.ceil((tokens + STEPS) / cfg.block_size) - len(shared)
+        table = np.full(cfg.blocks_per_seq, cfg.num_blocks, np.int32)
+        table[: len(shared) + count] = [*shared, *range(self.next, self.next + count)]
+        self.next += count
+        return table
+
+    def jobs(self, seed: int = 0) -> list[PrefillJob]:
+        """The four mixed prompts; the third samples at a temperature."""
+        return [
+            PrefillJob(
+                _prompt(length, seed + i),
+                self.table(length),
+                WARM if i == 2 else GREEDY,
+                adapter_slot=-1 if name is None else ADAPTERS[name],
+            )
+            for i, (length, name) in enumerate(zip(LENGTHS, ROWS, strict=True))
+        ]
+
+    def moved(self, job: PrefillJob) -> PrefillJob:
+        """`job` on fresh blocks."""
+        return dataclasses.replace(job, block_table=self.table(len(job.tokens)))
+
+
+def _kv(engine, job: PrefillJob) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values of a job's prompt positions: [layers, n, kv_heads, head_dim]."""
+    positions = np.arange(len(job.tokens))
+    size = engine.config.block_size
+    blocks, offsets = job.block_table[positions // size], positions % size
+    return tuple(
+        np.asarray(pages)[:, blocks, offsets] for pages in (engine.cache.k, engine.cache.v)
+    )
+
+
+class _Spy:
+    """Wraps `engine.prefill`, recording the jobs that reach it; `fail(job)` says which
+    to fail as a CPU worker that cannot recover would."""
+
+    def __init__(self, monkeypatch, engine, fail=lambda job: False) -> None:
+        self.jobs: list[PrefillJob] = []
+        real = engine.prefill
+
+        def prefill(job):
+            self.jobs.append(job)
+            if fail(job):
+                raise RequestError("the CPU workers are gone", reason="CPU_ASSIST_FAILED")
+            return real(job)
+
+        monkeypatch.setattr(engine, "prefill", prefill)
+
+
+def continue_greedy(engine: DeviceEngine, jobs: list[PrefillJob], packed: bool) -> list[list[int]]:
+    """Each job's first token (from one `prefill_many`, or one `prefill` each) and the
+    STEPS - 1 greedy tokens after it, the jobs decoding side by side in rows 0, 1, ..."""
+    if packed:
+        first = [result.token for result in engine.prefill_many(jobs)]
+    else:
+        first = [engine.prefill(job).token for job in jobs]
+    for row, (job, token) in enumerate(zip(jobs, first, strict=True)):
+        sampling = dataclasses.replace(GREEDY, step=1)
+        engine.insert(
+            row, DecodeRow(token, len(job.tokens), job.block_table, sampling, job.adapter_slot)
+        )
+    tokens = [[token] for token in first]
+    for _ in range(STEPS - 1):
+        step = engine.generate()
+        for row, out in enumerate(tokens):
+            out.append(int(step[row]))
+    for row in range(len(jobs)):
+        engine.free(row)
+    return tokens
+
+
+def test_a_packed_call_gives_each_job_its_own_prefill(engine, monkeypatch):
+    """One compiled call (no `prefill`), the same first tokens and keys and values as one
+    prefill each on other blocks."""
+    assert (engine.packed_prefill_tokens, engine.packed_prefill_prompts) == (256, 4)
+    assert engine.packed_prefill_prompt_tokens == 64
+    blocks = _Blocks(engine)
+    jobs = blocks.jobs()
+    spy = _Spy(monkeypatch, engine)
+    packed = engine.prefill_many(jobs)
+    assert spy.jobs == []
+    monkeypatch.undo()
+    alone = [blocks.moved(job) for job in jobs]
+    assert [r.token for r in packed] == [engine.prefill(job).token for job in alone]
+    assert all(r.error is None for r in packed)
+    for job, other in zip(jobs, alone, strict=True):
+        for got, want in zip(_kv(engine, job), _kv(engine, other), strict=True):
+            assert_close(got, want, np.float32, np.float32, scope="model")
+
+
+@pytest.mark.parametrize("longest", [None, 40], ids=["all-keys", "windowed"])
+def test_packed_logits_equal_each_prompts_alone(engine, longest):
+    """The model's packed prefill, padded to six prompt rows (two empty) and 96 tokens,
+    its attention over every key or (longest=40) in windows of 20 queries and the 40 keys
+    before them: each prompt's last logits are its single prefill's; an adapted prompt's
+    differ from the base model's (its segment reaches it)."""
+    model, weights = engine.model, engine.lora.weights
+    jobs = _Blocks(engine).jobs(seed=10)
+    call = layout(jobs, 96, 6, num_blocks=32)
+    tables = np.full((6, 16), 32, np.int32)
+    tables[:4, :3] = np.arange(12).reshape(4, 3)  # each prompt's own three blocks
+    packed, _ = jax.jit(model.prefill_packed, static_argnames="longest")(
+        engine.params,
+        _cache(engine),
+        call.tokens,
+        call.starts,
+        tables,
+        weights,
+        call.segments,
+        longest=longest,
+    )
+    packed = np.asarray(packed)
+    assert packed.shape == (6, engine.vocab_size)
+    single = jax.jit(model.prefill)
+    for j, job in enumerate(jobs):
+        tokens = np.zeros(64, np.int32)
+        tokens[: len(job.tokens)] = job.tokens
+        args = (engine.params, _cache(engine), tokens, np.int32(len(job.tokens)), np.arange(16))
+        logits, _ = single(*args, weights, Segments.single(job.adapter_slot, 64))
+        assert_close(packed[call.rows[j]], logits, np.float32, np.float32, scope="model")
+        if job.adapter_slot >= 0:
+            base, _ = single(*args, weights, Segments.single(-1, 64))
+            assert not np.allclose(logits, base, atol=1e-2)
+
+
+def _cache(engine) -> KVCache:
+    """A fresh cache of 32 blocks for the model alone."""
+    cfg = engine.model_config
+    return KVCache.zeros(
+        num_layers=cfg.num_layers,
+        num_blocks=32,
+        block_size=engine.config.block_size,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=np.float32,
+    )
+
+
+def test_a_prompts_continuation_does_not_depend_on_its_pack(engine):
+    """Batch invariance: each prompt's greedy tokens after a packed prefill are those after
+    a prefill of its own."""
+    blocks = _Blocks(engine)
+    jobs = [dataclasses.replace(job, sampling=GREEDY) for job in blocks.jobs(seed=20)]
+    packed = continue_greedy(engine, jobs, packed=True)
+    assert packed == continue_greedy(engine, [blocks.moved(job) for job in jobs], packed=False)
+
+
+def test_jobs_that_are_not_plain_run_one_by_one_and_fail_alone(engine, monkeypatch):
+    """A cached prefix (written by an earlier job of the same list), a prompt longer than
+    packed_prefill_prompt_tokens and a CPU-assisted job go through `prefill`, in order;
+    the assisted one fails there, and only it."""
+    if engine.config.lora_backend != "reference":
+        pytest.skip("the routing does not depend on the backend")
+    blocks = _Blocks(engine)
+    _, base, warm, last = blocks.jobs(seed=30)
+    earlier = PrefillJob(_prompt(16, seed=30), blocks.table(16), GREEDY, ADAPTERS["a"])
+    extended = earlier.tokens + _prompt(20, seed=31)
+    cached = dataclasses.replace(
+        earlier,
+        tokens=extended,
+        block_table=blocks.table(len(extended), shared=earlier.block_table[:1].tolist()),
+        cached=16,
+    )
+    long = PrefillJob(_prompt(65, seed=32), blocks.table(65), GREEDY, ADAPTERS["b"])
+    assisted = dataclasses.replace(warm, assist="b")
+    jobs = [earlier, cached, base, long, last, assisted]
+    spy = _Spy(monkeypatch, engine, fail=lambda job: job.assist is not None)
+    results = engine.prefill_many(jobs)
+    assert [id(job) for job in spy.jobs] == [id(cached), id(long), id(assisted)]
+    assert results[-1].token == -1 and results[-1].error.reason == "CPU_ASSIST_FAILED"
+    assert all(result.error is None for result in results[:-1])
+    monkeypatch.undo()
+    full = dataclasses.replace(cached, block_table=blocks.table(len(extended)), cached=0)
+    assert results[1].token == engine.prefill(full).token
+    for index in (0, 2, 3, 4):
+        assert results[index].token == engine.prefill(blocks.moved(jobs[index])).token
+
+
+def test_merged_packed_calls_equal_one_by_one(engine):
+    """While merged the packed call runs the merged steps (no LoRA weights)."""
+    if engine.config.lora_backend != "reference":
+        pytest.skip("the merged steps have no LoRA backend")
+    blocks = _Blocks(engine)
+    jobs = [dataclasses.replace(job, adapter_slot=ADAPTERS["a"]) for job in blocks.jobs(40)]
+    engine.merge("a")
+    try:
+        packed = continue_greedy(engine, jobs, packed=True)
+        alone = continue_greedy(engine, [blocks.moved(job) for job in jobs], packed=False)
+    finally:
+        engine.unmerge()
+    assert packed == alone
+
+
+def test_a_packed_call_on_a_mesh_equals_one_prefill_each_on_one_device():
+    """tp2, adapters fully sharded (x·A's all-gather and all-reduce run over the packed
+    segments), the reference backend (tests/sharded_checks.py, fake devices)."""
+    from tests.test_sharding import run_checks
+
+    case = "packed:cpu-tiny:tp2:fully-sharded:reference"
+    result = run_checks(case, processes=1)[case]
+    assert result["sharded"] == result["single"]
+
+
+# -- the host side, and the interface's default ----------------------------------------
+
+
+def test_packs_fill_calls_in_order():
+    # 128 tokens, 3 prompts per call: 100 + 40 overflows; the fourth prompt starts a call.
+    assert packs([100, 40, 50, 30, 5, 128], tokens=128, prompts=3) == [[0], [1, 2, 3], [4], [5]]
+    assert packs([10] * 7, tokens=128, prompts=3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_layout_groups_prompts_by_adapter_and_pads():
+    table = np.zeros(2, np.int32)
+    jobs = [
+        PrefillJob([1, 2, 3], table + 1, GREEDY, adapter_slot=1),
+        PrefillJob([4], table + 2, WARM, adapter_slot=-1),
+        PrefillJob([5, 6], table + 3, GREEDY, adapter_slot=1),
+    ]
+    call = layout(jobs, 8, 4, num_blocks=9)
+    # Rows by slot (stable): job 1 (base), job 0, job 2; then an empty row.
+    assert call.rows == [1, 0, 2]
+    assert call.tokens.tolist() == [4, 1, 2, 3, 5, 6, 0, 0]
+    assert call.starts.tolist() == [0, 1, 4, 6, 6]
+    assert call.block_tables[:, 0].tolist() == [2, 1, 3, 9]
+    assert call.sampling.temperature.tolist() == pytest.approx([0.8, 0.0, 0.0, 0.0])
+    # Segments: the base prompt, then both slot-1 prompts as one; the rest empty.
+    assert call.segments.slot.tolist() == [-1, 1, -1, -1]
+    assert call.segments.start.tolist() == [0, 1, 6, 6, 6]
+
+
+def test_the_default_prefill_many_is_prefill_per_job_and_reports_a_fault(monkeypatch):
+    engine = MockEngine(max_slots=4, max_seq_len=64, max_loras=0)
+    assert (engine.packed_prefill_tokens, engine.packed_prefill_prompts) == (0, 0)
+    blocks = _Blocks(engine)
+    jobs = [PrefillJob(_prompt(n, n), blocks.table(n), GREEDY) for n in (5, 9)]
+    tokens = [result.token for result in engine.prefill_many(jobs)]
+    assert tokens == [engine.prefill(job).token for job in jobs]
+    _Spy(monkeypatch, engine, fail=lambda job: job is jobs[0])
+    first, second = engine.prefill_many(jobs)
+    assert (first.token, first.error.reason) == (-1, "CPU_ASSIST_FAILED")
+    assert (second.token, second.error) == (tokens[1], None)
