@@ -21,7 +21,8 @@ the adapters and the base model). Two systems per scenario, on the same engine:
 Both are warm (`warmup` first, then one untimed run of each); then `repeats` timed runs,
 alternating. Reported: prompt tokens/s (real tokens only), the compiled calls and the
 tokens computed (padding included) per run, the median's ratio packed / one_per_call,
-and whether both systems gave every prompt the same first token.
+and whether both systems gave every prompt the same first token (--json: every timing,
+its `phase` the scenario).
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                     for name, run in (("one_per_call", one_per_call), ("packed", packed))
                 }
                 shape = f"{plan.prompts}x({plan.min_len}-{plan.max_len})"
-                measured = compare("prefill", shape, tokens, plan.repeats, **runs)
+                measured = compare(scenario, shape, tokens, plan.repeats, **runs)
                 counts = calls_and_computed(engine, jobs)
             finally:
                 engine.close()
