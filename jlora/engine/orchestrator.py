@@ -626,14 +626,14 @@ class Orchestrator:
             seq.prefilled = True
             self.memory.prefilled(lease, job.tokens)
             if assist:
-                self._count_assist(seq, prefilled.routes)
+                self._assisted(seq, prefilled.routes)
             # A re-prefill after a preemption is the engine's own: no prompt token served.
             cached = 0 if seq.preemptions else lease.cached_tokens
             running = self._append(seq, prefilled.token, events, cached=cached)
             if running and not seq.parked:
                 self._insert(seq)
 
-    def _count_assist(self, seq: _Sequence, routes: str) -> None:
+    def _assisted(self, seq: _Sequence, routes: str) -> None:
         """A CPU-assisted prefill: park the request if its adapter has not landed yet."""
         adapter = seq.request.adapter
         assert self.adapters is not None and adapter is not None
@@ -765,16 +765,12 @@ class Orchestrator:
 
     def _grow(self, events: list[TokenEvent]) -> None:
         """Give each decoding row, oldest first, the block its next token's KV goes to;
-        where none can be had, the pages queued requests keep for their swap-ins are let
-        go, then the newest request is preempted, until one can (step 5)."""
+        where none can be had, preempt the newest request until one can (step 5)."""
         bs = self.config.block_size
         for seq in sorted(self._decoding(), key=lambda seq: seq.order):
             while seq.lease is not None and len(seq.lease.table) * bs < seq.length:
                 if self.memory.grow(seq.lease, 1):
                     self._insert(seq)  # the row's longer block table
-                    continue
-                waits = [self.memory.forget(queued.request.request_id) for queued in self._waiting]
-                if any(waits):  # queued requests' swap-ins give way to running requests
                     continue
                 admitted = list(self._admitted())
                 if admitted == [seq]:  # the pool cannot hold this one sequence

@@ -233,8 +233,13 @@ class MemoryManager:
 
     def grow(self, lease: Lease, count: int) -> bool:
         """`count` more pages at the end of `lease`'s table (its sequence grows), making
-        room as `admit` does; False (and no change) if they cannot be had now."""
+        room as `admit` does, and if that is not enough, letting go of what queued
+        requests keep for their swap-ins; False (and no change) if they cannot be had."""
         pages = self._allocate(count, lease.owner, protect=[])  # its adapter is held
+        if pages is None and self._waiting:  # queued requests' swap-ins give way
+            for owner in list(self._waiting):
+                self.forget(owner)
+            pages = self._allocate(count, lease.owner, protect=[])
         if pages is None:
             return False
         lease.pages.extend(pages)
@@ -254,13 +259,11 @@ class MemoryManager:
         previous = self._prefill_s_per_token
         self._prefill_s_per_token = rate if not previous else 0.8 * previous + 0.2 * rate
 
-    def forget(self, owner: Hashable) -> bool:
+    def forget(self, owner: Hashable) -> None:
         """A queued request no longer waits for the swap-in its last `admit` started (it
-        asks again, or leaves, or gives way to a running request); False if it did not."""
-        path = self._waiting.pop(owner, None)
-        for kv in path or ():
+        asks again, or leaves, or gives way to a running request's `grow`)."""
+        for kv in self._waiting.pop(owner, ()):
             kv.reserved -= 1
-        return path is not None
 
     def prefilled(self, lease: Lease, tokens: Sequence[int]) -> None:
         """`tokens`' keys and values are written: cache their full blocks."""
