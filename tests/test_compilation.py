@@ -7,6 +7,7 @@ import pytest
 from jax import monitoring
 
 from jlora.engine.api import Request, SamplingParams
+from jlora.engine.steps import bucket
 from tests.engine_helpers import make_engine
 
 _EVENTS: list[str] = []
@@ -113,3 +114,43 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
     assert engine.device.steps.num_compiles == 3 * len(engine.config.prefill_buckets) + len(
         engine.config.decode_buckets
     )
+
+
+def test_on_demand_warmup_compiles_only_the_shapes_a_run_meets(tiny, caplog):
+    """`warmup(on_demand=True)` (the one-shot CLI's) compiles nothing ahead; a run then
+    compiles exactly the shapes it meets, once each, quietly (no warning), and samples
+    the same tokens as an engine warmed ahead."""
+    requests = [
+        Request("a", list(range(1, 6)), SamplingParams(max_tokens=6, ignore_eos=True)),
+        Request("b", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True)),
+    ]
+
+    def run(engine) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_unfinished:
+            for event in engine.step():
+                tokens[event.request_id].append(event.token_id)
+        return tokens
+
+    ahead = make_engine(tiny, max_slots=2, max_seq_len=256, min_bucket=16)
+    ahead.warmup()
+    lazy = make_engine(tiny, max_slots=2, max_seq_len=256, min_bucket=16)
+    lazy.warmup(on_demand=True)
+    steps = lazy.device.steps
+    assert steps.num_compiles == 0
+    with caplog.at_level("INFO", logger="jlora.engine.steps"):
+        assert run(lazy) == run(ahead)
+    # Packed together (5 + 37 tokens); decoded together (rows up to 41 tokens long),
+    # then "a" alone (up to 11): nothing cached, no other bucket.
+    config = lazy.device.config
+    assert list(steps._prefill_packed_exe) == [
+        (bucket(config.prefill_buckets, 42), lazy.device.packed_prefill_prompts)
+    ]
+    assert sorted(steps._decode_exe, key=lambda shape: shape[1]) == [
+        (2, bucket(config.decode_buckets, n) // config.block_size) for n in (11, 41)
+    ]
+    assert steps.num_compiles == 3 < ahead.device.steps.num_compiles
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len([r for r in caplog.records if r.getMessage().startswith("compiled")]) == 3

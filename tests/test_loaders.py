@@ -17,7 +17,7 @@ import pytest
 
 from jlora.cli.main import main
 from jlora.model.checkpoint import MARKER
-from jlora.model.gguf import unpermute_rope_rows
+from jlora.model.gguf import dequantize, unpermute_rope_rows
 from jlora.model.loading import load_model
 from jlora.model.weights import WeightsError
 from tests.model_helpers import hf_last_logits, jlora_last_logits
@@ -447,3 +447,17 @@ def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path, smollm2):
     with pytest.raises(WeightsError, match="the tokenizer has 49152 tokens but the model's "
                                            "vocab_size is 512"):  # fmt: skip
         LoadedModel(tiny.config, tiny.params, smollm2.tokenizer, "test")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_dequantization_agrees_with_the_gguf_package(type_name):
+    """Our whole-tensor dequantization against the gguf package's, on random weights
+    quantized by it (so every nibble, sign and scale occurs)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    weights = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    data = gguf.quants.quantize(weights, qtype)
+    expected = gguf.quants.dequantize(data, qtype).reshape(-1)
+    np.testing.assert_array_equal(dequantize(data, type_name), expected)
+    assert dequantize(data, "Q5_K") is None  # left to the gguf package

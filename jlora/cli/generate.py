@@ -336,10 +336,9 @@ def _run_batch(
                 engine.abort(queued.request_id)
             where = f"prompt {i + 1}: " if len(prompts) > 1 else ""
             raise UsageError(f"{where}{err.message}") from err
-    engine.warmup(
-        prompt_lengths=[len(r.prompt_ids) for r in requests],
-        max_length=max(len(r.prompt_ids) + r.sampling.max_tokens for r in requests),
-    )
+    # One run: each shape compiles when first needed, so the first token comes sooner
+    # and a shape the run never meets (a long answer's decode bucket) never compiles.
+    engine.warmup(prompt_lengths=[len(r.prompt_ids) for r in requests], on_demand=True)
     results: dict[str, dict] = {
         r.request_id: {"text": [], "token_ids": [], "cached_tokens": 0} for r in requests
     }
@@ -396,8 +395,7 @@ def _interactive(
     adapter: str | None,
 ) -> int:
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    print("jlora: compiling the engine's steps (cached after the first run)...", file=sys.stderr)
-    engine.warmup()
+    engine.warmup(on_demand=True)  # a turn compiles the shapes it is the first to need
     print("jlora: type a prompt and press Enter (Ctrl-D to quit)", file=sys.stderr)
     turn = 0
     while True:

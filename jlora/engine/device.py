@@ -174,9 +174,17 @@ class DeviceEngine(abc.ABC):
 
     @abc.abstractmethod
     def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+        self,
+        prompt_lengths: list[int] | None = None,
+        max_length: int | None = None,
+        *,
+        on_demand: bool = False,
     ) -> None:
-        """Compile every step shape (or those these prompts, growing to max_length, need)."""
+        """Compile every step shape (or those these prompts, growing to max_length, need),
+        so that none compiles while serving. With `on_demand`, compile nothing ahead: each
+        shape compiles when a step first needs it (a one-shot run, which would pay for the
+        compiles anyway, gets its first token sooner and never compiles what it does not
+        use); the rest of the warm-up (measurements a policy needs) still runs."""
 
     @abc.abstractmethod
     def prefill(self, job: PrefillJob) -> Prefilled:

@@ -54,7 +54,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +69,7 @@ from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
 from jlora.adapters.targets import INPUT_GROUPS, rank_row_bytes, target_shapes
 from jlora.contract.errors import InvalidRequest, RequestError
-from jlora.engine.assisted import AssistedPrefill
 from jlora.engine.cost_model import ColdStart
-from jlora.engine.cpu_assist import CpuAssist, ShardPlan, default_workers
 from jlora.engine.device import (
     DecodeRow,
     DeviceEngine,
@@ -99,6 +97,10 @@ from jlora.model.llama import Llama, Params
 from jlora.model.merge import WeightMerger
 from jlora.model.sharding import TensorParallel, to_host
 from jlora.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where used: the CPU workers' kernels load only when needed
+    from jlora.engine.assisted import AssistedPrefill
+    from jlora.engine.cpu_assist import CpuAssist, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,9 @@ class LlamaEngine(DeviceEngine):
             and self.store is not None
             and cfg.lora_mode in ("cpu-assist", "auto")
         ):
+            from jlora.engine.assisted import AssistedPrefill
+            from jlora.engine.cpu_assist import CpuAssist, default_workers
+
             stored = target_shapes(model_config)  # as the adapters hold them (k/v not widened)
             self.cpu = CpuAssist(
                 self.store.arena.name,
@@ -223,6 +228,8 @@ class LlamaEngine(DeviceEngine):
 
     def _shard_plan(self) -> ShardPlan:
         """How the CPU workers' whole products map onto this mesh's shards."""
+        from jlora.engine.cpu_assist import ShardPlan
+
         tp = self.tp
         reduce = {"o_proj": tp.attn_reduce, "down_proj": tp.mlp_reduce}
         column = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"}
@@ -245,18 +252,36 @@ class LlamaEngine(DeviceEngine):
     # -- steps -------------------------------------------------------------------------
 
     def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+        self,
+        prompt_lengths: list[int] | None = None,
+        max_length: int | None = None,
+        *,
+        on_demand: bool = False,
     ) -> None:
         """Compile each prefill bucket (those `prompt_lengths` need, or all; with its
         cached-prefix variant unless cache_policy is "none"), the packed prefill's (those
         from the shortest prompt's bucket up), and each decode bucket up to the one
-        holding `max_length` tokens (or all)."""
+        holding `max_length` tokens (or all). With `on_demand`, only what CPU assistance
+        needs ahead (its segments, and in auto mode the device prefills its cost model
+        times); every other shape compiles when first met, and `warmed_up` stays false,
+        so that is not logged as a warning."""
         cfg = self.config
         prefill = (
             cfg.prefill_buckets
             if prompt_lengths is None
             else sorted({bucket(cfg.prefill_buckets, n) for n in prompt_lengths})
         )
+        if self.assisted is not None:
+            for size in prefill:
+                self.assisted.compile(self.params, self.cache, size)
+            if cfg.lora_mode == "auto":
+                for size in prefill:  # the device prefills the cost model times
+                    self.steps.compile_prefill(
+                        self.params, self.cache, size, cfg.blocks_per_seq, self._weights
+                    )
+                self.cache = self.assisted.measure(self.params, self.cache, prefill)
+        if on_demand:
+            return
         longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
         history = cfg.cache_policy != "none"  # prefix hits run the cached variants
         # A packed call's bucket holds at least its shortest prompt.
@@ -267,11 +292,6 @@ class LlamaEngine(DeviceEngine):
                     self.params, self.cache, size, cfg.blocks_per_seq, self._weights, cached=cached
                 )
         self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
-        if self.assisted is not None:
-            for size in prefill:
-                self.assisted.compile(self.params, self.cache, size)
-            if cfg.lora_mode == "auto":
-                self.cache = self.assisted.measure(self.params, self.cache, prefill)
         decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
         for size in decode:
             self.steps.compile_decode(

@@ -187,7 +187,11 @@ class MockEngine(DeviceEngine):
     # -- steps -----------------------------------------------------------------------
 
     def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+        self,
+        prompt_lengths: list[int] | None = None,
+        max_length: int | None = None,
+        *,
+        on_demand: bool = False,
     ) -> None:
         """Nothing to compile."""
 

@@ -136,9 +136,15 @@ class Leader(DeviceEngine):
     # -- the device engine's calls, mirrored ----------------------------------------------
 
     def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+        self,
+        prompt_lengths: list[int] | None = None,
+        max_length: int | None = None,
+        *,
+        on_demand: bool = False,
     ) -> None:
-        self.engine.warmup(prompt_lengths, max_length)  # compiling launches nothing
+        # Compiling launches nothing; on demand, each process compiles in the step that
+        # first needs a shape, which the followers run too.
+        self.engine.warmup(prompt_lengths, max_length, on_demand=on_demand)
 
     def prefill(self, job: PrefillJob) -> Prefilled:
         self._send("prefill", job)

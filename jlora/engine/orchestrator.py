@@ -207,11 +207,16 @@ class Orchestrator:
         return bool(self._waiting) or bool(self._paused) or self.num_running > 0
 
     def warmup(
-        self, prompt_lengths: list[int] | None = None, max_length: int | None = None
+        self,
+        prompt_lengths: list[int] | None = None,
+        max_length: int | None = None,
+        *,
+        on_demand: bool = False,
     ) -> None:
-        """Compile the device engine's steps (see `DeviceEngine.warmup`); in cached mode,
-        wait until every adapter is on the device."""
-        self.device.warmup(prompt_lengths, max_length)
+        """Compile the device engine's steps, or with `on_demand` only what they need
+        when they first need it (see `DeviceEngine.warmup`); in cached mode, wait until
+        every adapter is on the device."""
+        self.device.warmup(prompt_lengths, max_length, on_demand=on_demand)
         if self.adapters is not None and self.adapters.mode == "cached":
             self.adapters.wait_pinned()
 

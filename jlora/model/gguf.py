@@ -1,9 +1,12 @@
 """GGUF files: metadata -> ModelConfig and tokenizer fields, tensors -> Params.
 
-Tensors are dequantized with the `gguf` package (Q4_1, Q8_0, F16, ... -> fp32)
-and then cast to the serving dtype. llama.cpp stores the q and k projections with
-the rows of each head interleaved for its RoPE kernel; we undo that permutation so
-that the weights (and PEFT adapters trained against them) are in Hugging Face layout.
+Tensors are dequantized to fp32 and then cast to the serving dtype: the common
+block formats (Q4_0, Q4_1, Q8_0) here, a whole tensor in a few vectorised numpy
+operations (`dequantize`; the `gguf` package's own works a group of rows at a time,
+most of a warm start's loading), every other format with the `gguf` package.
+llama.cpp stores the q and k projections with the rows of each head interleaved for
+its RoPE kernel; we undo that permutation so that the weights (and PEFT adapters
+trained against them) are in Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,35 @@ _GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
 }
 assert set(_GGUF_LAYER) == set(LAYER_TENSORS.values())
+
+# ggml block formats dequantized here: type -> (values per block, bytes per block)
+_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+
+
+def dequantize(data: np.ndarray, type_name: str) -> np.ndarray | None:
+    """fp32 values of `data` (the raw bytes of a tensor in ggml block format
+    `type_name`), flat; None for a format not handled here. Each block starts with
+    its scale d (fp16); Q4_1 then has its offset m (fp16). Q8_0: d·q, q int8; Q4_0:
+    d·(q - 8), Q4_1: d·q + m, q the 4-bit values (the first half of a block in the low
+    nibbles of its 16 bytes, the second half in the high ones)."""
+    if type_name not in _BLOCKS:
+        return None
+    size, nbytes = _BLOCKS[type_name]
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, nbytes)
+    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    values = np.empty((blocks.shape[0], size), np.float32)
+    if type_name == "Q8_0":
+        values[:] = blocks[:, 2:].view(np.int8)
+    else:
+        quants = blocks[:, 2:] if type_name == "Q4_0" else blocks[:, 4:]
+        values[:, : size // 2] = quants & 0x0F
+        values[:, size // 2 :] = quants >> 4
+        if type_name == "Q4_0":
+            values -= 8
+    values *= scale
+    if type_name == "Q4_1":
+        values += blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return values.reshape(-1)
 
 
 class GGUFFile:
@@ -80,6 +112,9 @@ class GGUFFile:
             raise WeightsError(f"{self.path}: tensor {name} is missing")
         info = self._tensors[name]
         ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
+        fast = dequantize(info.data, ggml_type.name)
+        if fast is not None:
+            return fast.reshape(info.shape)
         try:
             array = gguf.quants.dequantize(info.data, ggml_type)
         except (NotImplementedError, ValueError) as err:
