@@ -43,6 +43,11 @@ class EngineConfig:
       min_bucket up to max_seq_len). A prompt is padded to the next prefill bucket; a
       decode step attends over the next decode bucket above the longest running
       sequence.
+    prefill_token_budget: prompt tokens prefilled per iteration, beside its decode
+      step (vLLM's chunked prefill): a prompt longer than what is left of it is
+      prefilled in chunks of whole blocks over the next iterations, so a long prompt
+      never stalls the running streams for longer than one budget's prefill. A
+      CPU-assisted prefill runs whole. At least block_size.
     packed_prefill_tokens / packed_prefill_prompts / packed_prefill_prompt_tokens: a
       packed prefill (the device engine's `prefill_many`) runs up to this many prompt
       tokens of up to this many prompts (at most max_slots), each of at most this many
@@ -110,7 +115,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = ()
     decode_buckets: tuple[int, ...] = ()
     min_bucket: int = 32
-    prefill_token_budget: int = 2048  # prompt tokens prefilled per iteration (at least one)
+    prefill_token_budget: int = 512
     packed_prefill_tokens: int = 512
     packed_prefill_prompts: int = 16
     packed_prefill_prompt_tokens: int = 64
@@ -151,6 +156,11 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.max_seq_len={self.max_seq_len} must be a multiple "
                 f"of block_size={self.block_size}"
+            )
+        if self.prefill_token_budget < self.block_size:
+            raise ConfigError(
+                f"EngineConfig.prefill_token_budget={self.prefill_token_budget} must be at "
+                f"least block_size={self.block_size} (a chunk is whole blocks)"
             )
         if not isinstance(self.cpu_workers, int) or self.cpu_workers < 0:
             raise ConfigError(

@@ -303,13 +303,14 @@ def test_the_cache_flags_parse_into_the_engine_config(command):
         "pool_bytes": 0,
         "pool_fraction": 0.0,
         "host_pool_mib": 1024,
+        "prefill_token_budget": 512,
     }
     given = ["--cache-policy", "lru", "--pool-size", "2GiB", "--host-pool-mib", "64"]
-    given += ["--kv-allocation", "upfront"]
+    given += ["--kv-allocation", "upfront", "--prefill-token-budget", "128"]
     fields = cache_config(parser.parse_args([command, *given]))
     config = EngineConfig(**fields)
     assert (config.cache_policy, config.pool_bytes, config.host_pool_mib) == ("lru", 2**31, 64)
-    assert config.kv_allocation == "upfront"
+    assert (config.kv_allocation, config.prefill_token_budget) == ("upfront", 128)
     fraction = cache_config(parser.parse_args([command, "--pool-size", "0.8"]))
     assert EngineConfig(**fraction).pool_fraction == 0.8
 
@@ -326,6 +327,8 @@ def test_the_cache_flags_parse_into_the_engine_config(command):
         (["--host-pool-mib", "lots"], ["--host-pool-mib", "'lots'"]),
         (["--cache-policy", "fifo"], ["--cache-policy", "invalid choice: 'fifo'"]),
         (["--kv-allocation", "eager"], ["--kv-allocation", "invalid choice: 'eager'"]),
+        (["--prefill-token-budget", "8"], ["--prefill-token-budget", "at least 16"]),
+        (["--prefill-token-budget", "all"], ["--prefill-token-budget", "'all'"]),
     ],
 )
 def test_bad_cache_flags_exit_2_naming_the_flag(capsys, command, flags, fragments):
@@ -342,6 +345,7 @@ def test_bad_cache_flags_exit_2_naming_the_flag(capsys, command, flags, fragment
 def test_up_passes_the_cache_flags_to_its_workers(tmp_path, pool_size):
     parser = build_parser()
     given = ["--cache-policy", "none", "--host-pool-mib", "0", "--kv-allocation", "upfront"]
+    given += ["--prefill-token-budget", "64"]
     given += ["--pool-size", pool_size] if pool_size else []
     args = parser.parse_args(["up", "--state-dir", str(tmp_path), *given])
     command = up._worker_command(args, None, 50099)
@@ -382,5 +386,7 @@ def test_the_cache_flags_are_explained_in_the_help(capsys, command):
         "--host-pool-mib N",
         "--kv-allocation {lazy,upfront}",
         "the newest is preempted",
+        "--prefill-token-budget N",
+        "chunked prefill",
     ):
         assert fragment in help_text

@@ -195,6 +195,21 @@ def parse_pool_size(text: str) -> PoolSize:
     return PoolSize(pool_bytes=size)
 
 
+def _prefill_budget(text: str) -> int:
+    from configs.engine import EngineConfig
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if value < EngineConfig.block_size:
+        raise argparse.ArgumentTypeError(
+            f"{value}: must be at least {EngineConfig.block_size} (one KV block; a chunk is "
+            "whole blocks)"
+        )
+    return value
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -206,9 +221,10 @@ def _non_negative(text: str) -> int:
 
 
 def add_cache_args(group: argparse._ActionsContainer) -> None:
-    """How an engine shares device memory and keeps history KV: --cache-policy,
-    --kv-allocation, --pool-size, --host-pool-mib (read back with `cache_config`, passed
-    on to a child `jlora serve` with `cache_flags`)."""
+    """How an engine shares device memory, keeps history KV and spreads prefills over
+    steps: --cache-policy, --kv-allocation, --pool-size, --host-pool-mib,
+    --prefill-token-budget (read back with `cache_config`, passed on to a child `jlora
+    serve` with `cache_flags`)."""
     from configs.engine import CACHE_POLICIES, KV_ALLOCATIONS, EngineConfig
 
     group.add_argument(
@@ -245,6 +261,15 @@ def add_cache_args(group: argparse._ActionsContainer) -> None:
         help="host memory for swapped-out KV, in MiB (0: evicted KV is dropped; "
         "default: %(default)s)",
     )
+    group.add_argument(
+        "--prefill-token-budget",
+        type=_prefill_budget,
+        default=EngineConfig.prefill_token_budget,
+        metavar="N",
+        help="prompt tokens prefilled per step beside the decode step; a longer prompt is "
+        "prefilled in chunks over several steps, so running streams never wait for more "
+        "than one budget's prefill (vLLM's chunked prefill; default: %(default)s)",
+    )
 
 
 def cache_config(args: argparse.Namespace) -> dict:
@@ -256,6 +281,7 @@ def cache_config(args: argparse.Namespace) -> dict:
         "pool_bytes": size.pool_bytes,
         "pool_fraction": size.pool_fraction,
         "host_pool_mib": args.host_pool_mib,
+        "prefill_token_budget": args.prefill_token_budget,
     }
 
 
@@ -263,6 +289,7 @@ def cache_flags(args: argparse.Namespace) -> list[str]:
     """The flags that pass `add_cache_args`' values on to a child `jlora serve`."""
     flags = ["--cache-policy", args.cache_policy, "--kv-allocation", args.kv_allocation]
     flags += ["--host-pool-mib", str(args.host_pool_mib)]
+    flags += ["--prefill-token-budget", str(args.prefill_token_budget)]
     return flags + (["--pool-size", str(args.pool_size)] if args.pool_size else [])
 
 

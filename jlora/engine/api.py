@@ -230,3 +230,4 @@ class EngineStats:
     kv_block_bytes: int = 0  # one KV block across layers, keys and values (0: unknown)
     cache: CacheStats | None = None  # the memory pool and prefix cache
     preemptions: int = 0  # running requests sent back to the queue (the KV pool ran out)
+    prefill_chunks: int = 0  # prefills cut short by the step's prefill_token_budget

@@ -137,6 +137,7 @@ class MockEngine(DeviceEngine):
         emulated_link_gbps: float = 0.0,
         kv_block_bytes: int = 2**16,
         rank_row_bytes: int = 4096,
+        prefill_token_budget: int = 512,
     ) -> None:
         """The device pool holds `pool_bytes // kv_block_bytes` KV blocks when
         pool_bytes is given, else `num_blocks` (default: every slot at max_seq_len)."""
@@ -163,6 +164,7 @@ class MockEngine(DeviceEngine):
             kv_allocation=kv_allocation,
             host_pool_mib=host_pool_mib,
             emulated_link_gbps=emulated_link_gbps,
+            prefill_token_budget=prefill_token_budget,
         )
         self.kv_block_bytes = kv_block_bytes
         self.rank_row_bytes = rank_row_bytes

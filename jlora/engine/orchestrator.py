@@ -16,10 +16,15 @@ A request's life:
    free and the KV blocks for their prompt and first token can be had, leaving a
    watermark of 1% of the pool (vLLM's) for the running requests to grow into (with
    `kv_allocation="upfront"`, the blocks of their whole sequence, prompt + max_tokens
-   capped at max_seq_len); prompt tokens prefilled per step are bounded by
-   `prefill_token_budget`, so running requests keep decoding. A request for an adapter
-   that is not on the device waits while its adapter is copied in the background
-   (later requests may go ahead of it), unless CPU assistance starts it at once: always
+   capped at max_seq_len). Prompt tokens prefilled per step are bounded by
+   `prefill_token_budget`, so running requests keep decoding (vLLM's chunked prefill):
+   the request admitted last, or one whose prompt alone exceeds the budget, gets a
+   chunk of whole blocks, and its prefill goes on in the next steps, ahead of new
+   admissions, each chunk continuing the KV of the ones before (as after a cached
+   prefix); the last chunk samples its first token. CPU-assisted prefills and those
+   that merging schedules run whole. A request for an adapter that is not on the
+   device waits while its adapter is copied in the background (later requests may go
+   ahead of it), unless CPU assistance starts it at once: always
    in `cpu-assist` mode, in `auto` when the cost model says it shortens the time to
    first token (cost_model.py). An admitted request holds its adapter's device slot
    (never evicted) until it leaves.
@@ -116,6 +121,7 @@ class _Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     lease: Lease | None = None  # its KV blocks, once admitted
     prefilled: bool = False  # its KV is written (up to its last token)
+    chunked: int = 0  # admitted, prefilled in chunks: the tokens whose KV is written so far
     row: int = -1  # its decode row, once admitted
     adapter_slot: int = -1
     assist: bool | None = None  # the cost model's decision (auto mode), once made
@@ -294,6 +300,8 @@ class Orchestrator:
                 self.batcher.observe(merged, len(decoding), time.perf_counter() - start)
             for seq in decoding:
                 self._append(seq, int(tokens[seq.row]), events)
+        elif self._chunking():
+            pass  # the next step prefills the next chunk
         elif self.has_unfinished and self.adapters is not None and self.adapters.slots.loading():
             self.adapters.slots.wait(timeout=LOAD_WAIT_S)  # nothing runs until one lands
         elif self.has_unfinished and self.memory.swapping:
@@ -410,6 +418,7 @@ class Orchestrator:
             kv_block_bytes=memory.kv_block_bytes,
             cache=cache,
             preemptions=self.counters["preemptions"],
+            prefill_chunks=self.counters["prefill_chunks"],
         )
 
     def _merge_stats(self) -> MergeStats | None:
@@ -515,10 +524,20 @@ class Orchestrator:
         self._ids.add(seq.request.request_id)
 
     def _admit(self, events: list[TokenEvent]) -> None:
-        budget, prefilled = self.config.prefill_token_budget, 0
-        admitted: list[tuple[_Sequence, Lease, bool]] = []
+        """Prefill this step's `prefill_token_budget` prompt tokens: first the next chunks
+        of the requests prefilled in chunks, then queued requests as they are admitted
+        (step 3); the last of them may get only a chunk."""
+        budget, bs, prefilled = self.config.prefill_token_budget, self.config.block_size, 0
+        admitted: list[tuple[_Sequence, Lease, bool, int]] = []
+        for seq in self._chunking():
+            assert seq.lease is not None
+            end = self._chunk_end(seq, seq.chunked, budget - prefilled)
+            if end == seq.chunked:
+                break
+            admitted.append((seq, seq.lease, False, end))
+            prefilled += end - seq.chunked
         for seq in list(self._waiting):
-            if None not in self._rows:
+            if None not in self._rows or budget - prefilled < bs:
                 break
             adapter, assist = seq.request.adapter, False
             if adapter is not None:
@@ -527,9 +546,8 @@ class Orchestrator:
                     if not self._assists(seq):
                         continue  # its adapter is on its way; later requests may go first
                     assist = True
-            tokens = seq.length
-            if prefilled and prefilled + tokens > budget:
-                break
+            if assist and prefilled and prefilled + seq.length > budget:
+                break  # a CPU-assisted prefill runs whole, in a step of its own if need be
             if not self._room_for(seq):
                 break
             lease = self._lease(seq, reuse=not assist)
@@ -539,9 +557,26 @@ class Orchestrator:
                 break
             assert isinstance(lease, Lease)
             self._start(seq, lease)
-            admitted.append((seq, lease, assist))
-            prefilled += tokens - lease.cached_tokens
+            start = lease.cached_tokens
+            end = seq.length if assist else self._chunk_end(seq, start, budget - prefilled)
+            admitted.append((seq, lease, assist, end))
+            prefilled += end - start
         self._prefill(admitted, events)
+
+    def _chunking(self) -> list[_Sequence]:
+        """Admitted requests whose prefill is under way in chunks, oldest first."""
+        rows = (seq for seq in self._rows if seq is not None and not seq.prefilled)
+        return sorted(rows, key=lambda seq: seq.order)
+
+    def _chunk_end(self, seq: _Sequence, start: int, room: int) -> int:
+        """Where this step's prefill of `seq` ends, its KV written up to `start`: at its
+        last token if the rest fits in `room` tokens, else after the most whole blocks
+        that do (vLLM's chunked prefill), so the next chunk continues a cached prefix of
+        whole blocks; `start` if not one block fits."""
+        if seq.length - start <= room:
+            return seq.length
+        bs = self.config.block_size
+        return start + room // bs * bs
 
     def _assists(self, seq: _Sequence) -> bool:
         """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""
@@ -601,32 +636,39 @@ class Orchestrator:
         self._rows[seq.row] = seq
 
     def _prefill(
-        self, admitted: list[tuple[_Sequence, Lease, bool]], events: list[TokenEvent]
+        self, admitted: list[tuple[_Sequence, Lease, bool, int]], events: list[TokenEvent]
     ) -> None:
-        """Prefill the requests admitted this step, in one `prefill_many` (the engine
-        packs the plain ones several to a compiled call), and sample their first tokens.
-        A request whose prefill failed alone fails; the others go on."""
+        """Prefill the requests admitted this step (seq, lease, CPU-assisted, the token
+        its prefill ends at this step) in one `prefill_many` (the engine packs the plain
+        ones several to a compiled call), and sample the first tokens of those whose
+        prompt is now written. A chunk continues the KV its earlier chunks (or a cached
+        prefix) wrote, as a cached-prefix prefill; its sampled token is not used. A
+        request whose prefill failed alone fails; the others go on."""
         if not admitted:
             return
         jobs = [
             PrefillJob(
-                tokens=seq.tokens,
+                tokens=seq.tokens[:end],
                 block_table=self._block_table(seq),
                 sampling=seq.sampling_row(),
                 adapter_slot=seq.adapter_slot,
                 assist=seq.request.adapter if assist else None,
-                cached=lease.cached_tokens,
+                cached=max(lease.cached_tokens, seq.chunked),
             )
-            for seq, lease, assist in admitted
+            for seq, lease, assist, end in admitted
         ]
         start = time.perf_counter()
         results = self.device.prefill_many(jobs)
-        if not any(assist for _, _, assist in admitted):
+        if not any(assist for _, _, assist, _ in admitted):
             computed = sum(len(job.tokens) - job.cached for job in jobs)
             self.memory.observe_prefill(computed, time.perf_counter() - start)
-        for (seq, lease, assist), job, prefilled in zip(admitted, jobs, results, strict=True):
+        for (seq, lease, assist, end), job, prefilled in zip(admitted, jobs, results, strict=True):
             if prefilled.error is not None:
                 self._fail(seq, prefilled.error, events)
+                continue
+            if end < seq.length:  # a chunk: the rest in the next steps
+                seq.chunked = end
+                self.counters["prefill_chunks"] += 1
                 continue
             seq.prefilled = True
             self.memory.prefilled(lease, job.tokens)
@@ -700,7 +742,7 @@ class Orchestrator:
 
     def _run_batch(self, batch: Batch, events: list[TokenEvent]) -> None:
         budget, prefilled = self.config.prefill_token_budget, 0
-        admitted: list[tuple[_Sequence, Lease, bool]] = []
+        admitted: list[tuple[_Sequence, Lease, bool, int]] = []
         for seq in batch.items:
             assert isinstance(seq, _Sequence)
             if None not in self._rows:
@@ -716,7 +758,7 @@ class Orchestrator:
                 if not isinstance(lease, Lease):
                     continue
                 self._start(seq, lease)
-                admitted.append((seq, lease, False))
+                admitted.append((seq, lease, False, seq.length))  # whole: no chunks here
                 prefilled += seq.length - lease.cached_tokens
         self._prefill(admitted, events)
 
@@ -806,8 +848,8 @@ class Orchestrator:
         )
 
     def _decoding(self) -> list[_Sequence]:
-        """The rows the next decode step advances."""
-        return [seq for seq in self._rows if seq is not None and not seq.parked]
+        """The rows the next decode step advances (not those still prefilling in chunks)."""
+        return [seq for seq in self._rows if seq is not None and seq.prefilled and not seq.parked]
 
     def _admitted(self) -> list[_Sequence]:
         """Requests holding KV: in a decode row (parked or not) or paused."""
@@ -881,7 +923,7 @@ class Orchestrator:
         # that failed may have written nothing.
         written = seq.length - 1 if seq.prefilled else 0
         self.memory.release(seq.lease, seq.tokens, written=written)
-        seq.lease, seq.prefilled = None, False
+        seq.lease, seq.prefilled, seq.chunked = None, False, 0
         if seq.request.adapter is not None:
             assert self.adapters is not None
             self.adapters.slots.release(seq.request.adapter)

@@ -9,7 +9,8 @@ client library). Who updates what:
   jlora_request_latency_seconds;
 - the scheduler thread (per engine step): jlora_batch_size, jlora_step_seconds, and from
   the engine's stats at most every `STATS_INTERVAL` seconds: jlora_adapter_loads_total,
-  jlora_adapter_evictions_total, jlora_preemptions_total, jlora_kv_blocks_free,
+  jlora_adapter_evictions_total, jlora_preemptions_total, jlora_prefill_chunks_total,
+  jlora_kv_blocks_free,
   jlora_adapter_slots_free, and
   with merging on (dLoRA): jlora_merged_iterations_total, jlora_unmerged_iterations_total,
   jlora_merge_switches_total, jlora_merged_adapter{adapter}, jlora_merge_threshold{name},
@@ -109,6 +110,11 @@ class Metrics:
         self.preemptions = Counter(
             "jlora_preemptions",
             "Running requests sent back to the queue because the KV pool ran out",
+            registry=registry,
+        )
+        self.prefill_chunks = Counter(
+            "jlora_prefill_chunks",
+            "Prefills cut short by an iteration's prompt-token budget (chunked prefill)",
             registry=registry,
         )
         self.kv_blocks_free = Gauge(
@@ -213,6 +219,7 @@ class Metrics:
         self._catch_up(self.adapter_loads, stats.adapter_loads)
         self._catch_up(self.adapter_evictions, stats.adapter_evictions)
         self._catch_up(self.preemptions, stats.preemptions)
+        self._catch_up(self.prefill_chunks, stats.prefill_chunks)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.adapter_slots_free.set(stats.adapter_slots_free)
         if stats.merging is not None:
