@@ -79,7 +79,13 @@ def make_engine(
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
-        engine_config=EngineConfig(dtype=plan.dtype, max_slots=plan.batch, max_seq_len=256, **lora),
+        engine_config=EngineConfig(
+            dtype=plan.dtype,
+            max_slots=plan.batch,
+            max_seq_len=256,
+            prefill_token_budget=max(plan.batch * plan.prompt_len, 256),  # all in one step
+            **lora,
+        ),
     )
     for name, path in adapters.items():
         engine.register_adapter(name, str(path))

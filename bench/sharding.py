@@ -111,6 +111,7 @@ def run(plan: Plan) -> tuple[list[dict], dict]:
                     dtype=plan.dtype, max_slots=plan.batch, max_seq_len=256,
                     max_loras=plan.adapters, max_lora_rank=plan.rank, lora_mode="cached",
                     lora_backend=plan.backend, sharding=sharding,
+                    prefill_token_budget=max(plan.batch * plan.prompt_len, 256),  # one step
                 )  # fmt: skip
                 engine = build_engine(
                     model_config=loaded.config,

@@ -130,7 +130,12 @@ def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> Orchestrator:
         model_config=loaded.config,
         params=loaded.params,
         tokenizer=loaded.tokenizer,
-        engine_config=EngineConfig(max_slots=slots, max_seq_len=plan.max_seq_len),
+        engine_config=EngineConfig(
+            max_slots=slots,
+            max_seq_len=plan.max_seq_len,
+            # Every prompt of a decode batch is prefilled in the first, untimed step.
+            prefill_token_budget=max(slots * plan.decode_prompt_len, plan.max_seq_len),
+        ),
     )
     prompt_lengths = [plan.decode_prompt_len]
     if slots == 1:

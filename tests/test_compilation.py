@@ -154,3 +154,22 @@ def test_on_demand_warmup_compiles_only_the_shapes_a_run_meets(tiny, caplog):
     assert steps.num_compiles == 3 < ahead.device.steps.num_compiles
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert len([r for r in caplog.records if r.getMessage().startswith("compiled")]) == 3
+
+
+def test_warmup_compiles_no_prefill_above_the_budget_and_chunks_need_none(tiny):
+    """A step prefills at most prefill_token_budget tokens (chunked prefill), so warm-up
+    stops at its bucket; a prompt five times longer then runs without compiling."""
+    engine = make_engine(tiny, max_slots=2, max_seq_len=256, min_bucket=16, prefill_token_budget=32)
+    engine.warmup()
+    steps = engine.device.steps
+    assert max(steps._prefill_exe) == max(steps._prefill_cached_exe) == 32
+    _EVENTS.clear()
+    _COUNTING[0] = True
+    try:
+        engine.add_request(Request("long", list(range(1, 161)), SamplingParams(max_tokens=3)))
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        _COUNTING[0] = False
+    assert _EVENTS == []
+    assert engine.stats().prefill_chunks == 4

@@ -259,7 +259,10 @@ class LlamaEngine(DeviceEngine):
         on_demand: bool = False,
     ) -> None:
         """Compile each prefill bucket (those `prompt_lengths` need, or all; with its
-        cached-prefix variant unless cache_policy is "none"), the packed prefill's (those
+        cached-prefix variant unless cache_policy is "none"; none above the bucket of
+        `prefill_token_budget` unless merging, which prefills whole, is on: chunked
+        prefill never runs one, and CPU assistance runs segments of its own), the packed
+        prefill's (those
         from the shortest prompt's bucket up), and each decode bucket up to the one
         holding `max_length` tokens (or all). With `on_demand`, only what CPU assistance
         needs ahead (its segments, and in auto mode the device prefills its cost model
@@ -282,6 +285,9 @@ class LlamaEngine(DeviceEngine):
                 self.cache = self.assisted.measure(self.params, self.cache, prefill)
         if on_demand:
             return
+        if cfg.merge == "never":  # chunked: a step prefills at most the budget's tokens
+            limit = bucket(cfg.prefill_buckets, min(cfg.prefill_token_budget, cfg.max_seq_len))
+            prefill = sorted({min(size, limit) for size in prefill})
         longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
         history = cfg.cache_policy != "none"  # prefix hits run the cached variants
         # A packed call's bucket holds at least its shortest prompt.
