@@ -1,8 +1,9 @@
-"""Cold starts: time to first token for cached, ondemand, cpu-assist and auto, and the
-host-callback overhead a CPU-routed layer pays.
+"""Cold starts: time to first token for cached, ondemand, cpu-assist and auto, the
+host-callback overhead a CPU-routed layer pays, and what one adapter load costs.
 
-Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G]`
-(`make bench-cold-start`; a few minutes on a 2-core CPU).
+Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G]
+[--sections overhead,trace,loads]` (`make bench-cold-start`; a few minutes on a 2-core
+CPU).
 
 1. Callback overhead per layer: a jitted scan over the model's layers in which each
    layer makes the four submit/collect pairs of a CPU-routed layer (one per input
@@ -17,6 +18,14 @@ Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G
    pins every adapter before the trace (as many slots as adapters): the lower bound.
    TTFT runs from a request's arrival to its first token; "cold" requests are those
    whose adapter was not resident when they arrived. Every engine is warmed up first.
+
+3. Adapter loads: one adapter at a time copied to a slot of rank `max(--ranks)` over
+   the emulated link at `--link-gbps` and installed (`load_adapter`, then
+   `install_adapter`, on one engine with no requests), for a small adapter (rank 8,
+   q/v) and a large one (the slots' rank, every target), alternating, medians of
+   `LOAD_REPEATS`. Its bytes next to the bytes the transfer sent (the engine's
+   `Transfer.nbytes`) and to the link's floor for its real bytes; the install (on the
+   scheduler thread, in serving) apart.
 
 The modes run one after another in one process, on the same trace; the table records
 the 1-minute load average. Results are ratios on this machine, not absolute claims.
@@ -33,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +52,15 @@ from jax.experimental import io_callback
 from bench.report import machine_facts, write_report
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
-from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+from jlora.adapters.targets import INPUT_GROUPS, TARGETS, rank_row_bytes, target_shapes
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
+from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import load_model
 
 MODES = ("cached", "ondemand", "cpu-assist", "auto")
+SECTIONS = ("overhead", "trace", "loads")
+LOAD_REPEATS = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,30 +219,107 @@ def summarize(mode: str, results: list[dict], counters: dict) -> dict:
     }
 
 
-def render(facts: dict, plan: Plan, overhead: dict, rows: list[dict]) -> str:
+# -- 3. adapter loads over the emulated link ----------------------------------------------
+
+
+def load_times(loaded, plan: Plan, root: Path) -> list[dict]:
+    """Per adapter (rank 8 on q/v, and max rank on every target): its real bytes, the
+    bytes its transfer sent, and the median seconds of a load plus install."""
+    max_rank = max(plan.ranks)
+    cases = {"r8-qv": (8, ("q_proj", "v_proj")), f"r{max_rank}-all": (max_rank, TARGETS)}
+    config = EngineConfig(
+        max_slots=1, max_seq_len=64, max_loras=1, max_lora_rank=max_rank,
+        emulated_link_gbps=plan.link_gbps,
+    )  # fmt: skip
+    engine = build_engine(
+        model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
+    )
+    device = cast(LlamaEngine, engine.device)
+    assert device.lora is not None
+    rows: dict[str, dict] = {}
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    installs: dict[str, list[float]] = {name: [] for name in cases}
+    try:
+        for name, (rank, targets) in cases.items():
+            [path] = make_demo_adapters(
+                loaded.config, root / name, n=1, ranks=[rank], targets=targets
+            )
+            engine.register_adapter(name, str(path))
+            real = rank * rank_row_bytes(
+                target_shapes(loaded.config), targets, loaded.config.num_layers,
+                jnp.dtype(config.dtype).itemsize,
+            )  # fmt: skip
+            rows[name] = {"adapter": name, "rank": rank, "targets": list(targets)}
+            rows[name] |= {"real_bytes": real, "link_floor_ms": real / plan.link_gbps / 1e6}
+        for _ in range(LOAD_REPEATS):
+            for name, row in rows.items():  # alternating: the machine's drift hits both
+                start = time.perf_counter()
+                payload = device.load_adapter(name, 0)
+                landed = time.perf_counter()
+                device.install_adapter(name, 0, payload)
+                jax.block_until_ready(device.lora.weights)
+                samples[name].append(time.perf_counter() - start)
+                installs[name].append(time.perf_counter() - landed)
+                row["sent_bytes"] = getattr(payload, "nbytes", None)  # the engine's count
+    finally:
+        engine.close()
+    for name, row in rows.items():
+        row["load_median_ms"] = 1e3 * statistics.median(samples[name])
+        row["install_median_ms"] = 1e3 * statistics.median(installs[name])
+    return list(rows.values())
+
+
+def render_loads(plan: Plan, loads: list[dict]) -> list[str]:
+    lines = [
+        f"## Adapter loads, {plan.model}, slots of rank {max(plan.ranks)}, "
+        f"link {plan.link_gbps} GB/s (medians of {LOAD_REPEATS})",
+        "",
+        "| adapter | real MB | sent MB | link floor ms (real bytes) | load + install ms "
+        "| of which install ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in loads:
+        sent = "?" if row["sent_bytes"] is None else f"{row['sent_bytes'] / 1e6:.2f}"
+        lines.append(
+            f"| {row['adapter']} | {row['real_bytes'] / 1e6:.2f} | {sent} "
+            f"| {row['link_floor_ms']:.1f} | {row['load_median_ms']:.1f} "
+            f"| {row['install_median_ms']:.1f} |"
+        )
+    return lines
+
+
+def render(
+    facts: dict, plan: Plan, overhead: dict | None, rows: list[dict], loads: list[dict]
+) -> str:
     lines = [
         f"# Cold starts: {facts['cpu_count']} x {facts['cpu_model']}, device {facts['device']}",
         "",
         f"jax {facts['jax']}, {facts['date']}, 1-minute load average "
         f"{facts['load_avg_1min_start']:.2f} at the start, {facts['load_avg_1min_end']:.2f} "
         "at the end",
-        "",
-        "## Host-callback overhead of a CPU-routed layer",
-        "",
-        f"{overhead['model']}, {overhead['tokens']} tokens, {overhead['layers']} layers: "
-        f"scan {overhead['scan_without_callbacks_ms']:.2f} ms without callbacks, "
-        f"{overhead['scan_with_callbacks_ms']:.2f} ms with 4 pairs per layer: "
-        f"**{overhead['overhead_per_layer_us']:.0f} µs per layer** "
-        f"({overhead['overhead_per_pair_us']:.0f} µs per submit/collect pair).",
-        "",
-        f"## Time to first token, {plan.model}, {plan.requests} requests at "
-        f"{plan.rate_per_s}/s, {plan.adapters} adapters (ranks {plan.ranks}), "
-        f"{plan.max_loras} device slots, link {plan.link_gbps} GB/s",
-        "",
-        "| mode | cold n | cold median ms | cold p90 ms | all median ms | all p90 ms "
-        "| vs cached (cold median) |",
-        "|---|---|---|---|---|---|---|",
     ]
+    if overhead is not None:
+        lines += [
+            "",
+            "## Host-callback overhead of a CPU-routed layer",
+            "",
+            f"{overhead['model']}, {overhead['tokens']} tokens, {overhead['layers']} layers: "
+            f"scan {overhead['scan_without_callbacks_ms']:.2f} ms without callbacks, "
+            f"{overhead['scan_with_callbacks_ms']:.2f} ms with 4 pairs per layer: "
+            f"**{overhead['overhead_per_layer_us']:.0f} µs per layer** "
+            f"({overhead['overhead_per_pair_us']:.0f} µs per submit/collect pair).",
+        ]
+    if rows:
+        lines += [
+            "",
+            f"## Time to first token, {plan.model}, {plan.requests} requests at "
+            f"{plan.rate_per_s}/s, {plan.adapters} adapters (ranks {plan.ranks}), "
+            f"{plan.max_loras} device slots, link {plan.link_gbps} GB/s",
+            "",
+            "| mode | cold n | cold median ms | cold p90 ms | all median ms | all p90 ms "
+            "| vs cached (cold median) |",
+            "|---|---|---|---|---|---|---|",
+        ]
     cached = next((r for r in rows if r["mode"] == "cached"), None)
     for row in rows:
         cold, every = row["cold"], row["all"]
@@ -242,7 +331,10 @@ def render(facts: dict, plan: Plan, overhead: dict, rows: list[dict]) -> str:
             f"| {cold.get('p90_ms', 0):.0f} | {every['median_ms']:.0f} | {every['p90_ms']:.0f} "
             f"| {ratio} |"
         )
-    lines += ["", "Counters: " + "; ".join(f"{r['mode']}: {r['counters']}" for r in rows)]
+    if rows:
+        lines += ["", "Counters: " + "; ".join(f"{r['mode']}: {r['counters']}" for r in rows)]
+    if loads:
+        lines += ["", *render_loads(plan, loads)]
     return "\n".join(lines)
 
 
@@ -253,27 +345,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--link-gbps", type=float, default=Plan.link_gbps)
     parser.add_argument("--requests", type=int, default=Plan.requests)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--json", type=Path, metavar="PATH")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     args = parser.parse_args(argv)
     plan = Plan(model=args.model, link_gbps=args.link_gbps, requests=args.requests)
     if args.quick:
         plan = dataclasses.replace(plan, model="cpu-tiny", requests=8, link_gbps=0.0005)
-    modes = args.modes.split(",")
+    modes, sections = args.modes.split(","), args.sections.split(",")
     if unknown := set(modes) - set(MODES):
         parser.error(f"--modes: {sorted(unknown)} not in {list(MODES)}")
+    if unknown := set(sections) - set(SECTIONS):
+        parser.error(f"--sections: {sorted(unknown)} not in {list(SECTIONS)}")
     facts = machine_facts()
-    print("callback overhead...", file=sys.stderr, flush=True)
-    overhead = callback_overhead(plan.model, 128, iters=5 if args.quick else 20)
+    overhead = None
+    if "overhead" in sections:
+        print("callback overhead...", file=sys.stderr, flush=True)
+        overhead = callback_overhead(plan.model, 128, iters=5 if args.quick else 20)
     loaded = load_model(plan.model)
-    rows = []
+    rows, loads = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_demo_adapters(
-            loaded.config, tmp, n=plan.adapters, ranks=list(plan.ranks), seed=plan.seed
-        )
-        adapters = {path.name: path for path in paths}
-        trace = make_trace(plan, list(adapters), loaded.config.vocab_size)
-        for mode in modes:
+        if "trace" in sections:
+            paths = make_demo_adapters(
+                loaded.config, tmp, n=plan.adapters, ranks=list(plan.ranks), seed=plan.seed
+            )
+            adapters = {path.name: path for path in paths}
+            trace = make_trace(plan, list(adapters), loaded.config.vocab_size)
+        for mode in modes if "trace" in sections else ():
             print(f"{mode}: warming up, then {len(trace)} requests", file=sys.stderr, flush=True)
             engine = make_engine(loaded, plan, mode, adapters)
             try:
@@ -281,13 +379,16 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(summarize(mode, results, dict(engine.counters)))
             finally:
                 engine.close()
+        if "loads" in sections:
+            print("adapter loads...", file=sys.stderr, flush=True)
+            loads = load_times(loaded, plan, Path(tmp) / "loads")
     facts["load_avg_1min_end"] = os.getloadavg()[0]
-    text = render(facts, plan, overhead, rows)
+    text = render(facts, plan, overhead, rows, loads)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
     if args.json:
-        write_report(args.json, facts, plan, rows, callback_overhead=overhead)
+        write_report(args.json, facts, plan, rows, callback_overhead=overhead, loads=loads)
 
 
 if __name__ == "__main__":

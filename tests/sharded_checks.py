@@ -19,6 +19,10 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
 - `packed:MODEL:PRESET:SCHEME:BACKEND`: four prompts of two adapters and the base model
   in one packed prefill (`prefill_many`) on the mesh, and one prefill each on one
   device: each prompt's greedy tokens;
+- `transfer:MODEL:PRESET:SCHEME:BACKEND`: the rank-exact transfer of the all-target
+  adapter (rank 12) on the mesh and on one device: the bytes each sent, each device's
+  part of the landed A and B of q_proj and o_proj, and whether the installed slots are
+  the same bit for bit;
 - `merge:MODEL:PRESET:SCHEME`: merged inference (dLoRA) of the all-target adapter, on
   the mesh and on one device: greedy tokens of the base model, and of the adapter
   unmerged and merged, each merged kernel's
@@ -143,6 +147,40 @@ def _greedy(model: str, backend: str, sharded: tuple[str, str, str] | None) -> d
             }
         finally:
             engine.close()
+
+
+def transfer(model: str, preset: str, scheme: str, backend: str) -> dict:
+    import jax
+
+    loaded, result, slots = _load(model), {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = _adapters(loaded.config, Path(tmp))
+        name = list(adapters)[1]
+        for where, config in (("single", {}), ("sharded", {"sharding": _sharding(preset, scheme)})):
+            engine = _engine(loaded, adapters, lora_backend=backend, **config)
+            try:
+                device = engine.device
+                landing = device.load_adapter(name, 0)
+                result[f"{where}_bytes"] = landing.nbytes
+                first = landing.landed[0]
+                result[f"{where}_parts"] = {
+                    f"{target}.{part}": sorted(
+                        {
+                            tuple(shard.data.shape)
+                            for shard in first[target][part].addressable_shards
+                        }
+                    )
+                    for target in ("q_proj", "o_proj")
+                    for part in ("a", "b")
+                }
+                device.install_adapter(name, 0, landing)
+                slots[where] = [np.asarray(leaf) for leaf in jax.tree.leaves(device.lora.weights)]
+            finally:
+                engine.close()
+    result["equal"] = all(
+        np.array_equal(a, b) for a, b in zip(slots["single"], slots["sharded"], strict=True)
+    )
+    return result
 
 
 def memory(model: str, preset: str, scheme: str) -> dict:
@@ -358,7 +396,7 @@ def main(cases: list[str]) -> None:
     for case in cases:
         kind, *args = case.split(":")
         kinds = {"tokens": tokens, "memory": memory, "hlo": hlo, "restore": restore}
-        kinds |= {"merge": merge, "packed": packed}
+        kinds |= {"merge": merge, "packed": packed, "transfer": transfer}
         result = kinds[kind](*args)
         print(json.dumps({"case": case, "result": result}), flush=True)
 

@@ -5,8 +5,9 @@ The multi-device checks run in a subprocess with four fake devices
 engine's for a mixed batch (base rows, adapters of different ranks and target sets,
 loads and evictions during the run) under tp2 and tp4 (whose KV heads are replicated:
 cpu-tiny has two), with both LoRA schemes and every backend, and with CPU assistance;
-each device holds 1/tp of every split array; and the compiled decode step has exactly
-the collectives each scheme should.
+each device holds 1/tp of every split array, and receives only its part of an
+adapter's rank-exact transfer; and the compiled decode step has exactly the
+collectives each scheme should.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from configs import (
     load_preset,
     load_sharding,
 )
+from jlora.adapters.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_DEVICES = 4
@@ -194,6 +196,7 @@ def tiny_checks():
         "restore:cpu-tiny:tp2",
         "restore:cpu-tiny:tp4",
     ]
+    cases += [f"transfer:cpu-tiny:tp2:{':'.join(case)}" for case in TRANSFER_CASES]
     return run_checks(*cases)
 
 
@@ -207,6 +210,41 @@ def _assert_equal_tokens(result: dict, mode: str) -> None:
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=["-".join(case) for case in TOKEN_CASES])
 def test_sharded_tokens_equal_the_single_device_engines(tiny_checks, case):
     _assert_equal_tokens(tiny_checks[f"tokens:{':'.join(case)}"], case[4])
+
+
+TRANSFER_CASES = [
+    ("fully-sharded", "reference"),
+    ("follow-base", "bgmv"),
+    ("fully-sharded", "mbgmv"),
+]
+
+
+@pytest.mark.parametrize("case", TRANSFER_CASES, ids=["-".join(case) for case in TRANSFER_CASES])
+def test_an_adapter_crosses_to_the_mesh_rank_exact(tiny_checks, case):
+    """The rank-12 adapter (bucket 16) of every target, under tp2: the mesh's transfer
+    sends what one device's does, each device receives its part alone, and the slots
+    installed are the same."""
+    result = tiny_checks[f"transfer:cpu-tiny:tp2:{':'.join(case)}"]
+    assert result["sharded_bytes"] == result["single_bytes"]
+    assert result["equal"]
+    whole = {name: shapes[0] for name, shapes in result["single_parts"].items()}
+    a_dims = BACKENDS[case[1]].payload_layout["a"]  # A [L, in, Q] or A^T [L, Q, in]
+    assert whole["q_proj.a"][a_dims.index("rank")] == 16  # rank 12's bucket
+
+    def split(name: str, dim: int | None) -> list[list[int]]:
+        shape = list(whole[name])
+        if dim is not None:
+            shape[dim] //= 2
+        return [shape]
+
+    rank_split = case == ("fully-sharded", "reference")  # stacked slots split A's rank
+    expected = {  # q_proj column-parallel, o_proj row-parallel
+        "q_proj.a": split("q_proj.a", a_dims.index("rank") if rank_split else None),
+        "q_proj.b": split("q_proj.b", 2),
+        "o_proj.a": split("o_proj.a", a_dims.index("in")),
+        "o_proj.b": split("o_proj.b", 2 if case[0] == "fully-sharded" else None),
+    }
+    assert result["sharded_parts"] == expected
 
 
 SPLIT = {  # parameter -> the dim tp4 splits (None: replicated)

@@ -1,11 +1,22 @@
 """Adapter weights on the device: a fixed number of slots in the backend's layout, filled
 layer group by layer group (Toppings §4.1, pipelined loading).
 
+What crosses the host-to-device link is rank-exact: an adapter's own targets and its
+rank rows alone (backends/base.py, `exact_rows`: the rank rounded up to a power of
+two), so a rank-8 adapter of q/v costs the link its A [in, 8] and B [8, out] of those
+two projections, not a slot's worth. The slots stay padded (the compiled steps take
+fixed shapes); the padding to the slots' rank, and the zeros of the targets the
+adapter lacks, are written on the device, by the compiled install.
+
+0. `prepare(rank, targets)`, when an adapter is staged (off the scheduler thread),
+   compiles the install of that shape for each layer-group size: one variant per
+   (group size, rank bucket, targets), so a handful per engine. `load` compiles a shape
+   nobody prepared on the transfer thread, never on the scheduler's.
 1. `load(name, tensors, slot)`, on the transfer thread, packs an adapter (host arrays,
-   read in place from the host store) into the backend's layout and copies it to the
+   read in place from the host store) into its rank-exact payload and copies it to the
    device one layer group at a time, each group throttled to the emulated link if
-   there is one; each group's device arrays are appended to the slot's `Transfer` as
-   they land.
+   there is one by the bytes it really sends; each group's device arrays are appended
+   to the slot's `Transfer` as they land.
 2. On the scheduler thread, `install_landed(name, slot)` writes the landed groups into
    the slot (compiled in-place updates, so it never waits on a copy and never
    compiles while serving): a CPU-assisted prefill calls it before each of its
@@ -14,9 +25,11 @@ layer group by layer group (Toppings §4.1, pipelined loading).
 `weights` is the device pytree the compiled steps take; only the scheduler thread
 replaces it. On a mesh, the slots are split as `specs` says (the sharding rules applied
 to the backend's layout, jlora/model/sharding.py), and each group lands already split,
-every device receiving only its part. `link_bytes_per_s` is the host-to-device
-bandwidth: measured at start-up when asked (the emulated rate when the link is
-throttled), then averaged over transfers.
+every device receiving only its part (fully-sharded A: an equal share of the
+adapter's rank rows, which the install moves to the devices whose part of the slot
+holds them, device to device). `link_bytes_per_s` is the host-to-device bandwidth:
+measured at start-up when asked (the emulated rate when the link is throttled), then
+averaged over transfers, by the bytes they sent.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -53,15 +67,26 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
 class Transfer:
     """An adapter on its way to a device slot, layer group by layer group.
 
-    The transfer thread appends each group's device payload to `landed` as it lands
-    (a list append is atomic); the scheduler thread installs them in order and counts
-    them in `installed`.
+    The transfer thread sets `installs` (the compiled install of each group), then
+    appends each group's device payload to `landed` as it lands (a list append is
+    atomic) and counts its bytes in `nbytes`; the scheduler thread installs them in
+    order and counts them in `installed`.
     """
 
     name: str
     slot: int
+    installs: list[Any] = dataclasses.field(default_factory=list)
     landed: list[Payload] = dataclasses.field(default_factory=list)
     installed: int = 0
+    nbytes: int = 0  # what crossed the link so far
+
+
+@dataclasses.dataclass(frozen=True)
+class _Install:
+    """The compiled install of one payload shape, and where the payload's parts go."""
+
+    shardings: Any  # the payload's NamedShardings
+    run: Any  # (weights, slot, first layer, payload) -> weights, the weights donated
 
 
 class DeviceSlots:
@@ -90,6 +115,7 @@ class DeviceSlots:
         self.rank_shards = tp.rank_shards(backend.layout)
         shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
         self.shapes = {target: shapes[target] for target in targets}
+        self._host_shapes = target_shapes(model_config)  # as the host store holds them
         weights = backend.allocate(
             num_layers=model_config.num_layers,
             num_slots=num_slots,
@@ -98,38 +124,17 @@ class DeviceSlots:
             dtype=dtype,
             rank_shards=self.rank_shards,
         )
-        split_rank = self.rank_shards > 1
-        self.specs = tp.lora_specs(weights, backend.layout, split_rank=split_rank)
+        self.specs = tp.lora_specs(weights, backend.layout, split_rank=self.rank_shards > 1)
         shardings = tp.named(self.specs)
         self.weights: LoraWeights = jax.device_put(weights, shardings)
-        # Compiled once per group size here, so installing never compiles while serving.
-        install = jax.jit(backend.install, donate_argnums=0, out_shardings=shardings)
-        self._install_exe = {}
-        for size in sorted({stop - start for start, stop in self.groups}):
-            empty = {
-                target: (
-                    np.zeros((size, fan_in, 1), np.float32),
-                    np.zeros((size, 1, fan_out), np.float32),
-                )
-                for target, (fan_in, fan_out) in self.shapes.items()
-            }
-            packed = self._pack(empty, slot=0)
-            payload_specs = tp.lora_specs(packed, backend.payload_layout, split_rank=split_rank)
-            self._payload_shardings = tp.named(payload_specs)
-            payload = jax.tree.map(
-                lambda leaf, sharding: jax.ShapeDtypeStruct(
-                    leaf.shape, leaf.dtype, sharding=sharding
-                ),
-                packed,
-                self._payload_shardings,
-            )
-            # Bytes one layer of any adapter moves: the packing pads every rank alike.
-            self.layer_bytes = sum(
-                parts[part].nbytes // size for parts in packed.values() for part in LAYER_PARTS
-            )
-            self._install_exe[size] = install.lower(
-                self.weights, np.int32(0), np.int32(0), payload
-            ).compile()
+        self._abstract = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding),
+            self.weights,
+        )
+        self._jitted_install = jax.jit(backend.install, donate_argnums=0, out_shardings=shardings)
+        self._installs: dict[tuple, _Install] = {}  # payload shape -> its compiled install
+        self._layer_bytes: dict[tuple[int, tuple[str, ...]], int] = {}
+        self._compiling = threading.Lock()  # staging and transfer threads may both compile
         self.link_bytes_per_s = (
             emulated_link_gbps * 1e9
             if emulated_link_gbps
@@ -139,29 +144,110 @@ class DeviceSlots:
         )
         self._transfers: dict[int, Transfer] = {}  # slot -> its latest load (transfer thread)
 
+    # -- staging (any thread but the scheduler's) -------------------------------------
+
+    def prepare(self, rank: int, targets: tuple[str, ...]) -> None:
+        """Compile the installs of an adapter of `rank` on `targets`, one per layer-group
+        size, unless an adapter of the same shape (rank bucket, targets) did."""
+        layer = self._stand_in(rank, targets)
+        for size in sorted({stop - start for start, stop in self.groups}):
+            self._install_for(
+                {
+                    target: {
+                        part: jax.ShapeDtypeStruct(
+                            (size, *value.shape[1:]) if part in LAYER_PARTS else value.shape,
+                            value.dtype,
+                        )
+                        for part, value in parts.items()
+                    }
+                    for target, parts in layer.items()
+                }
+            )
+
+    @property
+    def install_variants(self) -> int:
+        """How many install variants (payload shapes) are compiled."""
+        return len(self._installs)
+
+    def layer_bytes(self, rank: int, targets: tuple[str, ...]) -> int:
+        """The bytes one layer of an adapter of `rank` on `targets` sends over the link
+        (its rank rows, bucketed; the cost model's load time). Any thread; compiles
+        nothing."""
+        key = (rank, tuple(targets))
+        if key not in self._layer_bytes:
+            self._layer_bytes[key] = sum(
+                parts[part].nbytes
+                for parts in self._stand_in(rank, targets).values()
+                for part in LAYER_PARTS
+            )
+        return self._layer_bytes[key]
+
+    def _stand_in(self, rank: int, targets: tuple[str, ...]) -> Payload:
+        """The payload of one layer of an adapter of this shape (zeros, no slot)."""
+        zero = np.float32(0)
+        zeros = {
+            target: (
+                np.broadcast_to(zero, (1, self._host_shapes[target][0], rank)),
+                np.broadcast_to(zero, (1, rank, self._host_shapes[target][1])),
+            )
+            for target in targets
+        }
+        return self._pack(zeros, slot=None)
+
+    def _install_for(self, group: Payload) -> _Install:
+        """The compiled install of `group`'s shape (arrays or ShapeDtypeStructs),
+        compiled now if no one has."""
+        key = tuple(
+            (target, part, value.shape, np.dtype(value.dtype).str)
+            for target, parts in group.items()
+            for part, value in parts.items()
+        )
+        with self._compiling:
+            if key not in self._installs:
+                start = time.perf_counter()
+                payload_specs = self._tp.lora_specs(
+                    group, self.backend.payload_layout, split_rank=self.rank_shards > 1
+                )
+                shardings = self._tp.named(payload_specs)
+                abstract = jax.tree.map(
+                    lambda leaf, sharding: jax.ShapeDtypeStruct(
+                        leaf.shape, leaf.dtype, sharding=sharding
+                    ),
+                    group,
+                    shardings,
+                )
+                run = self._jitted_install.lower(
+                    self._abstract, np.int32(0), np.int32(0), abstract
+                ).compile()
+                self._installs[key] = _Install(shardings, run)
+                log.info(
+                    "compiled the install of %d layers of %s in %.0f ms",
+                    next(iter(group.values()))["b"].shape[0],
+                    ", ".join(f"{t} ({p['b'].shape[1]} rank rows)" for t, p in group.items()),
+                    1e3 * (time.perf_counter() - start),
+                )
+            return self._installs[key]
+
     # -- the transfer thread --------------------------------------------------------
 
     def load(self, name: str, tensors: HostTensors, slot: int) -> Transfer:
-        """Host arrays -> packed numpy -> device arrays, one layer group at a time."""
-        start = time.perf_counter()
+        """Host arrays -> rank-exact numpy -> device arrays, one layer group at a time."""
         transfer = Transfer(name, slot)
         self._transfers[slot] = transfer
-        placed = {  # k/v's B as wide as the replicated KV heads
-            target: (a, self._tp.expand_kv(b) if target in ("k_proj", "v_proj") else b)
-            for target, (a, b) in tensors.items()
-        }
-        packed = self._pack(placed, slot=slot)
-        nbytes = 0
-        for first, stop in self.groups:
+        packed = self._pack(tensors, slot=slot)
+        groups = [layer_group(packed, first, stop) for first, stop in self.groups]
+        installs = [self._install_for(group) for group in groups]
+        transfer.installs = [install.run for install in installs]
+        start = time.perf_counter()
+        for group, install in zip(groups, installs, strict=True):
             group_start = time.perf_counter()
-            group = layer_group(packed, first, stop)
-            payload = jax.block_until_ready(jax.device_put(group, self._payload_shardings))
+            payload = jax.block_until_ready(jax.device_put(group, install.shardings))
             group_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(group))
             wait_for_link(group_bytes, self.emulated_link_gbps, group_start)
             transfer.landed.append(payload)
-            nbytes += group_bytes
+            transfer.nbytes += group_bytes
         seconds = time.perf_counter() - start
-        observed = nbytes / max(seconds, 1e-9)
+        observed = transfer.nbytes / max(seconds, 1e-9)
         previous = self.link_bytes_per_s
         self.link_bytes_per_s = 0.8 * previous + 0.2 * observed if previous else observed
         log.info(
@@ -170,7 +256,7 @@ class DeviceSlots:
             slot,
             1e3 * seconds,
             len(self.groups),
-            nbytes / 1e6,
+            transfer.nbytes / 1e6,
         )
         return transfer
 
@@ -198,16 +284,20 @@ class DeviceSlots:
 
     def _install_groups(self, transfer: Transfer) -> None:
         for index in range(transfer.installed, len(transfer.landed)):
-            first, stop = self.groups[index]
-            self.weights = self._install_exe[stop - first](
+            first = self.groups[index][0]
+            self.weights = transfer.installs[index](
                 self.weights, np.int32(transfer.slot), np.int32(first), transfer.landed[index]
             )
             transfer.landed[index] = {}  # installed: let the device copy go
             transfer.installed = index + 1
 
-    def _pack(self, tensors: HostTensors, *, slot: int) -> Payload:
+    def _pack(self, tensors: HostTensors, *, slot: int | None) -> Payload:
+        placed = {  # k/v's B as wide as the replicated KV heads
+            target: (a, self._tp.expand_kv(b) if target in ("k_proj", "v_proj") else b)
+            for target, (a, b) in tensors.items()
+        }
         return self.backend.pack(
-            tensors, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype,
+            placed, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype,
             rank_shards=self.rank_shards,
         )  # fmt: skip
 

@@ -138,7 +138,9 @@ class AssistedPrefill:
             any(name in stored.target_offsets for name in names) for names in INPUT_GROUPS
         )
         return cost_model.ColdStart(
-            load_left_s=layers_left * lora.layer_bytes / lora.link_bytes_per_s,
+            load_left_s=layers_left
+            * lora.layer_bytes(stored.spec.rank, stored.spec.targets)
+            / lora.link_bytes_per_s,
             prefill_s=self.prefill_s.get(bucket, 0.0),
             cpu_layer_s=self.cpu.layer_seconds(prompt_len, stored),
             callbacks_layer_s=adapted * self.handoff_s,

@@ -10,7 +10,9 @@ State, all of it explicit (device.py tells the calls):
   iteration; a free row has an all-sentinel block table, so its KV writes are dropped;
 - the adapters' bytes: every staged adapter in the host store's shared-memory arena
   (`jlora.adapters.store`), copied to the device slots by `lora`
-  (`jlora.adapters.device`) layer group by layer group.
+  (`jlora.adapters.device`) layer group by layer group, rank-exact (only the adapter's
+  own targets and rank rows cross the link; the slot's padding is written on the
+  device, by an install compiled for the adapter's shape when it is staged).
 
 The KV cache's size is the device pool's (`steps.size_pool`): `pool_bytes`, or
 `pool_fraction` of the device memory free once the weights and the adapter slots are
@@ -517,8 +519,11 @@ class LlamaEngine(DeviceEngine):
                 field="path",
             )
         stored = self.store.register(name, path, expect_sha256=expect_sha256)
+        # Off the scheduler thread: the install of its rank-exact transfers (device.py),
+        # and with merging on, its merge.
+        self.lora.prepare(spec.rank, spec.targets)
         if self.config.merge != "never" and self.merger is not None:
-            self.merger.compile(spec.targets, spec.rank)  # off the scheduler thread
+            self.merger.compile(spec.targets, spec.rank)
         return StagedAdapter(
             name=name,
             path=str(stored.path),

@@ -15,6 +15,12 @@ PEFT's two Linear layers do), @ B accumulates in fp32 and is added to y in fp32.
 The device layout (`allocate`) is the backend's choice: stacked slots padded to a
 rank (reference, BGMV) or a pool of rank-row pages (MBGMV). Every backend keeps one
 entry per target, so a target no slot holds is absent from the weights.
+
+What crosses the host-to-device link is rank-exact, in every backend: `pack` keeps
+only the adapter's own targets and its rank rows (`exact_rows`: rank rounded up to a
+power of two, `rank_bucket`, so that few shapes compile), and `install`, on the
+device, pads them to the slots' rank and writes zeros for the targets the adapter
+does not adapt.
 """
 
 from __future__ import annotations
@@ -95,16 +101,20 @@ class LoraBackend(abc.ABC):
         self,
         tensors: HostTensors,
         *,
-        slot: int,
+        slot: int | None,
         shapes: dict[str, tuple[int, int]],
         max_rank: int,
         dtype: Any,
         rank_shards: int = 1,
     ) -> Payload:
-        """One adapter's host tensors in the layout `install` takes for `slot` (numpy).
+        """One adapter's host tensors as they cross the link to `slot` (numpy, `dtype`).
 
-        Targets in `shapes` that the adapter does not adapt are packed as rank 0.
-        Called on the transfer thread only, one adapter at a time.
+        Rank-exact: per target of `shapes` that the adapter adapts, A's and B's rank
+        rows (`exact_factors`, over `rank_dim(max_rank, rank_shards)` rows, split in
+        `rank_shards`), plus the backend's few per-slot values; nothing for the other
+        targets. slot None: a stand-in of the right shapes, for compiling
+        `install` (no slot state, such as pages, is touched). Called on the transfer
+        thread, one adapter at a time (and, with slot None, on any thread).
         """
 
     @abc.abstractmethod
@@ -115,7 +125,9 @@ class LoraBackend(abc.ABC):
 
         payload may hold all layers or a layer group (`layer_group`): its per-layer
         parts have G <= L entries, written to layers [layer_start, layer_start + G).
-        Traceable; jit it with donation.
+        The padding happens here: rank rows past the payload's are zeros, and so is
+        every target of `weights` the payload lacks (rank 0). Traceable; jit it with
+        donation (one compiled variant per payload shape).
         """
 
     @abc.abstractmethod
@@ -223,6 +235,36 @@ class LoraBackend(abc.ABC):
 Rows = jax.Array | Segments  # the rows' adapters: i32[T] slots (decode) or segments (prefill)
 
 
+def rank_bucket(rank: int, rows: int) -> int:
+    """The rank rows an adapter of rank `rank` sends for `rows` rows of a slot: the next
+    power of two (1, 2, 4, ...), at most `rows`."""
+    return min(rows, 1 << max(rank - 1, 0).bit_length())
+
+
+def exact_rows(factor: np.ndarray, rows: int, shards: int, dtype: Any, axis: int = 1) -> np.ndarray:
+    """A factor's rank rows as they cross the link: its rank `axis` (r long; 1 for
+    [L, r, width]) cut to Q, zero past r, for slots of `rows` rank rows. Q =
+    rank_bucket(r, rows) rounded up to a multiple of `shards`, the devices the payload's
+    rank rows are split over (the slots' too, fully-sharded A; 1 elsewhere), so each
+    receives Q / shards of them."""
+    rank = factor.shape[axis]
+    shape = list(factor.shape)
+    shape[axis] = shards * math.ceil(rank_bucket(rank, rows) / shards)
+    out = np.zeros(shape, dtype)
+    np.moveaxis(out, axis, 0)[:rank] = np.moveaxis(factor, axis, 0)
+    return out
+
+
+def padded_rows(exact: jax.Array, rows: int, axis: int = 1) -> jax.Array:
+    """On the device, `exact_rows` padded with zero rows to the slots' rank: [G, Q, width]
+    -> [G, rows, width] (rank `axis`). Where both are split over devices, the real rows
+    move to the device whose part of the slot holds them (a collective between devices,
+    never the host link)."""
+    padding = [(0, 0)] * exact.ndim
+    padding[axis] = (0, rows - exact.shape[axis])
+    return jnp.pad(exact, padding)
+
+
 def layer_group(payload: Payload, start: int, stop: int) -> Payload:
     """The layers [start, stop) of a packed adapter (the per-slot parts whole)."""
     return {
@@ -234,12 +276,52 @@ def layer_group(payload: Payload, start: int, stop: int) -> Payload:
     }
 
 
+def exact_factors(
+    tensors: HostTensors,
+    shapes: dict[str, tuple[int, int]],
+    rows: int,
+    shards: int,
+    dtype: Any,
+    a_axis: int,
+) -> Payload:
+    """`pack`'s common part: per target of `shapes` that `tensors` adapts, {"a": A's rank
+    rows, "b": B's [L, P, out]} (`exact_rows`; A's split over `shards` devices where the
+    slots split it, B's never). a_axis: A's rank axis in the payload, 2 for A [L, in, Q]
+    as stored, 1 for A^T [L, Q, in] (rank rows)."""
+    return {
+        target: {
+            "a": exact_rows(
+                np.moveaxis(tensors[target][0], 2, a_axis), rows, shards, dtype, a_axis
+            ),
+            "b": exact_rows(tensors[target][1], rows, 1, dtype),
+        }
+        for target in shapes
+        if target in tensors
+    }
+
+
+def padded_factors(
+    payload: Payload, target: str, rows: int, widths: tuple[int, int], dtype: Any, a_axis: int
+) -> tuple[jax.Array, jax.Array]:
+    """On the device: `target`'s A and B padded to `rows` rank rows from the payload's
+    (`padded_rows`; A's rank on `a_axis`, as in `exact_factors`; B [G, rows, out]);
+    zeros where the payload does not adapt `target`. widths: (in, out)."""
+    if target in payload:
+        a, b = payload[target]["a"], payload[target]["b"]
+        return padded_rows(a, rows, a_axis), padded_rows(b, rows)
+    layers, (fan_in, fan_out) = next(iter(payload.values()))["b"].shape[0], widths
+    a_shape = [layers, fan_in]
+    a_shape.insert(a_axis, rows)
+    return jnp.zeros(a_shape, dtype), jnp.zeros((layers, rows, fan_out), dtype)
+
+
 def set_slot(
     weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Payload
 ) -> LoraWeights:
-    """`install` for stacked layouts: every array of `payload` written into slot `slot`
-    of its counterpart in `weights`: a per-layer part [G, ...] into layers
-    [layer_start, layer_start + G) of [L, N, ...], a per-slot part into [N]."""
+    """`install` for stacked layouts, once `payload` is padded to them: every array of
+    it written into slot `slot` of its counterpart in `weights`: a per-layer part
+    [G, ...] into layers [layer_start, layer_start + G) of [L, N, ...], a per-slot part
+    into [N]."""
 
     def put(part: str, stacked: jax.Array, value: Any) -> jax.Array:
         if part not in LAYER_PARTS:

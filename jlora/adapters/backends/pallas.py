@@ -15,12 +15,13 @@ import numpy as np
 
 from configs import ConfigError
 from jlora.adapters.backends.base import (
-    HostTensors,
     LoraBackend,
     LoraWeights,
     Payload,
     Rows,
     Segments,
+    exact_factors,
+    padded_factors,
     set_slot,
 )
 from pallas_kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink
@@ -34,24 +35,6 @@ MIN_RANK_DIM = 16  # Triton's dots in SGMV need every dimension >= 16
 def kernel_rank_dim(max_rank: int) -> int:
     """The kernels' rank dimension R: a power of two, at least MIN_RANK_DIM."""
     return max(MIN_RANK_DIM, 1 << (max_rank - 1).bit_length())
-
-
-def rank_rows(tensors: HostTensors, shapes, rdim: int, dtype) -> Payload:
-    """One adapter as rank rows, per target: {"a": [L, R, in] (A^T, zero-padded),
-    "b": [L, R, out], "rank": i32 (0 for a target the adapter does not adapt)}."""
-    layers = next(iter(tensors.values()))[0].shape[0]
-    payload: Payload = {}
-    for target, (fan_in, fan_out) in shapes.items():
-        a = np.zeros((layers, rdim, fan_in), dtype)
-        b = np.zeros((layers, rdim, fan_out), dtype)
-        rank = 0
-        if target in tensors:
-            lora_a, lora_b = tensors[target]
-            rank = lora_a.shape[-1]
-            a[:, :rank] = lora_a.transpose(0, 2, 1)
-            b[:, :rank] = lora_b
-        payload[target] = {"a": a, "b": b, "rank": np.int32(rank)}
-    return payload
 
 
 class _PallasBackend(LoraBackend):
@@ -156,10 +139,22 @@ class BgmvBackend(_PallasBackend):
         }
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
-        return rank_rows(tensors, shapes, self.rank_dim(max_rank, rank_shards), dtype)
+        """`exact_factors`, and each target's "rank": i32."""
+        rdim = self.rank_dim(max_rank, rank_shards)
+        payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=1)
+        for target, packed in payload.items():
+            packed["rank"] = np.int32(tensors[target][0].shape[-1])
+        return payload
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        return set_slot(weights, slot, layer_start, payload)
+        padded: Payload = {}
+        for target, w in weights.items():
+            _, _, rdim, fan_in = w["a"].shape
+            widths = (fan_in, w["b"].shape[-1])
+            a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, a_axis=1)
+            rank = payload[target]["rank"] if target in payload else np.int32(0)
+            padded[target] = {"a": a, "b": b, "rank": rank}
+        return set_slot(weights, slot, layer_start, padded)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         w = weights[target]
@@ -224,9 +219,7 @@ class MbgmvBackend(_PallasBackend):
     payload_layout = {
         "a": ("layers", "rank", "in"),
         "b": ("layers", "rank", "out"),
-        "rank": (),
         "dest": ("index",),
-        "pages": ("index",),
     }
 
     def allocate(
@@ -245,30 +238,42 @@ class MbgmvBackend(_PallasBackend):
         }
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
+        """`exact_factors` (P rank rows each, no padding to R), and each target's
+        "dest": i32[P], the pages of the adapter's rank rows (out of bounds past its
+        rank: dropped). The pages are assigned here (slot None: none are)."""
         rdim = self.rank_dim(max_rank)
         rank = next(iter(tensors.values()))[0].shape[-1]
-        pages = self.pool.assign(slot, rank)
-        table = np.full(rdim, pages[0] if pages else 0, np.int32)
-        table[:rank] = pages
-        payload = rank_rows(tensors, shapes, rdim, dtype)
+        pages = self.pool.assign(slot, rank) if slot is not None else list(range(rank))
+        payload = exact_factors(tensors, shapes, rdim, 1, dtype, a_axis=1)
         for packed in payload.values():
-            dest = np.full(rdim, self.pool.num_pages, np.int32)  # out of bounds: dropped
-            if packed["rank"]:  # 0 where the adapter does not adapt the target
-                dest[:rank] = pages
-            packed |= {"dest": dest, "pages": table}
+            dest = np.full(packed["a"].shape[1], self.pool.num_pages, np.int32)
+            dest[:rank] = pages
+            packed["dest"] = dest
         return payload
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        """Scatters each rank row to its page; the slot's page table and rank follow
+        from `dest` (a target the payload lacks gets rank 0 and the same table)."""
+        dest = next(iter(payload.values()))["dest"]  # [P], the same for every target
         installed: LoraWeights = {}
         for target, w in weights.items():
+            rdim = w["pages"].shape[1]
+            live = dest < w["a"].shape[1]  # [P]
+            table = jnp.pad(dest, (0, rdim - dest.shape[0]))  # [R]
+            table = jnp.where(jnp.arange(rdim) < jnp.sum(live), table, dest[0])
+            rank = jnp.sum(live).astype(jnp.int32) if target in payload else jnp.int32(0)
+            installed[target] = {
+                "pages": w["pages"].at[slot].set(table),
+                "rank": w["rank"].at[slot].set(rank),
+            }
+            if target not in payload:  # its pages keep what they held: rank 0 reads none
+                installed[target] |= {"a": w["a"], "b": w["b"]}
+                continue
             p = payload[target]
             layers = (layer_start + jnp.arange(p["a"].shape[0]))[:, None]  # [G, 1]
-            dest = p["dest"][None, :]  # [1, R]
-            installed[target] = {
-                "a": w["a"].at[layers, dest].set(p["a"], mode="drop"),
-                "b": w["b"].at[layers, dest].set(p["b"], mode="drop"),
-                "pages": w["pages"].at[slot].set(p["pages"]),
-                "rank": w["rank"].at[slot].set(p["rank"]),
+            installed[target] |= {
+                "a": w["a"].at[layers, dest[None, :]].set(p["a"], mode="drop"),
+                "b": w["b"].at[layers, dest[None, :]].set(p["b"], mode="drop"),
             }
         return installed
 

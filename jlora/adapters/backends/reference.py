@@ -2,6 +2,9 @@
 
     weights[target] = {"a": [L, N, in, R], "b": [L, N, R, out]}
 
+An adapter crosses the host-to-device link rank-exact (base.py); `install` pads it
+into its slot on the device.
+
 Padding is exact: padded columns of x @ A are zeros, and the matching rows of B are
 zeros, so they add nothing. Cost ∝ rows × max_rank (like BGMV), whatever the ranks
 in the batch; in prefill, times the segments that have an adapter and rows (each is a
@@ -13,9 +16,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jlora.adapters.backends.base import LoraBackend, LoraWeights, Payload, set_slot
+from jlora.adapters.backends.base import (
+    LoraBackend,
+    LoraWeights,
+    Payload,
+    exact_factors,
+    padded_factors,
+    set_slot,
+)
 
 
 def _lora(x: jax.Array, a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
@@ -56,22 +65,18 @@ class ReferenceBackend(LoraBackend):
         }
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
-        payload: Payload = {}
+        """{"a": [L, in, Q], "b": [L, P, out]} per target the adapter adapts."""
         rdim = self.rank_dim(max_rank, rank_shards)
-        layers = next(iter(tensors.values()))[0].shape[0]
-        for target, (fan_in, fan_out) in shapes.items():
-            a = np.zeros((layers, fan_in, rdim), dtype)
-            b = np.zeros((layers, rdim, fan_out), dtype)
-            if target in tensors:
-                lora_a, lora_b = tensors[target]
-                rank = lora_a.shape[-1]
-                a[:, :, :rank] = lora_a
-                b[:, :rank, :] = lora_b
-            payload[target] = {"a": a, "b": b}
-        return payload
+        return exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=2)
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        return set_slot(weights, slot, layer_start, payload)
+        padded: Payload = {}
+        for target, w in weights.items():
+            _, _, fan_in, rdim = w["a"].shape
+            widths = (fan_in, w["b"].shape[-1])
+            a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, a_axis=2)
+            padded[target] = {"a": a, "b": b}
+        return set_slot(weights, slot, layer_start, padded)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         return weights[target]["a"][layer, slots], weights[target]["b"][layer, slots]
