@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from bench import report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +124,7 @@ def measure(plan: Plan) -> list[dict[str, Any]]:
 def render(facts: dict, plan: Plan, rows: list[dict[str, Any]]) -> str:
     reference = rows[0]["runs"][0]["tokens"]
     lines = [
-        f"{plan.model} fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
-        f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
-        f"{facts['load_avg_1min_end']:.1f} at end | medians of {plan.repeats}",
+        f"{report.cpu_header(facts, plan.model)} | medians of {plan.repeats}",
         "",
         f"{plan.streams} streams of {plan.stream_prompt}-token prompts decoding "
         f"{plan.stream_tokens} tokens each; after {plan.arrive_after} steps a "
@@ -154,21 +149,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a shorter prompt, one run")
     args = parser.parse_args(argv)
-    from bench import report
-
     plan = QUICK if args.quick else Plan()
     facts = report.machine_facts()
     rows = measure(plan)
     facts["load_avg_1min_end"] = os.getloadavg()[0]
     text = render(facts, plan, rows)
     print(text)
-    stem = RESULTS / f"{datetime.date.today():%Y-%m-%d}-cpu-chunked-prefill"
-    title = "# Chunked prefill: a long prompt arriving while streams decode\n\n"
-    stem.with_suffix(".md").write_text(title + text + "\n")
+    title = "Chunked prefill: a long prompt arriving while streams decode"
     for row in rows:
         for run in row["runs"]:
             del run["tokens"]
-    report.write_report(stem.with_suffix(".json"), facts, plan, rows)
+    report.save_cpu_results("chunked-prefill", title, text, facts, plan, rows)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -48,7 +46,6 @@ from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 
-RESULTS = Path(__file__).parent / "results"
 ALLOCATIONS = ("upfront", "lazy")
 
 
@@ -146,10 +143,7 @@ def render(facts: dict, plan: Plan, runs: list[Run], requests) -> str:
     reference = runs[0].tokens
     prompt_total = sum(len(prompt) for _, prompt, _ in requests)
     lines = [
-        f"SmolLM2-135M fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
-        f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
-        f"{facts['load_avg_1min_end']:.1f} at end",
+        report.cpu_header(facts, "SmolLM2-135M"),
         "",
         f"{plan.requests} requests of the Azure conversation trace queued at once (prompts "
         f"{prompt_total} tokens in all, {sum(m for _, _, m in requests)} to generate), "
@@ -186,12 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     facts["load_avg_1min_end"] = os.getloadavg()[0]
     text = render(facts, plan, runs, requests)
     print(text)
-    stem = RESULTS / f"{datetime.date.today():%Y-%m-%d}-cpu-kv-allocation"
-    stem.with_suffix(".md").write_text(
-        "# Lazy KV allocation with preemption vs up-front reservation\n\n" + text + "\n"
-    )
+    title = "Lazy KV allocation with preemption vs up-front reservation"
     rows = [{k: v for k, v in dataclasses.asdict(r).items() if k != "tokens"} for r in runs]
-    report.write_report(stem.with_suffix(".json"), facts, plan, rows)
+    report.save_cpu_results("kv-allocation", title, text, facts, plan, rows)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import subprocess
@@ -48,7 +47,6 @@ from bench import report
 from bench.workloads import Workload, azure_workload, demo_adapter_pool, load_tokenizer
 from configs import EngineConfig, load_preset
 
-RESULTS = Path(__file__).parent / "results"
 BASELINE = "hf-peft"
 
 
@@ -261,10 +259,7 @@ def render(facts: dict, plan: Plan, result: dict[str, Any]) -> str:
     baseline = systems[BASELINE]
     base_rate = baseline["generated"] / baseline["seconds"]
     lines = [
-        f"{plan.model} fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
-        f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
-        f"{facts['load_avg_1min_end']:.1f} at end",
+        report.cpu_header(facts, plan.model),
         "",
         f"{plan.requests} requests of the Azure code trace queued at once "
         f"({result['prompt_tokens']} prompt tokens), {plan.adapters} adapters of ranks "
@@ -300,12 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     facts["load_avg_1min_end"] = os.getloadavg()[0]
     text = render(facts, plan, result)
     print(text)
-    stem = RESULTS / f"{datetime.date.today():%Y-%m-%d}-cpu-replay"
-    title = "# Offline Azure-trace replay: jlora vs transformers + PEFT\n\n"
-    stem.with_suffix(".md").write_text(title + text + "\n")
+    title = "Offline Azure-trace replay: jlora vs transformers + PEFT"
     for run in result["systems"].values():
         del run["texts"]
-    report.write_report(stem.with_suffix(".json"), facts, plan, [result])
+    report.save_cpu_results("replay", title, text, facts, plan, [result])
 
 
 if __name__ == "__main__":

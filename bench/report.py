@@ -35,3 +35,24 @@ def write_report(path: Path, facts: dict, plan: Any, results: list[dict], **extr
     """{"machine": facts, "plan": the plan (a dataclass), **extra, "results": results}."""
     report = {"machine": facts, "plan": dataclasses.asdict(plan), **extra, "results": results}
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+
+
+def cpu_header(facts: dict, model: str) -> str:
+    """The first line under a CPU table's title: the model, the machine, jax, the date and
+    the load average at the start and end of the run (`load_avg_1min_end` set by then)."""
+    return (
+        f"{model} fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
+        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
+        f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
+        f"{facts['load_avg_1min_end']:.1f} at end"
+    )
+
+
+def save_cpu_results(
+    name: str, title: str, text: str, facts: dict, plan: Any, results: list
+) -> None:
+    """bench/results/<today>-cpu-<name>.md (`# title`, then `text`) and .json (the facts,
+    the plan and `results`)."""
+    stem = Path(__file__).parent / "results" / f"{datetime.date.today():%Y-%m-%d}-cpu-{name}"
+    stem.with_suffix(".md").write_text(f"# {title}\n\n{text}\n")
+    write_report(stem.with_suffix(".json"), facts, plan, results)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -42,7 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
 WARMUPS = ("ahead", "on-demand")
 PHASES = ("import", "load", "engine", "warmup", "first_token", "done")
 PROMPTS = (
@@ -249,12 +247,11 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def render(facts: dict, plan: Plan, result: dict[str, Any]) -> str:
+    from bench import report  # not at the top: a child times its own imports of jax
+
     command, phases, loading = result["command"], result["phases"], result["loading"]
     lines = [
-        f"{plan.model} fp32 | {facts['cpu_count']} CPUs ({facts['cpu_model']}) | "
-        f"jax {facts['jax']} ({facts['jax_backend']}) | {facts['date']} | "
-        f"1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
-        f"{facts['load_avg_1min_end']:.1f} at end | medians of {plan.repeats}",
+        f"{report.cpu_header(facts, plan.model)} | medians of {plan.repeats}",
         "",
         f"## `jlora generate --prompt` (max {plan.max_tokens} tokens)",
         "",
@@ -325,12 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     facts["load_avg_1min_end"] = os.getloadavg()[0]
     text = render(facts, plan, result)
     print(text)
-    stem = RESULTS / f"{datetime.date.today():%Y-%m-%d}-cpu-startup"
-    stem.with_suffix(".md").write_text("# Start-up of `jlora generate`\n\n" + text + "\n")
     for runs in result["phases"].values():
         for run in runs:
             del run["tokens"]
-    report.write_report(stem.with_suffix(".json"), facts, plan, [result])
+    report.save_cpu_results("startup", "Start-up of `jlora generate`", text, facts, plan, [result])
 
 
 if __name__ == "__main__":

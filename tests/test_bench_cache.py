@@ -26,16 +26,8 @@ from bench.workloads import Turn, WordTokenizer, demo_adapter_pool, multiturn_wo
 from configs import load_preset
 from jlora.engine.mock import MockEngine, mock_adapter_dir
 from jlora.engine.orchestrator import Orchestrator
+from tests.bench_helpers import FACTS
 
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "device": "cpu",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-}
 WORDS = WordTokenizer()
 POOL = demo_adapter_pool(2, (8, 16))
 

@@ -8,16 +8,8 @@ import dataclasses
 
 from bench.chunked_prefill import QUICK, render, run_once
 from jlora.engine.mock import mock_completion, mock_engine
+from tests.bench_helpers import FACTS
 
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-    "load_avg_1min_end": 0.0,
-}
 VOCAB = 30000  # the prompts' token ids run to 20100
 PLAN = dataclasses.replace(QUICK, max_seq_len=256, long_prompt=200, stream_tokens=30)
 

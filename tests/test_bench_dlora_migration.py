@@ -10,16 +10,7 @@ import pytest
 
 from bench.dlora_migration import QUICK, SYSTEMS, Plan, make_workload, parse_metrics, render
 from bench.workloads import WordTokenizer
-
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "device": "cpu",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-}
+from tests.bench_helpers import FACTS
 
 
 def test_the_workload_has_bimodal_output_lengths_and_is_seeded():

@@ -6,16 +6,7 @@ from __future__ import annotations
 
 from bench.kv_allocation import QUICK, make_requests, measure, render
 from jlora.engine.mock import mock_completion, mock_engine
-
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-    "load_avg_1min_end": 0.0,
-}
+from tests.bench_helpers import FACTS
 
 
 def test_the_requests_follow_the_trace_within_the_plans_bounds():

@@ -7,16 +7,7 @@ from __future__ import annotations
 from bench.replay import QUICK, make_workload, render, write_prompts_file
 from jlora.cli.generate import _read_prompts
 from jlora.engine.api import SamplingParams
-
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-    "load_avg_1min_end": 0.0,
-}
+from tests.bench_helpers import FACTS
 
 
 def test_the_prompts_file_is_the_workload_as_jlora_generate_reads_it(tmp_path):

@@ -4,16 +4,7 @@ benchmark's (they start SmolLM2 processes for minutes)."""
 from __future__ import annotations
 
 from bench.startup import QUICK, WARMUPS, render
-
-FACTS = {
-    "date": "2026-11-25T06:00:00+00:00",
-    "cpu_count": 2,
-    "cpu_model": "test",
-    "jax": "0",
-    "jax_backend": "cpu",
-    "load_avg_1min_start": 0.0,
-    "load_avg_1min_end": 0.0,
-}
+from tests.bench_helpers import FACTS
 
 
 def _phase(first_token: float, tokens: dict) -> dict:
