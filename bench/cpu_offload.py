@@ -1,61 +1,105 @@
-"""CPU LoRA workers: the shared-memory hand-off, and Numba workers against PyTorch threads.
+"""CPU LoRA workers against PyTorch, and the host-callback overhead of a CPU-routed layer.
 
-Run: `python -m bench.cpu_offload [--quick]` (about a minute; `--quick` a few seconds
-of timing plus the workers' start-up).
+Run: `python -m bench.cpu_offload [--quick] [--out FILE.md]` (a few minutes on a 2-core
+CPU; `--quick` well under one).
 
 1. Hand-off round trip: `submit` + `collect` of a tiny job (one row per worker,
    in 8, rank 1, out 8), so the time is the protocol (copy in, bump sequence numbers,
    wake, write DONE, copy out), not arithmetic. Median and p99 at 1, 2 and 8
    workers, every worker taking part. On a machine with fewer cores than workers
    the pool is oversubscribed (pinned workers share cores) and the table says so.
-2. Product x @ A @ B at SmolLM2-135M shapes (in 576; out 576 = q/o, 1536 = gate/up;
-   rank 16 and 64; 128 and 512 rows): the pool split across n workers (hand-off
-   included) against PyTorch's `x @ A @ B` with `torch.set_num_threads(n)`, for n
-   = 1 and every core. A and B live in a shared-memory arena laid out as the host
-   store lays it out; torch reads the same memory (`torch.from_numpy`, no copy).
+2. The kernel alone, in this process with one BLAS thread: `lora_rows` (two direct
+   sgemm calls), the previous kernel (Numba `np.dot`, kept here as the baseline) and
+   PyTorch's `x @ A @ B` (MKL) with one thread, at SmolLM2-135M shapes (in 576; out
+   576 = q/o, 1536 = gate/up; ranks 8, 16 and 64; 128 and 512 rows).
+3. The pool against PyTorch on the same threads (CaraServe §4.2, Fig. 18-Right): the
+   pool split across n workers, everything the engine pays included (x copied into
+   shared memory, the hand-off, the result copied into a caller's buffer), against
+   `x @ A @ B` with `torch.set_num_threads(n)`, for n = 1 and every core. A and B live
+   in a shared-memory arena laid out as the host store lays it out; torch reads the
+   same memory (`torch.from_numpy`, no copy).
+4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
+   an adapter on all 7 targets): a jitted scan in which each layer makes the four
+   input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
+   out] back), against the same scan without them; the difference divided by the
+   layers. Variants: `io_callback` pairs doing no work, ordered (the previous
+   mechanism; bench/cold_start.py's method, 2.27 ms on 2026-11-22); `buffer_callback`
+   pairs doing no work (the new mechanism's floor), and copying x out and a result in
+   as the real callbacks do (the callback overhead proper: the comparable figure);
+   and `CpuAssist`'s real ops over the real pool (this path), next to its products
+   computed alone in this process, at rank 1 and 16. This path minus its products is
+   the overhead with the hand-off to the workers included (the scan has no base
+   projections for the products to overlap with).
 
-Timing: one warm-up call, then the median (and p99) of `iters` calls, in
-microseconds. The workers and the coordinator share the machine with whatever else
-runs on it: the table records the 1-minute load average at the start.
+Timing: contenders that are compared run interleaved, call by call (or scan by scan;
+in blocks of BLOCK calls in section 3), so that whatever else runs on the machine
+slows both sides alike; one warm-up call, then medians (and p99 for the hand-off), in
+microseconds. The report records the 1-minute load average at the start and at the
+end, and how many shares the calling process computed (late workers' or fallbacks).
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
 import os
-import statistics
-import time
-from collections.abc import Callable
-from multiprocessing import shared_memory
-from typing import Any
 
-import numpy as np
+# One BLAS thread in this process too (the workers get one each): the kernel section
+# compares one thread with one thread. Set before numpy or SciPy load OpenBLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from cpu_offload import CpuLoraPool, LoraJob
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from multiprocessing import shared_memory  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+from numba import njit  # noqa: E402
+
+from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
-RANKS = (16, 64)
+RANKS = (8, 16, 64)
 ROWS = (128, 512)
+OVERHEAD_TOKENS = 128
+# The pool and torch each leave threads spinning after a call (the workers for 2 ms,
+# torch's OpenMP team for its spin count), which would slow the other side's next
+# call: section 3 alternates blocks of calls, each after a pause and an untimed call.
+BLOCK, BLOCK_GAP_S = 20, 0.05
 
 
-def _round_trip(pool: CpuLoraPool, x: np.ndarray, jobs: list[LoraJob], workers: int) -> object:
-    return pool.collect(pool.submit(x, jobs, workers=workers))
+@njit(cache=True)  # compiled at its first call: the spawned workers never call it
+def numba_dot_rows(x, a, b, out):  # pragma: no cover - compiled
+    """The previous kernel (until 2026-11-25): Numba's np.dot, a temporary, a copy."""
+    out[:, :] = np.dot(np.dot(x, a), b)
 
 
-def _product(x: Any, a: Any, b: Any) -> Any:
-    return x @ a @ b
-
-
-def _times_us(call: Callable[[], object], iters: int) -> tuple[float, float]:
-    call()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
+def _interleaved_us(
+    calls: dict[str, Callable[[], object]], iters: int, block: int = 1, gap_s: float = 0.0
+) -> dict[str, list[float]]:
+    """Microsecond samples of each call, the calls taking turns in blocks of `block`
+    calls, each block after a pause of `gap_s` and one untimed call."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
         call()
-        samples.append(1e6 * (time.perf_counter() - start))
-    return statistics.median(samples), float(np.percentile(samples, 99))
+    for _ in range(max(1, iters // block)):
+        for name, call in calls.items():
+            if gap_s:
+                time.sleep(gap_s)
+                call()
+            for _ in range(block):
+                start = time.perf_counter()
+                call()
+                samples[name].append(1e6 * (time.perf_counter() - start))
+    return samples
+
+
+def _median(samples: Sequence[float]) -> float:
+    return statistics.median(samples)
 
 
 class Arena:
@@ -86,6 +130,17 @@ class Arena:
         self.shm.unlink()
 
 
+def _shapes() -> list[tuple[int, int, int]]:
+    return [(rows, rank, out) for rows in ROWS for rank in RANKS for out in OUTS]
+
+
+# -- 1. hand-off ---------------------------------------------------------------------
+
+
+def _round_trip(pool: CpuLoraPool, x: np.ndarray, jobs: list[LoraJob], workers: int) -> object:
+    return pool.collect(pool.submit(x, jobs, workers=workers))
+
+
 def handoff(arena: Arena, iters: int) -> list[str]:
     cores = len(os.sched_getaffinity(0))
     lines = [
@@ -95,23 +150,69 @@ def handoff(arena: Arena, iters: int) -> list[str]:
     for workers in (1, 2, 8):
         with CpuLoraPool(arena.shm.name, workers=workers, max_rows=8, max_in=8, max_out=8) as pool:
             x = np.ones((workers, 8), np.float32)
-            median, p99 = _times_us(
-                functools.partial(_round_trip, pool, x, [LoraJob(0, 0, 1, 8)], workers), iters
-            )
+            call = functools.partial(_round_trip, pool, x, [LoraJob(0, 0, 1, 8)], workers)
+            samples = _interleaved_us({"pool": call}, iters)["pool"]
             fallbacks = pool.fallbacks
         note = f"oversubscribed: {workers} workers on {cores} cores" if workers > cores else ""
         if fallbacks:
             note += f" ({fallbacks} shares fell back to the caller)"
-        lines.append(f"| {workers} | {median:.0f} | {p99:.0f} | {note} |")
+        p99 = float(np.percentile(samples, 99))
+        lines.append(f"| {workers} | {_median(samples):.0f} | {p99:.0f} | {note} |")
     return lines
 
 
-def products(arena: Arena, iters: int) -> list[str]:
+# -- 2. the kernel alone -------------------------------------------------------------
+
+
+def _product(x: Any, a: Any, b: Any) -> Any:
+    return x @ a @ b
+
+
+def kernels(arena: Arena, iters: int) -> list[str]:
     import torch  # dev extra; imported here so spawned workers never load it
+
+    torch.set_num_threads(1)
+    lines = [
+        "| rows | rank | out | lora_rows (µs) | previous np.dot kernel (µs) | torch x@A@B (µs) "
+        "| torch / lora_rows | previous / lora_rows |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rng = np.random.default_rng(1)
+    for rows, rank, out in _shapes():
+        a, b, _ = arena.tensors[rank, out]
+        x = rng.standard_normal((rows, HIDDEN), np.float32)
+        y = np.empty((rows, out), np.float32)
+        x_t, a_t, b_t = torch.from_numpy(x), torch.from_numpy(a), torch.from_numpy(b)
+        samples = _interleaved_us(
+            {
+                "ours": functools.partial(lora_rows, x, a, b, y),
+                "previous": functools.partial(numba_dot_rows, x, a, b, y),
+                "torch": functools.partial(_product, x_t, a_t, b_t),
+            },
+            iters,
+        )
+        ours, previous, torch_us = (_median(samples[k]) for k in ("ours", "previous", "torch"))
+        lines.append(
+            f"| {rows} | {rank} | {out} | {ours:.0f} | {previous:.0f} | {torch_us:.0f} "
+            f"| {torch_us / ours:.2f} | {previous / ours:.2f} |"
+        )
+    return lines
+
+
+# -- 3. the pool against torch on the same threads -----------------------------------
+
+
+def _pooled(pool: CpuLoraPool, x: np.ndarray, job: LoraJob, workers: int, y: np.ndarray) -> object:
+    return pool.collect(pool.submit(x, [job], workers=workers), out=y)
+
+
+def products(arena: Arena, iters: int) -> list[str]:
+    import torch
 
     thread_counts = sorted({1, len(os.sched_getaffinity(0))})
     lines = [
-        "| rows | rank | out | threads | Numba pool (µs) | torch x@A@B (µs) | torch / pool |",
+        "| rows | rank | out | threads | pool, all included (µs) | torch x@A@B (µs) "
+        "| torch / pool |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     workers = max(thread_counts)
@@ -119,33 +220,223 @@ def products(arena: Arena, iters: int) -> list[str]:
         arena.shm.name, workers=workers, max_rows=max(ROWS), max_in=HIDDEN, max_out=max(OUTS)
     ) as pool:
         rng = np.random.default_rng(1)
-        for rows in ROWS:
+        for rows, rank, out in _shapes():
             x = rng.standard_normal((rows, HIDDEN), np.float32)
-            x_torch = torch.from_numpy(x)
-            for rank in RANKS:
-                for out in OUTS:
-                    a, b, job = arena.tensors[rank, out]
-                    a_torch, b_torch = torch.from_numpy(a), torch.from_numpy(b)
-                    for threads in thread_counts:
-                        torch.set_num_threads(threads)
-                        pool_us, _ = _times_us(
-                            functools.partial(_round_trip, pool, x, [job], threads), iters
-                        )
-                        torch_us, _ = _times_us(
-                            functools.partial(_product, x_torch, a_torch, b_torch), iters
-                        )
-                        lines.append(
-                            f"| {rows} | {rank} | {out} | {threads} | {pool_us:.0f} | "
-                            f"{torch_us:.0f} | {torch_us / pool_us:.2f} |"
-                        )
-        if pool.fallbacks:
-            lines.append(f"\n{pool.fallbacks} shares fell back to the calling process.")
+            y = np.empty((rows, out), np.float32)
+            a, b, job = arena.tensors[rank, out]
+            x_t, a_t, b_t = torch.from_numpy(x), torch.from_numpy(a), torch.from_numpy(b)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                calls = {
+                    "pool": functools.partial(_pooled, pool, x, job, threads, y),
+                    "torch": functools.partial(_product, x_t, a_t, b_t),
+                }
+                samples = _interleaved_us(calls, iters, block=BLOCK, gap_s=BLOCK_GAP_S)
+                pool_us, torch_us = _median(samples["pool"]), _median(samples["torch"])
+                lines.append(
+                    f"| {rows} | {rank} | {out} | {threads} | {pool_us:.0f} | "
+                    f"{torch_us:.0f} | {torch_us / pool_us:.2f} |"
+                )
+        lines.append(
+            f"\nShares computed by the calling process: {pool.steals} taken from late "
+            f"workers, {pool.fallbacks} fallbacks."
+        )
     return lines
+
+
+# -- 4. host-callback overhead per CPU-routed layer ----------------------------------
+
+
+def _overhead_scans(config: Any, tokens: int, cpu: Any) -> dict[str, Callable[[Any], Any]]:
+    """name -> a jitted scan over the model's layers: "none" (no callbacks), and the
+    three kinds of callback pairs (module docstring, section 4)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+    from jax.experimental.buffer_callback import buffer_callback
+
+    from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+
+    shapes = target_shapes(config)
+    groups = [(shapes[names[0]][0], sum(shapes[n][1] for n in names)) for names in INPUT_GROUPS]
+    length = jnp.int32(tokens)
+
+    def io_pair(group: int, h: Any, layer: Any) -> Any:
+        width = groups[group][1]
+
+        def collect(ticket: np.ndarray) -> np.ndarray:
+            return np.zeros((tokens, width), np.float32)
+
+        ticket = io_callback(
+            lambda h: np.int32(1), jax.ShapeDtypeStruct((), jnp.int32), h, ordered=True
+        )
+        return io_callback(
+            collect, jax.ShapeDtypeStruct((tokens, width), jnp.float32), ticket, ordered=True
+        )
+
+    staged = [
+        (np.empty((tokens, fan_in), np.float32), np.zeros((tokens, width), np.float32))
+        for fan_in, width in groups
+    ]
+
+    def buffer_pair(group: int, h: Any, layer: Any, copies: bool = False) -> Any:
+        """No-op buffer_callback pairs; with `copies`, the submit copies x out and the
+        collect copies a [T, out] result in, as the real callbacks do."""
+        x_copy, y_copy = staged[group]
+
+        def submit(ctx: Any, flag: Any, h: Any) -> None:
+            if copies:
+                np.copyto(x_copy, np.asarray(h))
+            np.asarray(flag)[...] = 1
+
+        def collect(ctx: Any, out: Any, ticket: Any) -> None:
+            if copies:
+                np.copyto(np.asarray(out), y_copy)
+
+        ticket = buffer_callback(submit, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)(
+            h
+        )
+        return buffer_callback(
+            collect,
+            jax.ShapeDtypeStruct((tokens, groups[group][1]), jnp.float32),
+            has_side_effect=True,
+        )(ticket)
+
+    def ours(group: int, h: Any, layer: Any) -> Any:
+        ticket = cpu.submit(group, jnp.int32(0), layer, h, length)
+        return cpu.collect(group, jnp.int32(0), ticket, (tokens, groups[group][1]))
+
+    def scan(pair: Callable[[int, Any, Any], Any] | None) -> Callable[[Any], Any]:
+        def layer_fn(x: Any, layer: Any) -> tuple[Any, None]:
+            for group, (fan_in, _) in enumerate(groups):
+                h = jnp.broadcast_to(x[:, :1], (tokens, fan_in)) + layer  # the group's input
+                h = jax.lax.optimization_barrier(h)  # in memory, as the base projections need
+                x = x + (pair(group, h, layer)[:, :1] if pair else 0 * h[:, :1])
+            return x, None
+
+        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+        return jax.jit(lambda x: jax.lax.scan(layer_fn, x, layers)[0])
+
+    return {
+        "none": scan(None),
+        "io_callback": scan(io_pair),
+        "buffer_callback": scan(buffer_pair),
+        "buffer_copies": scan(functools.partial(buffer_pair, copies=True)),
+        "ours": scan(ours),
+    }
+
+
+def _products(cpu: Any, layers: int, tokens: int, floats: np.ndarray) -> Callable[[], None]:
+    """One scan's worth of the adapter's products, in this process on one thread: what
+    the workers compute for the callbacks of every CPU-routed layer."""
+    from cpu_offload.protocol import Task, out_stride
+    from jlora.adapters.targets import INPUT_GROUPS
+
+    rng = np.random.default_rng(2)
+    calls = []
+    for group, names in enumerate(INPUT_GROUPS):
+        fan_in, width = cpu.shapes[names[0]][0], cpu.widths[group]
+        x = rng.standard_normal((tokens, fan_in), np.float32)
+        y = np.empty((tokens, out_stride(width)), np.float32)[:, :width]
+        for layer in range(layers):
+            jobs, columns = cpu.layer_jobs(group, layer)
+            if jobs:
+                rows = Task(0, tokens, fan_in, width, tuple(jobs), tuple(columns)).job_rows()
+                calls.append(functools.partial(lora_task, floats, x, y, rows))
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
+def _per_layer_us(
+    cpu: Any, config: Any, x: Any, store: Any, iters: int
+) -> tuple[float, dict[str, float]]:
+    """(the scan without callbacks, µs; each variant's µs per layer beyond it), and the
+    products alone per layer, for the adapter `cpu` is serving."""
+    tokens, layers = x.shape[0], config.num_layers
+    floats = np.frombuffer(store.arena.shm.buf, np.float32)
+    scans = _overhead_scans(config, tokens, cpu)
+    calls = {name: functools.partial(_block, fn, x) for name, fn in scans.items()}
+    calls["products"] = _products(cpu, layers, tokens, floats)
+    samples = _interleaved_us(calls, iters)
+    base = _median(samples["none"])
+    per_layer = {name: (_median(s) - base) / layers for name, s in samples.items()}
+    per_layer["products"] = _median(samples["products"]) / layers
+    return base, per_layer
+
+
+def callback_overhead(iters: int) -> list[str]:
+    import jax.numpy as jnp
+
+    from configs.model import DEFAULT_MODEL, load_preset
+    from jlora.adapters.peft import make_demo_adapters
+    from jlora.adapters.store import HostStore
+    from jlora.adapters.targets import TARGETS, target_shapes
+    from jlora.engine.cpu_assist import CpuAssist, default_workers
+
+    config = load_preset(DEFAULT_MODEL).config
+    tokens, layers, ranks = OVERHEAD_TOKENS, config.num_layers, (1, 16)
+    store = HostStore(config, 64 << 20)
+    cpu = None
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for rank in ranks:
+                [path] = make_demo_adapters(config, Path(root) / f"r{rank}", n=1, ranks=[rank])
+                store.register(f"r{rank}", path)
+        cpu = CpuAssist(
+            store.arena.name, target_shapes(config), workers=default_workers(), max_rows=tokens
+        )
+        x = jnp.ones((tokens, config.hidden_size), jnp.float32)
+        rows = []
+        for rank in ranks:
+            cpu.begin(store.get(f"r{rank}"))
+            try:
+                rows.append((rank, *_per_layer_us(cpu, config, x, store, iters)))
+            finally:
+                cpu.end()
+        workers, steals, fallbacks = cpu.pool.num_workers, cpu.pool.steals, cpu.pool.fallbacks
+    finally:
+        if cpu is not None:
+            cpu.close()
+        store.close()
+    lines = [
+        f"{DEFAULT_MODEL}, {tokens} tokens, {layers} layers, all {len(TARGETS)} targets "
+        f"adapted, {workers} CPU worker(s); the scan without callbacks took "
+        f"{rows[0][1] / 1e3:.2f} ms. Per CPU-routed layer, in µs, beyond that scan; "
+        "overhead = this path - its products:",
+        "",
+        "| rank | io_callback pairs, no work (previous) | buffer_callback pairs, no work "
+        "| buffer_callback pairs + the copies (callback overhead) | previous / callback "
+        "overhead | this path | its products alone | overhead with the hand-off |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rank, _, layer in rows:
+        copies = layer["buffer_copies"]
+        lines.append(
+            f"| {rank} | {layer['io_callback']:.0f} | {layer['buffer_callback']:.0f} | "
+            f"{copies:.0f} | {layer['io_callback'] / copies:.1f} | {layer['ours']:.0f} | "
+            f"{layer['products']:.0f} | {layer['ours'] - layer['products']:.0f} |"
+        )
+    lines.append(
+        f"\nShares computed by the calling process: {steals} taken from late workers, "
+        f"{fallbacks} fallbacks."
+    )
+    return lines
+
+
+def _block(fn: Callable[[Any], Any], x: Any) -> None:
+    import jax
+
+    jax.block_until_ready(fn(x))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed calls")
+    parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args()
     # bench.report imports jax; imported here so spawned workers (which re-import this
     # module as __mp_main__) never load it.
@@ -154,15 +445,23 @@ def main() -> None:
     facts = machine_facts()
     arena = Arena()
     try:
-        lines = ["# CPU LoRA workers (cpu_offload)", ""]
+        lines = ["# CPU LoRA workers (cpu_offload) and CPU-routed layers", ""]
         lines += [f"- {key}: {value}" for key, value in facts.items()]
         lines += ["", "## Shared-memory hand-off (tiny job, one row per worker)", ""]
         lines += handoff(arena, iters=200 if args.quick else 2000)
-        lines += ["", "## x @ A @ B: Numba workers vs PyTorch threads (in 576)", ""]
-        lines += products(arena, iters=5 if args.quick else 30)
+        lines += ["", "## The kernel alone: one thread each, interleaved (in 576)", ""]
+        lines += kernels(arena, iters=20 if args.quick else 200)
+        lines += ["", "## The pool vs PyTorch threads, interleaved (in 576)", ""]
+        lines += products(arena, iters=20 if args.quick else 200)
+        lines += ["", "## Host-callback overhead per CPU-routed layer, interleaved", ""]
+        lines += callback_overhead(iters=5 if args.quick else 30)
     finally:
         arena.close()
-    print("\n".join(lines))
+    lines += ["", f"- load_avg_1min_end: {os.getloadavg()[0]}"]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
 
 
 if __name__ == "__main__":

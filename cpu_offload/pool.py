@@ -6,10 +6,15 @@ later matched by a `collect`; in between, the device computes the base projectio
 The wire protocol is in `cpu_offload.protocol`; this module is its two ends:
 
 - `_worker_main`: one spawned process per core, pinned with `os.sched_setaffinity`,
-  waiting on its slot's REQUEST (spin, then sleep) and writing its rows in place.
+  waiting on its slot's REQUEST (spin, then sleep) and writing its rows of every
+  job in place, in one compiled call (`kernels.lora_task`).
 - `CpuLoraPool`: profiles the kernel at start-up (tokens per core per millisecond
   on a reference shape, CaraServe's profiling-guided parallelization), decides how
-  many workers a submit gets (`workers_for`), splits the rows, and collects.
+  many workers a submit gets (`workers_for`), splits the rows (a worker's share of
+  rows needs A and B whole but only its rows of x; splitting the output columns
+  instead would repeat x·A on every worker), and collects: into a buffer the caller
+  gives, each job in the columns the submit named and zeros in the columns no job
+  covers, so a host callback copies the products once, into its own output.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -17,7 +22,11 @@ is killed, counted in `respawns` and replaced; its unserved task is marked lost 
 `collect` recomputes those rows in the calling process with the same kernel
 (counted in `fallbacks`). A slot whose worker dies `max_start_failures` times in a
 row before it is ready is disabled and logged; submits then use the others, or the
-calling process when no worker is ready. `close()` (or the finalizer, for a pool
+calling process when no worker is ready. Lateness is not a fault: a worker that has
+not taken its share `steal_after` seconds after the submit (on a busy host the
+scheduler may not run it for milliseconds) has its rows computed by `collect` in the
+calling process (counted in `steals`; protocol step 5), so a CPU-routed layer waits
+for a product, not for the scheduler. `close()` (or the finalizer, for a pool
 that is never closed) stops the workers and unlinks the control segment.
 """
 
@@ -25,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
+import mmap
 import multiprocessing
 import os
 import secrets
@@ -40,8 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from cpu_offload.kernels import lora_rows
+from cpu_offload.kernels import lora_rows, lora_task, one_blas_thread
 from cpu_offload.protocol import (
+    CLAIMED,
     DONE,
     MAX_JOBS,
     READY,
@@ -63,6 +75,13 @@ REFERENCE_SHAPE = (128, 576, 16, 576)  # rows, in, rank, out: SmolLM2's q_proj a
 # A worker spins this long after its last task before it starts sleeping: a prefill
 # hands off every few hundred microseconds, and a sleeping worker wakes late.
 WORKER_SPIN_S = 2e-3
+# `collect` spins this long before it sleeps: its caller (the device's host callback)
+# has nothing else to do, and a sleep overshoots by the timer slack (~50-100 µs), which
+# the old 50 µs spin paid on every product longer than that.
+COLLECT_SPIN_S = 5e-3
+# A running worker takes its task within microseconds of the submit; one that has not
+# after this long is descheduled or asleep, and `collect` computes its rows itself.
+STEAL_AFTER_S = 5e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,32 +101,44 @@ class Share:
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
-    """A submit in flight; pass it to `collect`."""
+    """A submit in flight; pass it to `collect`.
+
+    gaps: the column ranges [start, stop) of the output that no job writes.
+    """
 
     rows: int
     out_total: int
     shares: tuple[Share, ...]
+    gaps: tuple[tuple[int, int], ...] = ()
+    submitted: float = 0.0  # time.monotonic() of the submit
 
 
-def _compute(block: ControlBlock, arena: Any, task: Task) -> None:
-    """Step 4 of the protocol: the task's rows of every job, into the output region."""
-    rows = slice(task.row_start, task.row_end)
-    x = block.x(task.row_end, task.in_features)[rows]
-    y = block.y(task.row_end, task.out_total)[rows]
-    for job, column in zip(task.jobs, task.out_columns(), strict=True):
-        a = np.ndarray((task.in_features, job.rank), np.float32, arena, job.a_offset)
-        b = np.ndarray((job.rank, job.out_features), np.float32, arena, job.b_offset)
-        lora_rows(x, a, b, y[:, column : column + job.out_features])
+def _arena_floats(arena: mmap.mmap) -> np.ndarray:
+    """The arena as f32[bytes / 4], the view `lora_task` reads A and B from."""
+    return np.frombuffer(arena, np.float32, count=len(arena) // 4)
+
+
+def _compute(block: ControlBlock, arena: np.ndarray, task: Task) -> None:
+    """Step 4 of the protocol in the calling process (a share no worker serves)."""
+    x = block.x(task.row_end, task.in_features)[task.row_start :]
+    y = block.y(task.row_end, task.out_total)[task.row_start :]
+    lora_task(arena, x, y, task.job_rows())
 
 
 def _worker_main(
-    control_name: str, arena_name: str, index: int, generation: int, start_seq: int, core: int
+    control_name: str,
+    arena_name: str,
+    index: int,
+    generation: int,
+    start_seq: int,
+    core: int,
+    lock: Any,
 ) -> None:
     """A worker process: steps 1, 3 and 4 of the protocol until STOP or its parent dies."""
     os.sched_setaffinity(0, {core})
     parent = os.getppid()
     control = attach(control_name, "control_name")
-    arena = attach(arena_name, "arena_name")
+    arena = _arena_floats(attach(arena_name, "arena_name"))
     block = ControlBlock.from_header(control)
     slot = block.slots[index]
     warm = np.zeros((1, 1), np.float32)
@@ -122,7 +153,12 @@ def _worker_main(
                 return  # orphaned: nobody will ever collect or close
         if request == STOP:
             return
-        _compute(block, arena, block.read_task(index))
+        with lock:
+            taken = int(slot[CLAIMED]) < request  # else the coordinator took it (step 5)
+            if taken:
+                slot[CLAIMED] = request
+        if taken:
+            lora_task(arena, *block.task_views(index))
         slot[DONE] = request
         served = request
 
@@ -134,6 +170,7 @@ class _Worker:
     process: BaseProcess
     generation: int
     started: float
+    lock: Any  # the slot's process-shared lock for this generation (CLAIMED)
     start_failures: int = 0
     disabled: bool = False
     task_since: float | None = None  # when the slot's unserved task was submitted
@@ -183,6 +220,8 @@ class CpuLoraPool:
     target_ms:  how long one worker's share should take; `workers_for` gives a
                 submit as many workers as that takes, by the start-up profile.
     hang_after: seconds a worker may hold a task before the watchdog replaces it.
+    steal_after: seconds after a submit from which `collect` computes the rows of a
+                worker that has not taken its share yet (None: always wait for it).
     """
 
     def __init__(
@@ -195,6 +234,7 @@ class CpuLoraPool:
         max_out: int,
         target_ms: float = 1.0,
         hang_after: float = 5.0,
+        steal_after: float | None = STEAL_AFTER_S,
         start_timeout: float = 120.0,
         max_start_failures: int = 3,
     ) -> None:
@@ -219,10 +259,15 @@ class CpuLoraPool:
         self.layout = Layout(workers, max_rows, max_in, max_out)
         self.target_ms = target_ms
         self.hang_after = hang_after
+        if steal_after is not None and not steal_after >= 0:
+            raise ValueError(f"steal_after={steal_after!r} must be None or >= 0")
+        self.steal_after = steal_after
         self.start_timeout = start_timeout
         self.max_start_failures = max_start_failures
+        one_blas_thread()  # this process computes shares too: see its docstring
         self.profile = _profile()
         self.fallbacks = 0  # shares recomputed in the calling process
+        self.steals = 0  # shares a late worker had not taken, computed in the calling process
         self.respawns = 0  # workers replaced after dying or hanging
         self._context = multiprocessing.get_context("spawn")
         self._cores = sorted(os.sched_getaffinity(0))
@@ -239,7 +284,7 @@ class CpuLoraPool:
         self._block = ControlBlock(control.buf, self.layout)
         self._block.write_header()
         self._block.slots[:] = 0
-        self._arena = arena
+        self._floats = _arena_floats(arena)
         self._resources = _Resources(control, self._block, arena, [], threading.Event())
         self._finalizer = weakref.finalize(self, _release, self._resources)
         self._workers = self._resources.workers
@@ -284,17 +329,29 @@ class CpuLoraPool:
         return max(1, min(wanted, self.num_workers))
 
     def submit(
-        self, x: np.ndarray, jobs: Sequence[LoraJob], *, workers: int | None = None
+        self,
+        x: np.ndarray,
+        jobs: Sequence[LoraJob],
+        *,
+        columns: Sequence[int] | None = None,
+        out_total: int | None = None,
+        workers: int | None = None,
     ) -> Ticket:
         """Hand x @ A_j @ B_j for every job to the workers; returns a Ticket for `collect`.
 
-        x:       f32[rows, in_features], 1 <= rows <= max_rows, in_features <= max_in.
-        jobs:    1 to MAX_JOBS LoraJobs sharing x; sum of out_features <= max_out.
-        workers: how many workers to split the rows across (default: `workers_for`).
+        x:         f32[rows, in_features], 1 <= rows <= max_rows, in_features <= max_in
+                   (the real rows only: padding rows cost a copy and a product each).
+        jobs:      1 to MAX_JOBS LoraJobs sharing x.
+        columns:   where job j's out_features columns start in the output; default:
+                   side by side in job order. Ranges may not overlap.
+        out_total: the output's width (default: the end of the last job's columns),
+                   <= max_out; columns no job covers come back as zeros.
+        workers:   how many workers to split the rows across (default: `workers_for`).
         """
         rows, in_features = self._check_input(x)
         jobs = tuple(jobs)
-        out_total = self._check_jobs(jobs, in_features)
+        self._check_jobs(jobs, in_features)
+        columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers={workers!r} must be a positive int")
         if not self._finalizer.alive:
@@ -307,29 +364,56 @@ class CpuLoraPool:
         shares = []
         with self._lock:
             ready = self.ready_workers()[: min(wanted, rows)] or [LOCAL]
-            bounds = np.linspace(0, rows, len(ready) + 1).round().astype(int)
             now = time.monotonic()
-            for index, start, end in zip(ready, bounds[:-1], bounds[1:], strict=True):
-                task = Task(int(start), int(end), in_features, out_total, jobs)
+            for i, index in enumerate(ready):  # contiguous row ranges, sizes differing by <= 1
+                start, end = rows * i // len(ready), rows * (i + 1) // len(ready)
+                task = Task(start, end, in_features, out_total, jobs, columns)
                 self._seq += 1
                 if index != LOCAL:
                     self._workers[index].task_since = now
                     self._block.write_task(index, task, self._seq)
                 shares.append(Share(index, self._seq, task))
-        self._inflight = Ticket(rows, out_total, tuple(shares))
+        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now)
         return self._inflight
 
-    def collect(self, ticket: Ticket, timeout: float | None = None) -> np.ndarray:
-        """Wait for the ticket's rows; returns f32[rows, sum of out_features] (a copy).
+    def collect(
+        self, ticket: Ticket, timeout: float | None = None, *, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Wait for the ticket's rows; returns f32[rows, out_total].
 
-        Jobs come back side by side in submit order. Rows of a worker that died or
-        hung are recomputed here. Raises TimeoutError after `timeout` seconds (the
-        ticket stays in flight and can be collected again).
+        Each job's product is in its columns, zeros in the columns no job covers. With
+        `out` (f32[>= rows, out_total], row-major rows, writable: e.g. a host callback's
+        output buffer) the result is written into out[:rows] and that view returned;
+        otherwise it is a new array. Rows of a worker that died or hung are recomputed
+        here, and so are those of a worker that has not taken its share `steal_after`
+        seconds after the submit. Raises TimeoutError after `timeout` seconds (the ticket
+        stays in flight and can be collected again).
         """
         if ticket is not self._inflight:
             raise ValueError("ticket is not the one in flight (collected already?)")
+        if out is None:
+            out = np.empty((ticket.rows, ticket.out_total), np.float32)
+        elif (
+            out.dtype != np.float32
+            or out.ndim != 2
+            or out.shape[0] < ticket.rows
+            or out.shape[1] != ticket.out_total
+        ):
+            raise ValueError(
+                f"out: {out.dtype}{list(out.shape)} must be float32 [>= {ticket.rows}, "
+                f"{ticket.out_total}]"
+            )
         self._settle(ticket, timeout)
-        return self._block.y(ticket.rows, ticket.out_total).copy()
+        result, products = out[: ticket.rows], self._block.y(ticket.rows, ticket.out_total)
+        if not ticket.gaps:
+            np.copyto(result, products)
+            return result
+        cursor = 0
+        for start, stop in (*ticket.gaps, (ticket.out_total, ticket.out_total)):
+            np.copyto(result[:, cursor:start], products[:, cursor:start])
+            result[:, start:stop] = 0.0
+            cursor = stop
+        return result
 
     def discard(self, ticket: Ticket, timeout: float | None = None) -> None:
         """Let a ticket go without its result (its caller failed): wait, as `collect`
@@ -342,11 +426,9 @@ class CpuLoraPool:
         """Wait until every share of the ticket in flight is served; it leaves flight."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = list(ticket.shares)
-        backoff = Backoff()
+        backoff = Backoff(spin_s=COLLECT_SPIN_S)
         while pending:
-            for share in list(pending):
-                if self._served(share):
-                    pending.remove(share)
+            pending = [share for share in pending if not self._served(share, ticket.submitted)]
             if pending and deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"collect: {len(pending)} worker shares still running")
             if pending:
@@ -377,7 +459,7 @@ class CpuLoraPool:
             raise ValueError(f"in_features={in_features} must be in 1..max_in={self.layout.max_in}")
         return rows, in_features
 
-    def _check_jobs(self, jobs: tuple[LoraJob, ...], in_features: int) -> int:
+    def _check_jobs(self, jobs: tuple[LoraJob, ...], in_features: int) -> None:
         if not 1 <= len(jobs) <= MAX_JOBS:
             raise ValueError(f"len(jobs)={len(jobs)} must be in 1..{MAX_JOBS}")
         for job in jobs:
@@ -394,25 +476,79 @@ class CpuLoraPool:
                         f"{field}={offset} ({4 * count} bytes) must be a multiple of 4 "
                         f"inside the arena ({self.arena_nbytes} bytes)"
                     )
-        out_total = sum(job.out_features for job in jobs)
-        if out_total > self.layout.max_out:
-            raise ValueError(
-                f"out_features: the jobs' sum {out_total} exceeds max_out={self.layout.max_out}"
-            )
-        return out_total
 
-    def _served(self, share: Share) -> bool:
-        """True once the share's rows are in the output region (recomputing lost ones)."""
+    def _check_columns(
+        self, jobs: tuple[LoraJob, ...], columns: Sequence[int] | None, out_total: int | None
+    ) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+        """(columns, out_total, gaps) of a submit: every job's columns inside the output,
+        none overlapping; gaps are the column ranges no job covers."""
+        if columns is None:
+            widths = (job.out_features for job in jobs[:-1])
+            columns = tuple(itertools.accumulate(widths, initial=0))
+        columns = tuple(int(column) for column in columns)
+        if len(columns) != len(jobs):
+            raise ValueError(f"len(columns)={len(columns)} must equal len(jobs)={len(jobs)}")
+        spans = sorted(
+            (column, column + job.out_features) for column, job in zip(columns, jobs, strict=True)
+        )
+        if out_total is None:
+            out_total = spans[-1][1]
+        if not 1 <= out_total <= self.layout.max_out:
+            raise ValueError(
+                f"out_total={out_total} (by default the jobs' out_features side by side) "
+                f"must be in 1..max_out={self.layout.max_out}"
+            )
+        gaps, cursor = [], 0
+        for start, stop in spans:
+            if start < cursor or stop > out_total:
+                raise ValueError(
+                    f"columns={columns}: job columns [{start}, {stop}) overlap another job's "
+                    f"or leave the output (out_total={out_total})"
+                )
+            if start > cursor:
+                gaps.append((cursor, start))
+            cursor = stop
+        if cursor < out_total:
+            gaps.append((cursor, out_total))
+        return columns, out_total, tuple(gaps)
+
+    def _served(self, share: Share, submitted: float) -> bool:
+        """True once the share's rows are in the output region (computing here those of a
+        lost task, or of a late worker's: step 5 and 6 of the protocol)."""
         if share.worker != LOCAL:
             worker = self._workers[share.worker]
             if worker.lost_seq < share.seq:  # set before the replacement is visible
-                return int(self._block.slots[share.worker, DONE]) >= share.seq
-        _compute(self._block, self._arena, share.task)
+                if int(self._block.slots[share.worker, DONE]) >= share.seq:
+                    return True
+                if not self._steal(share, worker, submitted):
+                    return False
+                _compute(self._block, self._floats, share.task)
+                self.steals += 1
+                return True
+        _compute(self._block, self._floats, share.task)
         self.fallbacks += 1
         return True
 
+    def _steal(self, share: Share, worker: _Worker, submitted: float) -> bool:
+        """Take a share its worker has not taken `steal_after` seconds after the submit."""
+        if self.steal_after is None or time.monotonic() - submitted < self.steal_after:
+            return False
+        slot = self._block.slots[share.worker]
+        if int(slot[CLAIMED]) >= share.seq:  # taken: no lock, so as never to delay a claim
+            return False
+        if not worker.lock.acquire(block=False):  # the worker is taking it right now
+            return False
+        try:
+            if int(slot[CLAIMED]) >= share.seq:
+                return False
+            slot[CLAIMED] = share.seq
+            return True
+        finally:
+            worker.lock.release()
+
     def _spawn(self, index: int, generation: int, start_failures: int = 0) -> _Worker:
         start_seq = int(self._block.slots[index, REQUEST])
+        lock = self._context.Lock()  # a new one: a killed worker may hold its predecessor's
         process = self._context.Process(
             target=_worker_main,
             args=(
@@ -422,13 +558,14 @@ class CpuLoraPool:
                 generation,
                 start_seq,
                 self._cores[index % len(self._cores)],
+                lock,
             ),
             name=f"cpu-lora-{index}",
             daemon=True,
         )
         with _one_blas_thread():
             process.start()
-        return _Worker(process, generation, time.monotonic(), start_failures)
+        return _Worker(process, generation, time.monotonic(), lock, start_failures)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout

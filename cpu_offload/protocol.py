@@ -11,7 +11,8 @@ Memory layout (byte offsets from the start of the segment):
     header  int64[8]                 magic, version, workers, max_rows, max_in, max_out
     slots   int64[workers, 128]      one slot per worker, 1 KiB each (layout below)
     input   float32[max_rows*max_in]    x of the current submit, [rows, in] row-major
-    output  float32[max_rows*max_out]   y of the current submit, [rows, out_total]
+    output  float32[max_rows*(max_out+16)]  y of the current submit, [rows, out_total],
+                                        rows `out_stride(out_total)` floats apart
 
 A slot, in int64 words; each counter sits on its own 64-byte line and has exactly
 one writer:
@@ -20,14 +21,20 @@ one writer:
                       latest task put in this slot (STOP = -1 asks the worker to exit)
     word 8   DONE     written by the worker only: the latest sequence number served
     word 16  READY    written by the worker only: its generation once it is warm
+    word 96  CLAIMED  written under the slot's lock only (by its worker or by the
+                      coordinator): the latest sequence number whose task someone
+                      took; whoever raises it to a task's number computes that task
     word 24  task descriptor, written by the coordinator only, before REQUEST:
              row_start, row_end, in_features, out_total, n_jobs, then from word 32
-             per job: a_offset, b_offset, rank, out_features, out_column
+             per job: a_offset, b_offset, rank, out_features, out_column (the
+             `kernels.lora_task` job row, which the worker passes in place)
 
 a_offset and b_offset are byte offsets into the arena of A [in, rank] and
 B [rank, out] (float32, row-major, scaling folded into B: the host store's layout).
 Job j writes columns [out_column, out_column + out_features) of the output, so the
-q, k and v products of one layer (which share one input) come back side by side.
+q, k and v products of one layer (which share one input) come back in the columns
+the device lays them out in; columns no job writes (a projection the adapter leaves
+alone) are zeroed by `collect`, never by the workers.
 
 The protocol, step by step:
 
@@ -36,18 +43,31 @@ The protocol, step by step:
    sequence number to start from). A worker pins itself to a core, attaches the
    control block and the arena by name, runs its kernel once, and writes its
    generation into READY.
-2. `submit` copies x into the input region, splits the rows into one contiguous
-   range per chosen worker, writes each worker's task descriptor and then bumps its
-   REQUEST. The descriptor is complete before REQUEST changes, and a worker reads
-   the descriptor only after it has seen the new REQUEST.
-3. A worker waits for REQUEST > the last sequence number it served: it spins for a
-   few tens of microseconds, then sleeps in growing steps up to a millisecond (so an
-   idle pool does not eat the cores the device's host thread needs).
-4. It computes x[rows] @ A @ B for each job of its task straight into the output
-   region, then writes the sequence number into DONE.
-5. `collect` waits (spin, then sleep) until DONE has caught up with every REQUEST
-   the ticket bumped, and copies the output out (the regions are reused by the next
-   submit, so one ticket is in flight at a time).
+2. `submit` copies x (the real rows only) into the input region, splits the rows
+   into one contiguous range per chosen worker, writes each worker's task descriptor
+   (one slice assignment) and then bumps its REQUEST. The descriptor is complete
+   before REQUEST changes, and a worker reads it only after it has seen the new
+   REQUEST.
+3. A worker waits for REQUEST > the last sequence number it served: it spins (with
+   `sched_yield`) for a couple of milliseconds after its last task, since a prefill
+   hands off every few hundred microseconds, then sleeps in growing steps up to a
+   millisecond (so an idle pool does not eat the cores the device's host thread
+   needs).
+4. It takes the task (raises CLAIMED, under the slot's lock), computes x[rows] @ A @ B
+   for each job straight into the output region (one compiled call,
+   `kernels.lora_task`), then writes the sequence number into DONE. A task the
+   coordinator took first (step 5) it does not compute; it only writes DONE.
+5. `collect` waits (spin for up to a few milliseconds, then sleep) until DONE has
+   caught up with every REQUEST the ticket bumped, and copies the output out, into
+   a buffer the caller gives (the host callback's own output buffer) or a new array
+   (the regions are reused by the next submit, so one ticket is in flight at a
+   time). A share that its worker has not taken `steal_after` seconds after the
+   submit belongs to a worker that is not running (descheduled on a busy host, or
+   asleep after an idle spell): the coordinator takes it, if the lock is free, and
+   computes those rows itself, rather than wait for the scheduler. The lock is a
+   process-shared semaphore per worker generation, which the coordinator only ever
+   tries (it never blocks on it): a worker killed while holding it takes it along,
+   and its replacement gets a new one.
 6. A worker that dies or hangs is killed, its DONE read (it can no longer change),
    and, when it had not served its task, the task is marked lost; a new worker is
    started from the current REQUEST (it never serves the lost task) and `collect`
@@ -70,7 +90,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = 0x4A4C4F5241435055  # "JLORACPU"
-VERSION = 1
+VERSION = 2  # 2: each job's out_column honoured, CLAIMED, padded output rows
 HEADER_WORDS = 8
 SLOT_WORDS = 128
 MAX_JOBS = 8
@@ -80,11 +100,25 @@ STOP = -1
 REQUEST = 0
 DONE = 8
 READY = 16
+CLAIMED = 96
 ROW_START, ROW_END, IN_FEATURES, OUT_TOTAL, N_JOBS = 24, 25, 26, 27, 28
 JOBS = 32
 JOB_WORDS = 5
 
 SHM_DIR = Path("/dev/shm")
+ALIAS_PAD = 16  # floats (one cache line) added to an output row whose bytes are 2 KiB multiples
+
+
+def out_stride(out_total: int) -> int:
+    """Floats between two rows of an out_total-wide output in the output region.
+
+    OpenBLAS's sgemm wrote rows 4 KiB apart (SmolLM2's gate/up: 2 x 1536 floats) 1.7-2x
+    slower than rows a cache line further apart at ranks 1-4, where the product is
+    all stores (the rows alias in the cache; no difference from rank 16 on); measured
+    on this project's 2-core EPYC. PyTorch's output is contiguous, the host callback's
+    buffer too: only this region is padded, and `collect` copies row by row.
+    """
+    return out_total + ALIAS_PAD if (4 * out_total) % 2048 == 0 else out_total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +137,25 @@ class LoraJob:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """What one worker computes: rows [row_start, row_end) of every job."""
+    """What one worker computes: rows [row_start, row_end) of every job, job j into
+    columns [columns[j], columns[j] + jobs[j].out_features) of an out_total-wide output."""
 
     row_start: int
     row_end: int
     in_features: int
     out_total: int
     jobs: tuple[LoraJob, ...]
+    columns: tuple[int, ...]
 
-    def out_columns(self) -> list[int]:
-        columns, cursor = [], 0
-        for job in self.jobs:
-            columns.append(cursor)
-            cursor += job.out_features
-        return columns
+    def job_rows(self) -> np.ndarray:
+        """i64[n_jobs, JOB_WORDS]: the descriptor's job rows (`kernels.lora_task`'s jobs)."""
+        return np.array(
+            [
+                [job.a_offset, job.b_offset, job.rank, job.out_features, column]
+                for job, column in zip(self.jobs, self.columns, strict=True)
+            ],
+            np.int64,
+        ).reshape(len(self.jobs), JOB_WORDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +181,7 @@ class Layout:
 
     @property
     def nbytes(self) -> int:
-        return self.output_offset + 4 * self.max_rows * self.max_out
+        return self.output_offset + 4 * self.max_rows * (self.max_out + ALIAS_PAD)
 
 
 class ControlBlock:
@@ -161,7 +200,7 @@ class ControlBlock:
             offset=layout.input_offset,
         )
         self.output = np.ndarray(
-            (layout.max_rows * layout.max_out,),
+            (layout.max_rows * (layout.max_out + ALIAS_PAD),),
             np.float32,
             buffer=buffer,
             offset=layout.output_offset,
@@ -192,43 +231,33 @@ class ControlBlock:
         return self.input[: rows * in_features].reshape(rows, in_features)
 
     def y(self, rows: int, out_total: int) -> np.ndarray:
-        return self.output[: rows * out_total].reshape(rows, out_total)
+        stride = out_stride(out_total)
+        return self.output[: rows * stride].reshape(rows, stride)[:, :out_total]
 
     def write_task(self, worker: int, task: Task, seq: int) -> None:
         """Step 2: the descriptor, then REQUEST (the coordinator's fields only)."""
-        slot = self.slots[worker]
-        slot[ROW_START:JOBS] = [
+        n_jobs = len(task.jobs)
+        words = np.zeros(JOBS - ROW_START + JOB_WORDS * n_jobs, np.int64)
+        words[: N_JOBS - ROW_START + 1] = (
             task.row_start,
             task.row_end,
             task.in_features,
             task.out_total,
-            len(task.jobs),
-            0,
-            0,
-            0,
-        ]
-        for j, (job, column) in enumerate(zip(task.jobs, task.out_columns(), strict=True)):
-            start = JOBS + JOB_WORDS * j
-            slot[start : start + JOB_WORDS] = [
-                job.a_offset,
-                job.b_offset,
-                job.rank,
-                job.out_features,
-                column,
-            ]
+            n_jobs,
+        )
+        words[JOBS - ROW_START :] = task.job_rows().ravel()
+        slot = self.slots[worker]
+        slot[ROW_START : ROW_START + words.size] = words
         slot[REQUEST] = seq
 
-    def read_task(self, worker: int) -> Task:
+    def task_views(self, worker: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A worker's side of step 4: (x, y, job rows) of the task in its slot, as views
+        of the input region, the output region and the descriptor."""
         slot = self.slots[worker]
-        row_start, row_end, in_features, out_total, n_jobs = (
-            int(w) for w in slot[ROW_START : N_JOBS + 1]
-        )
-        jobs = []
-        for j in range(n_jobs):
-            start = JOBS + JOB_WORDS * j
-            a_offset, b_offset, rank, out_features, _ = (int(w) for w in slot[start : start + 5])
-            jobs.append(LoraJob(a_offset, b_offset, rank, out_features))
-        return Task(row_start, row_end, in_features, out_total, tuple(jobs))
+        row_start, row_end, in_features, out_total, n_jobs = slot[ROW_START : N_JOBS + 1].tolist()
+        x = self.x(row_end, in_features)[row_start:]
+        y = self.y(row_end, out_total)[row_start:]
+        return x, y, slot[JOBS : JOBS + JOB_WORDS * n_jobs].reshape(n_jobs, JOB_WORDS)
 
 
 class Backoff:

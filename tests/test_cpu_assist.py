@@ -1,5 +1,6 @@
-"""CPU-assisted prefill on the tiny model: the same tokens and logits as the device path,
-routing that switches mid-prefill, a worker killed mid-prefill, the cost model, clean-up.
+"""CPU-assisted prefill on the tiny model: the callbacks' products against numpy, the same
+tokens and logits as the device path, routing that switches mid-prefill, a worker killed
+mid-prefill, the cost model, clean-up.
 
 The adapters are cold and the link is throttled (`emulated_link_gbps`), so each layer
 group lands while prefills run; every test builds its engines with real CPU workers.
@@ -7,6 +8,7 @@ group lands while prefills run; every test builds its engines with real CPU work
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -19,8 +21,11 @@ import pytest
 
 from jlora.adapters.backends import Segments
 from jlora.adapters.peft import make_demo_adapters
+from jlora.adapters.store import HostStore
+from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.engine import cost_model
 from jlora.engine.api import Request, SamplingParams
+from jlora.engine.cpu_assist import CpuAssist
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.tolerances import assert_close
@@ -106,6 +111,55 @@ def _route_switch(engine):
         return install_landed(name, slot)
 
     engine.device.lora.install_landed = patched
+
+
+def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters):
+    """The two jitted ops alone, for every adapter, input group and a first and a last
+    layer: the real rows' x·A·B in the columns of the projections the adapter adapts,
+    zeros in the others' columns and in the padding rows; a group the adapter leaves
+    alone makes no hand-off (the collect is skipped on the device) and adds zeros."""
+    shapes = target_shapes(tiny.config)
+    store = HostStore(tiny.config, 8 << 20)
+    cpu = None
+    try:
+        for name, path in adapters.items():
+            store.register(name, path)
+        cpu = CpuAssist(store.arena.name, shapes, workers=1, max_rows=32)
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def callbacks(group, layer, x, length):
+            ticket = cpu.submit(group, jnp.int32(0), layer, x, length)
+            return cpu.collect(group, jnp.int32(0), ticket, (x.shape[0], cpu.widths[group]))
+
+        rng = np.random.default_rng(3)
+        for name in ADAPTERS:
+            weights = store.tensors(name)
+            cpu.begin(store.get(name))
+            try:
+                for group, names in enumerate(INPUT_GROUPS):
+                    fan_in = shapes[names[0]][0]
+                    for layer, length in ((0, 21), (tiny.config.num_layers - 1, 32)):
+                        x = rng.standard_normal((32, fan_in), np.float32)
+                        handoffs = cpu.handoffs
+                        got = callbacks(group, np.int32(layer), x, np.int32(length))
+                        expected = np.zeros((32, cpu.widths[group]), np.float64)
+                        column = 0
+                        for target in names:
+                            width = shapes[target][1]
+                            if target in weights:
+                                a, b = (w[layer].astype(np.float64) for w in weights[target])
+                                expected[:length, column : column + width] = x[:length] @ a @ b
+                            column += width
+                        assert_close(got, expected, "float32", "float32", scope="op")
+                        adapted = any(target in weights for target in names)
+                        assert cpu.handoffs == handoffs + adapted, (name, names)
+            finally:
+                cpu.end()
+        assert cpu.failure is None and cpu.pool.fallbacks == 0
+    finally:
+        if cpu is not None:
+            cpu.close()
+        store.close()
 
 
 def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefill(
@@ -231,11 +285,11 @@ def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, d
         pool, collect = engine.device.cpu.pool, engine.device.cpu.pool.collect
         broken = []
 
-        def collect_once_broken(ticket, timeout=None):
+        def collect_once_broken(ticket, timeout=None, **kwargs):
             if not broken:
                 broken.append(ticket)
                 raise OSError("the shared-memory control block is gone")
-            return collect(ticket, timeout)
+            return collect(ticket, timeout, **kwargs)
 
         pool.collect = collect_once_broken
         for i, (ids, adapter) in enumerate(zip(prompts, rows, strict=True)):

@@ -1,4 +1,4 @@
-"""cpu_offload: the Numba kernel against numpy, and the worker pool on a real shared arena.
+"""cpu_offload: the Numba kernels against numpy, and the worker pool on a real shared arena.
 
 The arena is laid out as the host store lays it out (jlora/adapters/store.py): per
 layer, for each target, A [in, r] then B [r, out], float32. One 2-worker pool is
@@ -16,7 +16,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task
+from cpu_offload.protocol import DONE
 
 ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
 LAYERS = 2
@@ -74,8 +75,15 @@ def arena():
 
 @pytest.fixture(scope="module")
 def pool(arena):
+    """The watchdog's pool: no stealing, so a stopped worker is waited for."""
     with CpuLoraPool(
-        arena.shm.name, workers=2, max_rows=512, max_in=1024, max_out=1024, hang_after=2.0
+        arena.shm.name,
+        workers=2,
+        max_rows=512,
+        max_in=1024,
+        max_out=1024,
+        hang_after=2.0,
+        steal_after=None,
     ) as pool:
         yield pool
 
@@ -125,6 +133,66 @@ def test_kernel_matches_numpy(rank):
     np.testing.assert_allclose(out, _reference(x, a, b), rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("rank", [1, 16, 64])
+def test_kernel_writes_strided_columns_in_place(rows, rank):
+    """The second product goes straight into columns 5..581 of a 600-wide buffer (BLAS's
+    leading dimension); the columns around them are not touched."""
+    rng = np.random.default_rng(rows * 100 + rank)
+    x = rng.standard_normal((rows, 576), np.float32)
+    a = rng.standard_normal((576, rank), np.float32) / np.float32(np.sqrt(576))
+    b = rng.standard_normal((rank, 576), np.float32) / np.float32(np.sqrt(rank))
+    out = np.full((rows, 600), 9.0, np.float32)
+    lora_rows(x, a, b, out[:, 5:581])
+    np.testing.assert_allclose(out[:, 5:581], _reference(x, a, b), rtol=0, atol=ATOL)
+    assert (out[:, :5] == 9).all() and (out[:, 581:] == 9).all()
+
+
+def test_kernel_refuses_an_output_that_is_not_whole_rows():
+    x, a, b = np.ones((2, 3), np.float32), np.ones((3, 1), np.float32), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match="unit column stride"):
+        lora_rows(x, a, b, np.zeros((2, 4), np.float32)[:, ::2])
+    with pytest.raises(ValueError, match="shapes do not match"):
+        lora_rows(x, a, b, np.zeros((2, 3), np.float32))
+
+
+def test_task_kernel_hand_made_two_jobs_into_their_columns():
+    # arena (floats): A0 = [[1], [2]] at 0, B0 = [[3, 4]] at 2, A1 = [[1], [-1]] at 4,
+    # B1 = [[5]] at 6; job rows in bytes: (a_offset, b_offset, rank, out, column).
+    arena = np.array([1, 2, 3, 4, 1, -1, 5, 0], np.float32)
+    jobs = np.array([[0, 8, 1, 2, 3], [16, 24, 1, 1, 0]], np.int64)
+    x = np.array([[1, 1], [2, 0]], np.float32)
+    y = np.full((2, 6), 7.0, np.float32)
+    lora_task(arena, x, y, jobs)
+    # job 0: x @ A0 = [3, 2] -> [[9, 12], [6, 8]] into columns 3..4
+    # job 1: x @ A1 = [0, 2] -> [[0], [10]] into column 0; columns 1, 2 and 5 untouched
+    np.testing.assert_array_equal(y, [[0, 7, 7, 9, 12, 7], [10, 7, 7, 6, 8, 7]])
+
+
+def test_task_kernel_matches_numpy_on_the_arena_layout(arena):
+    """Every target of one layer in one call, at shuffled columns of a wider output."""
+    floats = np.frombuffer(arena.shm.buf, np.float32)
+    x = _x(21, 64, seed=5)
+    targets, columns = ("q", "k", "v"), (100, 0, 40)
+    jobs = np.array(
+        [
+            [job.a_offset, job.b_offset, job.rank, job.out_features, column]
+            for (_, _, job), column in zip(
+                (arena.weights[1, t] for t in targets), columns, strict=True
+            )
+        ],
+        np.int64,
+    )
+    y = np.full((21, 170), np.nan, np.float32)
+    lora_task(floats, x, y, jobs)
+    del floats
+    for target, column in zip(targets, columns, strict=True):
+        a, b, job = arena.weights[1, target]
+        got = y[:, column : column + job.out_features]
+        np.testing.assert_allclose(got, _reference(x, a, b), rtol=0, atol=ATOL)
+    assert np.isnan(y[:, 32:40]).all() and np.isnan(y[:, 72:100]).all()  # no job's columns
+
+
 # -- the pool ----------------------------------------------------------------
 
 
@@ -140,6 +208,38 @@ def test_pool_matches_numpy(pool, arena, workers, layer):
     expected = np.concatenate([_reference(x, a, b) for a, b, _ in weights], axis=1)
     np.testing.assert_allclose(y, expected, rtol=0, atol=ATOL)
     assert pool.fallbacks == fallbacks  # served by the workers
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pool_puts_each_job_in_its_columns_and_zeros_the_rest(pool, arena, workers):
+    """q at column 64 and v at column 0 of a 200-wide output: the columns no job covers
+    come back zero, even right after a submit that wrote products there."""
+    x = _x(19, 64, seed=9)
+    big = arena.weights[0, "big"][2]
+    pool.collect(pool.submit(_x(19, 1024), [big], workers=workers))  # fills the region
+    (aq, bq, q), (av, bv, v) = arena.weights[0, "q"], arena.weights[0, "v"]
+    ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, workers=workers)
+    y = pool.collect(ticket, 10.0)
+    assert y.dtype == np.float32 and y.shape == (19, 200)
+    np.testing.assert_allclose(y[:, 64:128], _reference(x, aq, bq), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(y[:, 0:32], _reference(x, av, bv), rtol=0, atol=ATOL)
+    assert (y[:, 32:64] == 0).all() and (y[:, 128:] == 0).all()
+
+
+def test_pool_collects_into_the_callers_buffer(pool, arena):
+    """`out` gets the ticket's rows (the view returned); the rows after them are left
+    for the caller (the host callback zeroes its padding rows itself)."""
+    a, b, job = arena.weights[1, "k"]
+    x = _x(6, 64, seed=2)
+    out = np.full((9, 40), 5.0, np.float32)
+    result = pool.collect(pool.submit(x, [job], columns=[8], out_total=40), out=out)
+    assert result.base is out and result.shape == (6, 40)
+    np.testing.assert_allclose(out[:6, 8:40], _reference(x, a, b), rtol=0, atol=ATOL)
+    assert (out[:6, :8] == 0).all() and (out[6:] == 5).all()
+    ticket = pool.submit(x, [job])
+    with pytest.raises(ValueError, match="out: float32"):
+        pool.collect(ticket, out=np.zeros((5, 32), np.float32))  # fewer rows than the ticket
+    pool.collect(ticket)
 
 
 def test_workers_for_follows_the_profile(pool):
@@ -190,6 +290,44 @@ def test_hung_worker_is_replaced(pool, arena):
     _assert_served_by_workers_again(pool, arena)
 
 
+def test_a_late_workers_rows_are_computed_by_the_caller(arena):
+    """A worker that has not taken its share `steal_after` seconds after the submit
+    (stopped: as if descheduled) has its rows computed in the calling process, well
+    before `hang_after`; resumed, it does not compute the task it lost (the rows it
+    would write stay as they are) and serves the next one."""
+    with CpuLoraPool(
+        arena.shm.name,
+        workers=2,
+        max_rows=512,
+        max_in=1024,
+        max_out=1024,
+        hang_after=60.0,
+        steal_after=1e-3,
+    ) as pool:
+        victim = pool._workers[0].process.pid
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            x, ticket, expected = _big_product(pool, arena)
+            start = time.monotonic()
+            np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+            assert time.monotonic() - start < 30.0
+            assert (pool.steals, pool.fallbacks, pool.respawns) == (1, 0, 0)
+            [stolen] = [share for share in ticket.shares if share.worker == 0]
+            region = pool._block.y(ticket.rows, ticket.out_total)
+            region[stolen.task.row_start : stolen.task.row_end] = np.nan
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while int(pool._block.slots[0, DONE]) < stolen.seq:  # it has seen the task
+            assert time.monotonic() < deadline, "the resumed worker never caught up"
+            time.sleep(0.005)
+        assert np.isnan(region[stolen.task.row_start : stolen.task.row_end]).all()
+        del region
+        x, ticket, expected = _big_product(pool, arena)
+        np.testing.assert_allclose(pool.collect(ticket, 30.0), expected, rtol=0, atol=ATOL)
+        assert pool.fallbacks == 0 and pool.respawns == 0
+
+
 def test_collect_timeout_keeps_the_ticket(pool, arena):
     _wait_all_ready(pool)
     fallbacks, worker = pool.fallbacks, pool._workers[0].process.pid
@@ -233,6 +371,11 @@ def test_a_discarded_ticket_frees_the_pool_for_the_next(pool, arena):
         ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 2, 8, 64)])),
         ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 1 << 30, 8, 64)])),
         ("workers", lambda p, x, job: p.submit(x, [job], workers=0)),
+        ("len(columns)", lambda p, x, job: p.submit(x, [job, job], columns=[0])),
+        ("overlap", lambda p, x, job: p.submit(x, [job, job], columns=[0, 63])),
+        ("leave the output", lambda p, x, job: p.submit(x, [job], columns=[1], out_total=64)),
+        ("leave the output", lambda p, x, job: p.submit(x, [job], columns=[-1])),
+        ("out_total", lambda p, x, job: p.submit(x, [job], out_total=2048)),
     ],
 )
 def test_bad_submit_names_the_field_and_changes_nothing(pool, arena, field, call):
@@ -258,6 +401,7 @@ def test_max_jobs_fit_in_a_slot(pool, arena):
         ({"workers": 0}, "workers"),
         ({"max_rows": -1}, "max_rows"),
         ({"hang_after": 0.0}, "hang_after"),
+        ({"steal_after": -1.0}, "steal_after"),
     ],
 )
 def test_bad_pool_arguments_name_the_field(arena, kwargs, field):

@@ -3,17 +3,37 @@
 A request whose adapter is still on its way to the device is prefilled at once
 (CaraServe §4, Toppings §4). The engine runs its prefill as layer-group segments
 (`Llama.prefill_layers`); in a layer whose group has not landed yet, each input
-group (q/k/v, o, gate/up, down; `INPUT_GROUPS`) makes two ordered host callbacks:
+group (q/k/v, o, gate/up, down; `INPUT_GROUPS`) that the device slots hold makes two
+host callbacks, the model's `CpuLora.submit` and `CpuLora.collect`:
 
 1. `submit(group, shard, layer, x, length)`, before the device computes x·W: the
    prompt's `length` real rows of x go to the `CpuLoraPool` workers with one
    `LoraJob` per projection of the group that the adapter adapts. A and B are read in
    place from the host store's arena, at `offset + layer · layer_stride + target
-   offset`.
+   offset`. It returns a ticket flag, 0 when the adapter adapts nothing in the group.
 2. The device computes the base projections meanwhile.
-3. `collect(group, shard, ticket)`, after them: waits for the workers and returns x·A·B
-   side by side in the columns of the projections the device slots hold (zeros for
-   those the adapter does not adapt and for padding rows), which the model adds.
+3. `collect(group, shard, ticket, shape)`, after them, only where the flag is not 0
+   (a `lax.cond` on the device skips it otherwise, and adds nothing): waits for the
+   workers and writes x·A·B into the callback's own output buffer, in the columns of
+   the projections the device slots hold, zeros in those of projections the adapter
+   leaves alone and in the padding rows; the model adds it.
+
+What crosses the callback boundary is cut to what the product needs (CaraServe §4.2:
+invocation overhead, "IPC and data transfer", is what makes CPU LoRA slow). Both
+callbacks are `jax.experimental.buffer_callback`s: the callback reads x in place in
+the device's own buffer and writes its result in place, where `io_callback` copied
+the arguments into new device arrays and copied a freshly allocated result back.
+Only the real rows of x are copied, once, into the workers' shared memory; the
+workers write each product straight into its projection's columns there, and
+`collect` copies those rows once into the output buffer. The callbacks are unordered
+(no token threaded through the scan): the data already orders them (the base
+projections take h from an optimization barrier with the ticket, the collect takes
+the ticket from one with their outputs, and the next group's input depends on this
+group's output). Measured per CPU-routed layer at 128 tokens on SmolLM2, 2-core CPU
+(bench/results/2026-11-25-cpu-offload.md): the callback pairs with their copies cost
+0.38-0.51 ms, 3.5-4.7x less than io_callback pairs moving the same data (the 2.27 ms of
+2026-11-22); the whole path, hand-off to the workers included, 0.75-1.3 ms beyond the
+products, where the previous one paid about 5 ms.
 
 On a mesh (tensor parallel) every shard makes both callbacks, in the same order, on
 threads of its own. Shard 0's submit hands the whole input to the workers (a
@@ -26,7 +46,7 @@ so the base all-reduce adds it once. Nothing is added by a collective.
 A worker that dies or hangs loses nothing: `CpuLoraPool.collect` recomputes its rows
 here, and the watchdog respawns it. A failure beyond that never escapes a callback (an
 exception inside the compiled prefill would take the donated KV cache with it): the
-callback returns zeros, the error is kept in `failure`, and the engine fails that one
+callback writes zeros, the error is kept in `failure`, and the engine fails that one
 request after the prefill. The failed ticket is let go (`CpuLoraPool.discard`); if even
 that fails, the pool is not trusted again (`usable` turns false) and cold requests
 wait for their adapter on the device instead. `begin(adapter)` / `end()` bracket one
@@ -42,12 +62,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 
 from cpu_offload import CpuLoraPool, LoraJob, Ticket
 from jlora.adapters.store import StoredAdapter
@@ -67,6 +88,7 @@ class _Placement:
     b_offset: int
     rank: int
     out_features: int
+    column: int  # where its columns start in the group's output (one device's layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +134,8 @@ class CpuAssist:
     ) -> None:
         self.shapes = shapes
         self.shards = shards or ShardPlan()
-        groups = [[name for name in names if name in shapes] for names in INPUT_GROUPS]
-        self.widths = [sum(shapes[name][1] for name in names) for names in groups]
+        self.held = [[name for name in names if name in shapes] for names in INPUT_GROUPS]
+        self.widths = [sum(shapes[name][1] for name in names) for names in self.held]
         self.pool = CpuLoraPool(
             arena_name,
             workers=workers,
@@ -128,14 +150,15 @@ class CpuAssist:
         self._plan: list[list[_Placement]] = []
         self._ticket: Ticket | None = None  # in flight (shard 0's last submit)
         self._probe: Ticket | None = None  # measure_handoff_s's ticket
-        # The calls of one prefill, numbered in each shard's order: shard 0's submits
-        # post them, every shard's collect takes its share of the one result.
+        # The calls of one prefill that carry a ticket, numbered in each shard's order:
+        # shard 0's submits post them, every shard's collect takes its share of the one
+        # result (a call whose flag is NO_TICKET makes no collect, on every shard).
         self._calls = threading.Condition()
         self._submitted: dict[int, tuple[int, Ticket | None]] = {}  # call -> (rows, ticket)
         self._results: dict[int, tuple[int, np.ndarray | None]] = {}  # call -> products
         self._collected: dict[int, int] = {}  # call -> shards that took their share
-        self._next = [0] * self.shards.size  # each shard's next call (submit and collect)
-        self._posted = 0  # shard 0's submits so far
+        self._next = [0] * self.shards.size  # each shard's next call (collect)
+        self._posted = 0  # shard 0's submits with a ticket so far
         self.failure: Exception | None = None  # of the current prefill, if its CPU path broke
         self.usable = True  # false once a failed ticket could not even be let go
 
@@ -151,10 +174,10 @@ class CpuAssist:
         self._next = [0] * self.shards.size
         self._posted = 0
         self._plan = []
-        for names in INPUT_GROUPS:
-            placements = []
+        for names in self.held:
+            placements, column = [], 0
             for name in names:
-                if name in self.shapes and name in adapter.target_offsets:
+                if name in adapter.target_offsets:
                     a_off, b_off = adapter.target_offsets[name]
                     placements.append(
                         _Placement(
@@ -163,58 +186,108 @@ class CpuAssist:
                             adapter.offset + b_off,
                             adapter.spec.rank,
                             self.shapes[name][1],
+                            column,
                         )
                     )
+                column += self.shapes[name][1]
             self._plan.append(placements)
 
     def end(self) -> None:
         self._adapter, self._plan, self._ticket = None, [], None
 
-    # -- the callbacks (CpuLora) -------------------------------------------------
+    # -- the jitted side (CpuLora) -------------------------------------------------
 
     def submit(
-        self, group: int, shard: np.ndarray, layer: np.ndarray, x: np.ndarray, length: np.ndarray
-    ) -> Any:
-        """Step 1: shard 0 hands the real rows of x to the workers; the others only count
-        the call. Returns the ticket flag."""
+        self, group: int, shard: jax.Array, layer: jax.Array, x: jax.Array, length: jax.Array
+    ) -> jax.Array:
+        """Step 1, traced: hand the real rows of x (f32[T, in]) to the workers; returns
+        the ticket flag, i32[] (NO_TICKET when the adapter adapts nothing in the group)."""
+        call = buffer_callback(
+            partial(self._submit_host, group),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            has_side_effect=True,
+        )
+        return call(shard, layer, x, length)
+
+    def collect(
+        self, group: int, shard: jax.Array, ticket: jax.Array, shape: tuple[int, int]
+    ) -> jax.Array:
+        """Step 3, traced: this shard's part of the group's products, f32[shape] =
+        [T, the shard's columns of the projections the slots hold]; zeros, with no
+        callback, where the flag is NO_TICKET."""
+        call = buffer_callback(
+            partial(self._collect_host, group),
+            jax.ShapeDtypeStruct(shape, jnp.float32),
+            has_side_effect=True,
+        )
+        return jax.lax.cond(
+            ticket != NO_TICKET,
+            lambda shard, ticket: call(shard, ticket),
+            lambda shard, ticket: jnp.zeros(shape, jnp.float32),
+            shard,
+            ticket,
+        )
+
+    # -- the host callbacks ----------------------------------------------------------
+
+    def _submit_host(
+        self, group: int, ctx: Any, flag: Any, shard: Any, layer: Any, x: Any, length: Any
+    ) -> None:
+        """Shard 0 hands the real rows of x to the workers and posts the call; the other
+        shards only answer the flag."""
+        del ctx
         assert self._adapter is not None, "submit outside begin()/end()"
         placements = self._plan[group]
-        if int(shard) != 0:
-            return np.int32(1 if placements else NO_TICKET)
+        np.asarray(flag)[...] = 1 if placements else NO_TICKET
+        if not placements or int(np.asarray(shard)) != 0:
+            return
+        x = np.asarray(x)
         ticket = None
-        if placements and self.failure is None:
+        if self.failure is None:
             try:
-                ticket = self._submit(placements, layer, x, length)
+                ticket = self._submit(group, int(np.asarray(layer)), x, length)
             except Exception as err:  # never into the compiled step: see the module docstring
                 self._failed("submit", err)
         with self._calls:
             self._submitted[self._posted] = (x.shape[0], ticket)
             self._posted += 1
             self._calls.notify_all()
-        return np.int32(1 if placements else NO_TICKET)
 
-    def _submit(
-        self, placements: list[_Placement], layer: np.ndarray, x: np.ndarray, length: np.ndarray
-    ) -> Ticket:
-        assert self._adapter is not None
-        shift = int(layer) * self._adapter.layer_stride
+    def layer_jobs(self, group: int, layer: int) -> tuple[list[LoraJob], list[int]]:
+        """The pool jobs of one input group of one layer for the adapter of the current
+        prefill, and the column of the group's output each writes."""
+        assert self._adapter is not None, "layer_jobs outside begin()/end()"
+        shift = layer * self._adapter.layer_stride
+        placements = self._plan[group]
         jobs = [
             LoraJob(p.a_offset + shift, p.b_offset + shift, p.rank, p.out_features)
             for p in placements
         ]
-        self._ticket = self.pool.submit(np.ascontiguousarray(x[: int(length)]), jobs)
+        return jobs, [p.column for p in placements]
+
+    def _submit(self, group: int, layer: int, x: np.ndarray, length: Any) -> Ticket:
+        jobs, columns = self.layer_jobs(group, layer)
+        self._ticket = self.pool.submit(
+            x[: int(np.asarray(length))], jobs, columns=columns, out_total=self.widths[group]
+        )
         self.handoffs += 1
         return self._ticket
 
-    def collect(self, group: int, shard: np.ndarray, ticket: np.ndarray) -> np.ndarray:
-        """Step 3: this shard's part of the group's products, in the columns the model
-        expects (waiting for shard 0's submit of the call if need be)."""
-        index = int(shard)
+    def _collect_host(self, group: int, ctx: Any, out: Any, shard: Any, ticket: Any) -> None:
+        """This shard's columns of the call's products, written into the callback's output
+        buffer (waiting for shard 0's submit of the call if need be)."""
+        del ctx, ticket
+        index, buffer = int(np.asarray(shard)), np.asarray(out)
         with self._calls:
             call = self._next[index]
             self._next[index] += 1
             while call not in self._results and call not in self._submitted:
                 self._calls.wait()
+            if self.shards.size == 1:  # one device: the products go straight into `out`
+                _, posted = self._submitted.pop(call)
+                filled = 0 if posted is None else self._products(posted, buffer)
+                buffer[filled:] = 0.0
+                return
             if call not in self._results:
                 rows, posted = self._submitted.pop(call)
                 self._results[call] = (rows, None if posted is None else self._products(posted))
@@ -222,34 +295,33 @@ class CpuAssist:
             self._collected[call] = self._collected.get(call, 0) + 1
             if self._collected[call] == self.shards.size:
                 del self._results[call], self._collected[call]
-        return self._share(group, index, rows, products)
+        buffer[...] = self._share(group, index, rows, products)
 
-    def _products(self, ticket: Ticket) -> np.ndarray | None:
-        """The workers' x·A·B of a ticket, None if the CPU path failed."""
+    def _products(self, ticket: Ticket, out: np.ndarray | None = None) -> Any:
+        """The workers' x·A·B of a ticket: into out[:rows] (returns rows) or as a new
+        array; None (or 0 rows) if the CPU path failed."""
         start = time.perf_counter()
         try:
-            products = self.pool.collect(ticket)
+            products = self.pool.collect(ticket, out=out)
         except Exception as err:  # never into the compiled step: see the module docstring
             self._failed("collect", err)
-            return None
+            return None if out is None else 0
         finally:
             self._ticket = None
         self.collect_wait_s.append(time.perf_counter() - start)
-        return products
+        return products if out is None else products.shape[0]
 
     def _share(self, group: int, shard: int, rows: int, products: np.ndarray | None) -> np.ndarray:
-        """A shard's columns of a group's products ([real rows, their out_features side
-        by side]), zero-padded to `rows`, as the device lays the projections out."""
-        plan, placed = self.shards, []
-        cursor = 0
-        for name in (n for n in INPUT_GROUPS[group] if n in self.shapes):
+        """A shard's columns of a group's products ([real rows, the group's columns]),
+        zero-padded to `rows`, as the device lays the projections out."""
+        plan, placed, cursor = self.shards, [], 0
+        whole = np.zeros((rows, self.widths[group]), np.float32)
+        if products is not None:
+            whole[: products.shape[0]] = products
+        for name in self.held[group]:
             width = self.shapes[name][1]
-            columns = np.zeros((rows, width), np.float32)
-            placement = next((p for p in self._plan[group] if p.name == name), None)
-            if placement is not None and products is not None:
-                columns[: products.shape[0]] = products[:, cursor : cursor + width]
-                cursor += width
-            columns = plan.widen(name, columns)
+            columns = plan.widen(name, whole[:, cursor : cursor + width])
+            cursor += width
             if name in plan.split:
                 part = columns.shape[1] // plan.size
                 columns = columns[:, shard * part : (shard + 1) * part]
@@ -277,8 +349,8 @@ class CpuAssist:
         """Estimated CPU time of one layer's LoRA products for `rows` tokens, split
         across the workers `submit` would give each group (the start-up profile)."""
         profile, total = self.pool.profile, 0.0
-        for names in INPUT_GROUPS:
-            adapted = [n for n in names if n in self.shapes and n in adapter.target_offsets]
+        for names in self.held:
+            adapted = [n for n in names if n in adapter.target_offsets]
             if not adapted:
                 continue
             fan_in = self.shapes[adapted[0]][0]
@@ -291,13 +363,17 @@ class CpuAssist:
         """Median seconds of one empty submit/collect pair made from a jitted function:
         the callback and hand-off overhead a CPU-routed input group pays."""
         assert self.shapes, "no projections"
-        width = self.widths[0] or 1
+        width = max(self.widths)
 
         def pair(x):
-            ticket = io_callback(self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32), x)
-            return io_callback(
-                self._probe_collect, jax.ShapeDtypeStruct((1, width), jnp.float32), ticket
-            )
+            ticket = buffer_callback(
+                self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
+            )(x)
+            return buffer_callback(
+                self._probe_collect,
+                jax.ShapeDtypeStruct((1, width), jnp.float32),
+                has_side_effect=True,
+            )(ticket)
 
         probe = jax.jit(pair)
         x = jnp.zeros((1, 8), jnp.float32)
@@ -309,16 +385,14 @@ class CpuAssist:
             samples.append(time.perf_counter() - start)
         return float(np.median(samples))
 
-    def _probe_submit(self, x: np.ndarray) -> Any:
-        self._probe = self.pool.submit(
-            np.zeros((1, 8), np.float32), [LoraJob(0, 0, 1, 1)], workers=1
-        )
-        return np.int32(1)
+    def _probe_submit(self, ctx: Any, flag: Any, x: Any) -> None:
+        self._probe = self.pool.submit(np.asarray(x), [LoraJob(0, 0, 1, 1)], workers=1)
+        np.asarray(flag)[...] = 1
 
-    def _probe_collect(self, ticket: np.ndarray) -> np.ndarray:
+    def _probe_collect(self, ctx: Any, out: Any, ticket: Any) -> None:
         assert self._probe is not None
-        self.pool.collect(self._probe)
-        return np.zeros((1, self.widths[0] or 1), np.float32)
+        self.pool.collect(self._probe, out=np.asarray(out)[:, :1])
+        np.asarray(out)[...] = 0.0
 
     def close(self) -> None:
         self.pool.close()

@@ -28,14 +28,11 @@ is looked up with a mask and an all-reduce and its logits all-gathered.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import io_callback
 
 from configs import ModelConfig
 from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
@@ -60,12 +57,14 @@ LoraFn = Callable[[tuple[str, ...], jax.Array, Callable[[jax.Array], Projections
 
 
 class CpuLora(Protocol):
-    """The host side of CPU-assisted LoRA, called from the jitted prefill (io_callback).
+    """The host side of CPU-assisted LoRA: two ops of the jitted prefill that make host
+    callbacks (jlora/engine/cpu_assist.py).
 
-    For one input group of one layer: `submit` hands the group's whole input x
-    (f32[T, in], rows >= length are padding) to the CPU workers and returns a ticket;
-    `collect` waits for x·A·B of every projection of the group that the device slots
-    hold, side by side in INPUT_GROUPS order, zero where the adapter does not adapt a
+    For one input group of one layer: `submit` hands the real rows of the group's whole
+    input x (f32[T, in], rows >= length are padding) to the CPU workers and returns a
+    ticket (i32[], 0 when the adapter adapts nothing in the group); `collect` waits for
+    x·A·B of every projection of the group that the device slots hold, f32[shape],
+    side by side in INPUT_GROUPS order, zero where the adapter does not adapt a
     projection and on padding rows: shard `shard`'s part of them (its columns of a
     column-parallel group; for a row-parallel group the whole delta on shard 0, to be
     summed with the partial outputs, and zeros elsewhere). Every shard makes both
@@ -73,10 +72,12 @@ class CpuLora(Protocol):
     """
 
     def submit(
-        self, group: int, shard: np.ndarray, layer: np.ndarray, x: np.ndarray, length: np.ndarray
-    ) -> Any: ...
+        self, group: int, shard: jax.Array, layer: jax.Array, x: jax.Array, length: jax.Array
+    ) -> jax.Array: ...
 
-    def collect(self, group: int, shard: np.ndarray, ticket: np.ndarray) -> np.ndarray: ...
+    def collect(
+        self, group: int, shard: jax.Array, ticket: jax.Array, shape: tuple[int, int]
+    ) -> jax.Array: ...
 
 
 class RMSNorm(nn.Module):
@@ -345,24 +346,10 @@ class Llama:
             if (reduce := row_reduce.get(names[0])) is not None:
                 # Row-parallel: h is split across the shards; the workers take it whole.
                 whole = jax.lax.all_gather(h, reduce, axis=h.ndim - 1, tiled=True)
-            ticket = io_callback(
-                partial(cpu.submit, group),
-                jax.ShapeDtypeStruct((), jnp.int32),
-                shard,
-                layer,
-                whole.astype(jnp.float32),
-                length,
-                ordered=True,
-            )
+            ticket = cpu.submit(group, shard, layer, whole.astype(jnp.float32), length)
             h, ticket = jax.lax.optimization_barrier((h, ticket))
             ys, ticket = jax.lax.optimization_barrier((base(h), ticket))
-            deltas = io_callback(
-                partial(cpu.collect, group),
-                jax.ShapeDtypeStruct((h.shape[0], width), jnp.float32),
-                shard,
-                ticket,
-                ordered=True,
-            )
+            deltas = cpu.collect(group, shard, ticket, (h.shape[0], width))
             out, column = [], 0
             for name, y in zip(names, ys, strict=True):
                 if name in weights:
