@@ -113,11 +113,13 @@ def _route_switch(engine):
     engine.device.lora.install_landed = patched
 
 
-def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters):
+@pytest.mark.parametrize("in_place", [True, False], ids=["buffer-callback", "io-callback"])
+def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_place):
     """The two jitted ops alone, for every adapter, input group and a first and a last
     layer: the real rows' x·A·B in the columns of the projections the adapter adapts,
     zeros in the others' columns and in the padding rows; a group the adapter leaves
-    alone makes no hand-off (the collect is skipped on the device) and adds zeros."""
+    alone makes no hand-off (the collect is skipped on the device) and adds zeros. Both
+    kinds of callback: in place (the CPU's) and with host copies (an accelerator's)."""
     shapes = target_shapes(tiny.config)
     store = HostStore(tiny.config, 8 << 20)
     cpu = None
@@ -125,6 +127,7 @@ def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters):
         for name, path in adapters.items():
             store.register(name, path)
         cpu = CpuAssist(store.arena.name, shapes, workers=1, max_rows=32)
+        cpu.in_place = in_place
 
         @functools.partial(jax.jit, static_argnums=0)
         def callbacks(group, layer, x, length):

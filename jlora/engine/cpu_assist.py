@@ -22,7 +22,9 @@ What crosses the callback boundary is cut to what the product needs (CaraServe Â
 invocation overhead, "IPC and data transfer", is what makes CPU LoRA slow). Both
 callbacks are `jax.experimental.buffer_callback`s: the callback reads x in place in
 the device's own buffer and writes its result in place, where `io_callback` copied
-the arguments into new device arrays and copied a freshly allocated result back.
+the arguments into new device arrays and copied a freshly allocated result back (on
+an accelerator, whose buffers are not host memory, they are `io_callback`s still:
+`_host_op`).
 Only the real rows of x are copied, once, into the workers' shared memory; the
 workers write each product straight into its projection's columns there, and
 `collect` copies those rows once into the output buffer. The callbacks are unordered
@@ -68,6 +70,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
 
 from cpu_offload import CpuLoraPool, LoraJob, Ticket
@@ -145,6 +148,7 @@ class CpuAssist:
             hang_after=hang_after,
         )
         self.handoffs = 0  # submits that reached the pool
+        self.in_place = jax.default_backend() == "cpu"  # see _host_op
         self.collect_wait_s: deque[float] = deque(maxlen=4096)  # time blocked in collect
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []
@@ -202,11 +206,7 @@ class CpuAssist:
     ) -> jax.Array:
         """Step 1, traced: hand the real rows of x (f32[T, in]) to the workers; returns
         the ticket flag, i32[] (NO_TICKET when the adapter adapts nothing in the group)."""
-        call = buffer_callback(
-            partial(self._submit_host, group),
-            jax.ShapeDtypeStruct((), jnp.int32),
-            has_side_effect=True,
-        )
+        call = self._host_op(partial(self._submit_host, group), jax.ShapeDtypeStruct((), jnp.int32))
         return call(shard, layer, x, length)
 
     def collect(
@@ -215,10 +215,8 @@ class CpuAssist:
         """Step 3, traced: this shard's part of the group's products, f32[shape] =
         [T, the shard's columns of the projections the slots hold]; zeros, with no
         callback, where the flag is NO_TICKET."""
-        call = buffer_callback(
-            partial(self._collect_host, group),
-            jax.ShapeDtypeStruct(shape, jnp.float32),
-            has_side_effect=True,
+        call = self._host_op(
+            partial(self._collect_host, group), jax.ShapeDtypeStruct(shape, jnp.float32)
         )
         return jax.lax.cond(
             ticket != NO_TICKET,
@@ -227,6 +225,22 @@ class CpuAssist:
             shard,
             ticket,
         )
+
+    def _host_op(self, host: Callable[..., None], result: jax.ShapeDtypeStruct) -> Callable:
+        """`host(ctx, out, *args)`, which writes its result into `out`, as an op of the
+        jitted prefill: a `buffer_callback` where the device's buffers are host memory
+        (`in_place`: the CPU backend), so it reads and writes them where they are; else
+        an `io_callback`, whose arguments and result are host copies (a GPU's buffers
+        are not host memory), `out` a fresh host array."""
+        if self.in_place:
+            return buffer_callback(host, result, has_side_effect=True)
+
+        def copied(*args: Any) -> np.ndarray:
+            out = np.zeros(result.shape, result.dtype)
+            host(None, out, *args)
+            return out
+
+        return partial(io_callback, copied, result, ordered=False)
 
     # -- the host callbacks ----------------------------------------------------------
 
@@ -366,13 +380,9 @@ class CpuAssist:
         width = max(self.widths)
 
         def pair(x):
-            ticket = buffer_callback(
-                self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
-            )(x)
-            return buffer_callback(
-                self._probe_collect,
-                jax.ShapeDtypeStruct((1, width), jnp.float32),
-                has_side_effect=True,
+            ticket = self._host_op(self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32))(x)
+            return self._host_op(
+                self._probe_collect, jax.ShapeDtypeStruct((1, width), jnp.float32)
             )(ticket)
 
         probe = jax.jit(pair)
