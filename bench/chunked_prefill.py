@@ -9,7 +9,8 @@ after `arrive_after` steps a prompt of `long_prompt` tokens arrives. Each
 `prefill_token_budget` runs on an engine of its own: `max_seq_len` (the whole prompt in
 the step it is admitted, as before chunking) and smaller budgets (the prompt in chunks
 of whole blocks, one per step, beside the decode step). Each engine runs the scenario
-once untimed (every shape compiles), then `repeats` timed runs.
+once untimed (every shape compiles), then `repeats` timed runs, each with prompts of
+its own (no run hits another's prefix cache).
 
 Reported per budget (medians over the runs): the longest wait between two tokens of a
 running stream (the stall the long prompt causes), the median wait, the long prompt's
@@ -47,15 +48,16 @@ class Plan:
 QUICK = dataclasses.replace(Plan(), long_prompt=768, stream_tokens=64, repeats=1)
 
 
-def run_once(engine: Any, plan: Plan) -> dict[str, Any]:
-    """The scenario on `engine`: token waits of the streams, the long prompt's TTFT."""
+def run_once(engine: Any, plan: Plan, run: int = 0) -> dict[str, Any]:
+    """The scenario on `engine`: token waits of the streams, the long prompt's TTFT.
+    Each `run` has prompts of its own, so no run hits the prefix cache of another."""
     from jlora.engine.api import Request, SamplingParams
 
     tokens: dict[str, list[int]] = {}
     last: dict[str, float] = {}
     waits: list[float] = []
     for i in range(plan.streams):
-        prompt = [(31 * i + 7 * k) % 20000 + 100 for k in range(plan.stream_prompt)]
+        prompt = [(31 * i + 7 * k + 997 * run) % 20000 + 100 for k in range(plan.stream_prompt)]
         sampling = SamplingParams(max_tokens=plan.stream_tokens, ignore_eos=True)
         engine.add_request(Request(f"s{i}", prompt, sampling))
     start = time.perf_counter()
@@ -63,7 +65,7 @@ def run_once(engine: Any, plan: Plan) -> dict[str, Any]:
     steps = generated = 0
     while engine.has_unfinished:
         if steps == plan.arrive_after:
-            prompt = [(13 * k) % 20000 + 100 for k in range(plan.long_prompt)]
+            prompt = [(13 * k + 991 * run) % 20000 + 100 for k in range(plan.long_prompt)]
             sampling = SamplingParams(max_tokens=plan.long_tokens, ignore_eos=True)
             engine.add_request(Request("long", prompt, sampling))
             arrived = time.perf_counter()
@@ -110,8 +112,8 @@ def measure(plan: Plan) -> list[dict[str, Any]]:
         )
         try:
             engine.warmup(on_demand=True)
-            run_once(engine, plan)  # compiles what the runs use
-            runs = [run_once(engine, plan) for _ in range(plan.repeats)]
+            run_once(engine, plan, run=plan.repeats)  # compiles what the runs use
+            runs = [run_once(engine, plan, run) for run in range(plan.repeats)]
         finally:
             engine.close()
         row: dict[str, Any] = {"budget": budget, "runs": runs}
@@ -122,7 +124,7 @@ def measure(plan: Plan) -> list[dict[str, Any]]:
 
 
 def render(facts: dict, plan: Plan, rows: list[dict[str, Any]]) -> str:
-    reference = rows[0]["runs"][0]["tokens"]
+    reference = [run["tokens"] for run in rows[0]["runs"]]
     lines = [
         f"{report.cpu_header(facts, plan.model)} | medians of {plan.repeats}",
         "",
@@ -135,7 +137,7 @@ def render(facts: dict, plan: Plan, rows: list[dict[str, Any]]) -> str:
         "|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        same = all(run["tokens"] == reference for run in row["runs"])
+        same = [run["tokens"] for run in row["runs"]] == reference
         whole = " (whole)" if row["budget"] >= plan.long_prompt else ""
         lines.append(
             f"| {row['budget']}{whole} | {1e3 * row['max_wait_s']:.0f} | "
