@@ -84,6 +84,9 @@ def make_engine(
             max_slots=plan.batch,
             max_seq_len=256,
             prefill_token_budget=max(plan.batch * plan.prompt_len, 256),  # all in one step
+            # No prefix cache: every repetition prefills its prompts again, so the cached
+            # blocks of the runs before never fill the pool and delay the next admissions.
+            cache_policy="none",
             **lora,
         ),
     )

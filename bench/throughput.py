@@ -1,7 +1,7 @@
 """Prefill and decode throughput of jlora next to Hugging Face transformers, on CPU.
 
-Run: `python -m bench.throughput [--quick] [--json PATH]` (about 3 minutes on two
-idle cores; --quick: T = 32, 128, L = 64, N = 16, 2 repetitions instead of 3).
+Run: `python -m bench.throughput [--quick] [--json PATH]` (about 9 minutes on two
+idle cores; --quick: T = 32, 128, B = 1, 8, L = 64, N = 16, 2 repetitions instead of 5).
 
 Both systems run SmolLM2-135M-Instruct from the same GGUF file (Q4_1 tensors
 dequantized to fp32) in one process, on identical token ids: a fixed English
@@ -12,11 +12,13 @@ a batch starts at a different offset, so rows differ). Two phases are timed:
    jlora: one `engine.step()` for a request with max_tokens=1, i.e. admission, one
    compiled prefill call at bucket T (T is a power of two, so nothing is padded)
    and greedy sampling of the first token; the request then finishes without a
-   decode step. transformers: one forward pass over [1, T] with use_cache=True and
-   logits_to_keep=1 (last-position logits only, as `generate` does).
+   decode step. The engine keeps no prefix cache (cache_policy="none"), so each
+   repetition computes the whole prompt again. transformers: one forward pass over
+   [1, T] with use_cache=True and logits_to_keep=1 (last-position logits only, as
+   `generate` does).
    Reported: prompt tokens per second.
 2. Decode of B prompts of L tokens, N new greedy tokens each, EOS ignored
-   (B = 1, 8; L = 128; N = 64; shape `Bx(L+N)`). jlora: an engine with
+   (B = 1, 8, 32; L = 128; N = 64; shape `Bx(L+N)`). jlora: an engine with
    max_slots=B; the first step (every prefill, then the first decode) is not timed,
    then N steps of one compiled decode call over the B slots are. transformers: an
    untimed prefill of the [B, L] batch (equal lengths, so no padding or mask), then
@@ -93,7 +95,7 @@ class Plan:
         return 1 << (longest - 1).bit_length()
 
 
-FULL = Plan((32, 128, 512), batch_sizes=(1, 8), decode_prompt_len=128, new_tokens=64, repeats=3)
+FULL = Plan((32, 128, 512), batch_sizes=(1, 8, 32), decode_prompt_len=128, new_tokens=64, repeats=5)
 QUICK = Plan((32, 128), batch_sizes=(1, 8), decode_prompt_len=64, new_tokens=16, repeats=2)
 
 
@@ -135,6 +137,9 @@ def make_engine(loaded: LoadedModel, slots: int, plan: Plan) -> Orchestrator:
             max_seq_len=plan.max_seq_len,
             # Every prompt of a decode batch is prefilled in the first, untimed step.
             prefill_token_budget=max(slots * plan.decode_prompt_len, plan.max_seq_len),
+            # No prefix cache: each repetition prefills its whole prompt, as transformers
+            # does (a cache hit would skip all but the prompt's last block).
+            cache_policy="none",
         ),
     )
     prompt_lengths = [plan.decode_prompt_len]

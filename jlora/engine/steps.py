@@ -13,12 +13,14 @@ its per-layer route to the CPU or the device), and `prefill_head` (logits, sampl
 also take the device adapter slots and the rows' slot indices (fixed shapes, so the
 adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
-so XLA updates it in place. Executables are compiled ahead of time, once per
-bucket, and then called directly, so nothing is ever traced or compiled twice. The
-engine compiles at warm-up every shape it will use; a shape first met after warm-up
-is compiled then and logged as a warning (the cached-prefix variants, which warm-up
-compiles unless the cache policy keeps no history, are only logged: a prefix hit
-under "none" cannot happen).
+so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
+arrays of their own (jlora/model/layer_views.py), so each matmul reads its kernel in
+place instead of a copy sliced out of the stack. Executables are compiled ahead of
+time, once per bucket, and then called directly, so nothing is ever traced or compiled
+twice. The engine compiles at warm-up every shape it will use; a shape first met after
+warm-up is compiled then and logged as a warning (the cached-prefix variants, which
+warm-up compiles unless the cache policy keeps no history, are only logged: a prefix
+hit under "none" cannot happen).
 
 `KVBlocks` copies whole KV blocks out of the cache and back, for the prefix cache's
 swaps to host memory; `size_pool` says how many blocks the device pool holds.
@@ -51,6 +53,7 @@ from jlora.engine.device import HostBlocks, SamplingRow
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
 from jlora.model.kv_cache import KVCache
+from jlora.model.layer_views import LayerViews, WithLayerViews
 from jlora.model.llama import Llama, Params
 from jlora.model.sharding import TensorParallel
 
@@ -72,8 +75,17 @@ class StepSpecs:
 
 
 class CompiledSteps:
-    def __init__(self, model: Llama, specs: StepSpecs, packed_longest: int | None = None) -> None:
-        """packed_longest: the most tokens of one prompt in a packed prefill (None: any)."""
+    def __init__(
+        self,
+        model: Llama,
+        specs: StepSpecs,
+        packed_longest: int | None = None,
+        layer_views: bool | None = None,
+    ) -> None:
+        """packed_longest: the most tokens of one prompt in a packed prefill (None: any).
+        layer_views: decode reading each layer's kernels from arrays of their own where
+        the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
+        (a GPU's scan reads them from the stack)."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -108,8 +120,22 @@ class CompiledSteps:
             ),
             donate_argnums=(1,),
         )
+        decode_specs = (params, cache, rep, rep, rep, rep, lora, rep)
         self._decode_jit = jax.jit(
-            sharded(self._decode, (params, cache, rep, rep, rep, rep, lora, rep), (rep, cache)),
+            sharded(self._decode, decode_specs, (rep, cache)), donate_argnums=(1,)
+        )
+        if layer_views is None:
+            layer_views = specs.mesh.devices.flat[0].platform == "cpu"
+        self._views = LayerViews() if layer_views else None
+        one_layer = jax.tree.map(
+            lambda spec: PartitionSpec(*spec[1:]),
+            params["layers"],
+            is_leaf=lambda spec: isinstance(spec, PartitionSpec),
+        )
+        self._decode_views_jit = jax.jit(  # the layers' views its last argument
+            sharded(
+                self._decode, (*decode_specs, [one_layer] * model.config.num_layers), (rep, cache)
+            ),
             donate_argnums=(1,),
         )
         self._embed_jit = jax.jit(sharded(model.embed, (params, rep), rep))
@@ -208,9 +234,10 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None,
         lora_idx: jax.Array | None,
+        layers: list[Params] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         logits, cache = self.model.decode(
-            params, cache, tokens, positions, block_tables, lora_weights, lora_idx
+            params, cache, tokens, positions, block_tables, lora_weights, lora_idx, layers
         )
         return sample(logits, sampling), cache
 
@@ -340,19 +367,25 @@ class CompiledSteps:
         blocks: int,
         lora_weights: LoraWeights | None,
     ) -> None:
-        if (slots, blocks) not in self._decode_exe:
-            self._decode_exe[(slots, blocks)] = self._compile(
-                self._decode_jit,
-                f"decode[{slots} slots x {blocks} blocks]",
-                params,
-                cache,
-                np.zeros(slots, np.int32),
-                np.zeros(slots, np.int32),
-                np.zeros((slots, blocks), np.int32),
-                host_sampling(slots),
-                lora_weights,
-                None if lora_weights is None else np.zeros(slots, np.int32),
-            )
+        if (slots, blocks) in self._decode_exe:
+            return
+        args = (
+            params,
+            cache,
+            np.zeros(slots, np.int32),
+            np.zeros(slots, np.int32),
+            np.zeros((slots, blocks), np.int32),
+            host_sampling(slots),
+            lora_weights,
+            None if lora_weights is None else np.zeros(slots, np.int32),
+        )
+        what = f"decode[{slots} slots x {blocks} blocks]"
+        views = None if self._views is None else self._views(params["layers"])
+        if self._views is None or views is None:
+            self._decode_exe[(slots, blocks)] = self._compile(self._decode_jit, what, *args)
+        else:
+            executable = self._compile(self._decode_views_jit, what + ", layer views", *args, views)
+            self._decode_exe[(slots, blocks)] = WithLayerViews(executable, self._views)
 
     # -- calls -------------------------------------------------------------------
 

@@ -1,0 +1,64 @@
+"""The attention forms (jlora/model/attention.py) against a naive fp32 loop.
+
+The reference is one query at a time: softmax over the keys it may see, written out
+in numpy. Lengths straddle the CPU path's chunks (at least 16 query rows, at most 8
+chunks) and its tail; groups of 1 and 3 query heads per KV head.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jlora.model.attention import causal_attention, paged_decode_attention
+from tests.tolerances import assert_close
+
+
+def naive(q: np.ndarray, keys: np.ndarray, values: np.ndarray, visible: int) -> np.ndarray:
+    """One query's attention. q: [H, d]; keys, values: [T, KVH, d]; the first `visible`
+    keys count. Returns [H * d] in fp32."""
+    heads, head_dim = q.shape
+    group = heads // keys.shape[1]
+    out = np.zeros((heads, head_dim), np.float64)
+    for head in range(heads):
+        k, v = keys[:visible, head // group], values[:visible, head // group]
+        scores = k.astype(np.float64) @ q[head] / np.sqrt(head_dim)
+        weights = np.exp(scores - scores.max())
+        out[head] = weights @ v / weights.sum()
+    return out.reshape(-1).astype(np.float32)
+
+
+def random(shape, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("seq, length", [(1, 1), (16, 5), (17, 17), (40, 33), (130, 130)])
+def test_causal_attention_is_each_querys_softmax_over_the_keys_up_to_it(
+    heads, kv_heads, seq, length
+):
+    q, k, v = (random((seq, h, 8), seed) for seed, h in enumerate((heads, kv_heads, kv_heads)))
+    out = causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(length))
+    assert out.shape == (seq, heads * 8)
+    expected = np.stack([naive(q[t], k, v, t + 1) for t in range(length)])
+    assert_close(out[:length], expected, np.float32, np.float32, scope="op")
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (6, 2)])
+def test_paged_decode_attention_reads_each_sequence_through_its_block_table(heads, kv_heads):
+    """Three sequences over shuffled blocks of 4 tokens; the last's table ends in the
+    sentinel (clipped, and past its position, so never seen)."""
+    blocks, block_size, head_dim = 9, 4, 8
+    k_pages = random((blocks, block_size, kv_heads, head_dim), 1)
+    v_pages = random((blocks, block_size, kv_heads, head_dim), 2)
+    q = random((3, heads, head_dim), 3)
+    tables = np.array([[4, 0, 7], [2, 8, 1], [5, 3, blocks]], np.int32)
+    positions = np.array([9, 0, 6], np.int32)
+    out = paged_decode_attention(*map(jnp.asarray, (q, k_pages, v_pages, tables, positions)))
+    expected = []
+    for row, (table, position) in enumerate(zip(tables, positions, strict=True)):
+        keys = k_pages[np.minimum(table, blocks - 1)].reshape(-1, kv_heads, head_dim)
+        values = v_pages[np.minimum(table, blocks - 1)].reshape(-1, kv_heads, head_dim)
+        expected.append(naive(q[row], keys, values, position + 1))
+    assert_close(out, np.stack(expected), np.float32, np.float32, scope="op")
