@@ -15,6 +15,7 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
 - `BACKEND k=1, 4, 16`: the same engine, rows spread round-robin over k distinct
   adapters (demo adapters, rank R = 16, all 7 targets; as many device slots as
   adapters, all loaded and pinned beforehand (`cached`), so no transfer is timed).
+  `--targets q_proj,v_proj` gives them PEFT's default targets for Llama instead.
 
 Every system runs once untimed, then `repeats` times, alternating; the table shows
 the median, the min-max range and the ratio to `no-lora`.
@@ -43,7 +44,8 @@ from bench.throughput import (
 )
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS
-from jlora.adapters.peft import make_demo_adapters
+from jlora.adapters.peft import AdapterError, canonical_targets, make_demo_adapters
+from jlora.adapters.targets import TARGETS
 from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
@@ -58,6 +60,7 @@ class Plan:
     new_tokens: int = 32
     rank: int = 16
     adapter_counts: tuple[int, ...] = (1, 4, 16)
+    targets: tuple[str, ...] = TARGETS
     backends: tuple[str, ...] = ("reference",)
     repeats: int = 3
 
@@ -107,7 +110,7 @@ def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
         f"{facts['load_avg_1min_end']:.1f} at end",
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, {plan.new_tokens} "
-        f"new tokens each; adapters of rank {plan.rank} on all 7 projections",
+        f"new tokens each; adapters of rank {plan.rank} on {', '.join(plan.targets)}",
         "",
         "| system | tokens/s | range | ratio to no-lora |",
         "|---|---:|---:|---:|",
@@ -142,8 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--backends", default="reference", help=f"comma-separated, of {list(LORA_BACKENDS)}"
     )
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help="the adapters' projections, comma-separated (default: all seven)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
+    try:
+        targets = canonical_targets(args.targets.split(","))
+    except AdapterError as err:
+        parser.error(f"--targets: {err}")
     plan = Plan(
         model=args.model,
         dtype=args.dtype,
@@ -151,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         rank=args.rank,
         adapter_counts=tuple(int(k) for k in args.counts.split(",")),
         backends=tuple(args.backends.split(",")),
+        targets=targets,
     )
     if unknown := set(plan.backends) - set(LORA_BACKENDS):
         parser.error(f"--backends: {sorted(unknown)} not in {list(LORA_BACKENDS)}")
@@ -163,7 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = prompts_for(loaded, plan)
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_demo_adapters(
-            loaded.config, tmp, n=max(plan.adapter_counts), ranks=[plan.rank], seed=0
+            loaded.config,
+            tmp,
+            n=max(plan.adapter_counts),
+            ranks=[plan.rank],
+            targets=plan.targets,
+            seed=0,
         )
         adapters = {path.name: path for path in paths}
         engines = {"no-lora": make_engine(loaded, plan, {})}

@@ -227,6 +227,23 @@ def test_replacing_a_slot_changes_only_its_rows(slots):
     assert_close(out, expected, "float32", "float32", scope="op")
 
 
+def test_a_target_the_rows_adapters_leave_alone_reads_none_of_its_slots(slots):
+    """Slot 2's adapter adapts q_proj only: rows on it (and base rows) keep y's bits in
+    down_proj whatever that slot's down_proj factors hold (NaN here), in both forms."""
+    (backend, weights), _ = slots[0]["float32"], slots[1]
+    if "slot" not in backend.layout["a"]:
+        pytest.skip("stacked layouts only: MBGMV's slot owns no down_proj pages to poison")
+    poisoned = {**weights, "down_proj": dict(weights["down_proj"])}
+    for part in ("a", "b"):
+        poisoned["down_proj"][part] = weights["down_proj"][part].at[:, 2].set(jnp.nan)
+    y, x = _activations(3, "down_proj", 5, "float32")
+    out = backend.bgmv(poisoned, "down_proj", jnp.int32(1), x, y, jnp.array([2, -1, 2]))
+    np.testing.assert_array_equal(out, y)
+    segments = Segments(slot=jnp.array([2, -1]), start=jnp.array([0, 2, 3]))
+    out = backend.sgmv(poisoned, "down_proj", jnp.int32(1), x, y, segments)
+    np.testing.assert_array_equal(out, y)
+
+
 def test_the_page_pool_never_runs_out_and_never_shares_a_page():
     pool, rng = PagePool(num_slots=3, max_rank=8), np.random.default_rng(0)
     for _ in range(200):

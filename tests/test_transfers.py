@@ -22,10 +22,10 @@ GROUPS = 2  # cpu-tiny's 3 layers land as groups of 2 and 1: two install variant
 
 
 def _besides(backend: str, bucket: int, targets) -> int:
-    """The bytes a transfer sends besides the factors: per layer group and target, BGMV
-    the rank (one i32), MBGMV the page of each rank row (`bucket` i32), the reference
-    nothing."""
-    return {"reference": 0, "bgmv": 4, "mbgmv": 4 * bucket}[backend] * len(targets) * GROUPS
+    """The bytes a transfer sends besides the factors: per layer group and target, the
+    reference and BGMV the rank (one i32), MBGMV the page of each rank row (`bucket`
+    i32)."""
+    return {"reference": 4, "bgmv": 4, "mbgmv": 4 * bucket}[backend] * len(targets) * GROUPS
 
 
 def _engine(loaded, backend: str, **overrides) -> LlamaEngine:

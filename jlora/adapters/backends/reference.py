@@ -1,6 +1,7 @@
 """The reference backend: plain jnp on Punica's stacked layout, every slot padded.
 
-    weights[target] = {"a": [L, N, in, R], "b": [L, N, R, out]}
+    weights[target] = {"a": [L, N, in, R], "b": [L, N, R, out],
+                       "rank": i32[N] (0: the slot's adapter does not adapt target)}
 
 An adapter crosses the host-to-device link rank-exact (base.py); `install` pads it
 into its slot on the device.
@@ -8,14 +9,17 @@ into its slot on the device.
 Padding is exact: padded columns of x @ A are zeros, and the matching rows of B are
 zeros, so they add nothing. Cost ∝ rows × max_rank (like BGMV), whatever the ranks
 in the batch; in prefill, times the segments that have an adapter and rows (each is a
-masked product over every row). When no row has an adapter, a `lax.cond` skips the
-LoRA work entirely.
+masked product over every row). When no row's adapter adapts a target (no row has an
+adapter, or theirs leave that projection alone), a `lax.cond` skips that target's LoRA
+work entirely: slots hold every target the engine serves (EngineConfig.lora_targets),
+and q/v adapters in all-seven slots then cost what their two targets do.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jlora.adapters.backends.base import (
     LoraBackend,
@@ -39,18 +43,28 @@ def _add_where(adapted: jax.Array, y: jax.Array, delta: jax.Array) -> jax.Array:
     return jnp.where(adapted[:, None], (y.astype(jnp.float32) + delta).astype(y.dtype), y)
 
 
-def _unless_all_base(slots: jax.Array, compute, y: jax.Array) -> jax.Array:
-    """compute() if any slot is an adapter's (>= 0), else y: a batch of base-model rows
-    skips the LoRA work (and reads no adapter weights) at run time."""
-    return jax.lax.cond(jnp.any(slots >= 0), compute, lambda: y)
+def _adapting(ranks: jax.Array, slots: jax.Array) -> jax.Array:
+    """Which of `slots` (-1: none) hold an adapter of this target (rank > 0): bool[...]"""
+    return (slots >= 0) & (ranks[jnp.maximum(slots, 0)] > 0)
+
+
+def _unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
+    """compute() if any row's (or segment's) adapter adapts the target, else y: a batch
+    of base-model rows, or of adapters that leave this projection alone, skips its LoRA
+    work (and reads no adapter weights) at run time."""
+    return jax.lax.cond(jnp.any(adapting), compute, lambda: y)
 
 
 class ReferenceBackend(LoraBackend):
     """Plain jnp: a per-row gather for decode, one masked product per segment for prefill."""
 
     name = "reference"
-    layout = {"a": ("layers", "slot", "in", "rank"), "b": ("layers", "slot", "rank", "out")}
-    payload_layout = {"a": ("layers", "in", "rank"), "b": ("layers", "rank", "out")}
+    layout = {
+        "a": ("layers", "slot", "in", "rank"),
+        "b": ("layers", "slot", "rank", "out"),
+        "rank": ("slot",),
+    }
+    payload_layout = {"a": ("layers", "in", "rank"), "b": ("layers", "rank", "out"), "rank": ()}
 
     def allocate(
         self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
@@ -60,14 +74,18 @@ class ReferenceBackend(LoraBackend):
             target: {
                 "a": jnp.zeros((num_layers, num_slots, fan_in, rdim), dtype),
                 "b": jnp.zeros((num_layers, num_slots, rdim, fan_out), dtype),
+                "rank": jnp.zeros((num_slots,), jnp.int32),
             }
             for target, (fan_in, fan_out) in shapes.items()
         }
 
     def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
-        """{"a": [L, in, Q], "b": [L, P, out]} per target the adapter adapts."""
+        """{"a": [L, in, Q], "b": [L, P, out], "rank": i32} per target the adapter adapts."""
         rdim = self.rank_dim(max_rank, rank_shards)
-        return exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=2)
+        payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=2)
+        for target, packed in payload.items():
+            packed["rank"] = np.int32(tensors[target][0].shape[-1])
+        return payload
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
         padded: Payload = {}
@@ -75,39 +93,41 @@ class ReferenceBackend(LoraBackend):
             _, _, fan_in, rdim = w["a"].shape
             widths = (fan_in, w["b"].shape[-1])
             a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, a_axis=2)
-            padded[target] = {"a": a, "b": b}
+            rank = payload[target]["rank"] if target in payload else np.int32(0)
+            padded[target] = {"a": a, "b": b, "rank": rank}
         return set_slot(weights, slot, layer_start, padded)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         return weights[target]["a"][layer, slots], weights[target]["b"][layer, slots]
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
-        a_slots, b_slots = weights[target]["a"], weights[target]["b"]
+        w = weights[target]
+        adapting = _adapting(w["rank"], idx)
 
         def compute() -> jax.Array:
             safe = jnp.maximum(idx, 0)
-            delta = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "si,sir->sr|sr,sro->so")
-            return _add_where(idx >= 0, y, delta)
+            delta = _lora(x, w["a"][layer, safe], w["b"][layer, safe], "si,sir->sr|sr,sro->so")
+            return _add_where(adapting, y, delta)
 
-        return _unless_all_base(idx, compute, y)
+        return _unless_none(adapting, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        a_slots, b_slots = weights[target]["a"], weights[target]["b"]
+        w = weights[target]
         rows = jnp.arange(x.shape[0])
         slots, starts = jnp.asarray(segments.slot), jnp.asarray(segments.start)
+        adapting = _adapting(w["rank"], slots)  # [G]
 
         def segment(g, carry):
             delta, adapted = carry
-            slot = slots[g]
-            safe = jnp.maximum(slot, 0)
-            part = _lora(x, a_slots[layer, safe], b_slots[layer, safe], "ti,ir->tr|tr,ro->to")
-            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & (slot >= 0)
+            safe = jnp.maximum(slots[g], 0)
+            part = _lora(x, w["a"][layer, safe], w["b"][layer, safe], "ti,ir->tr|tr,ro->to")
+            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & adapting[g]
             return jnp.where(inside[:, None], part, delta), adapted | inside
 
         def skipping(g, carry):
             """`segment`, at no cost for an empty or base-model segment (a packed prefill
-            pads with them)."""
-            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & (slots[g] >= 0)
+            pads with them) or one whose adapter leaves the target alone."""
+            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & adapting[g]
             return jax.lax.cond(jnp.any(inside), lambda: segment(g, carry), lambda: carry)
 
         def compute() -> jax.Array:
@@ -118,4 +138,4 @@ class ReferenceBackend(LoraBackend):
                 delta, adapted = jax.lax.fori_loop(0, slots.shape[0], skipping, carry)
             return _add_where(adapted, y, delta)
 
-        return _unless_all_base(segments.slot, compute, y)
+        return _unless_none(adapting, compute, y)
