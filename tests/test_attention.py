@@ -11,7 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.model.attention import causal_attention, paged_decode_attention
+from jlora.model.attention import (
+    KEY_BLOCKS,
+    causal_attention,
+    paged_decode_attention,
+    paged_prefix_attention,
+)
 from tests.tolerances import assert_close
 
 
@@ -62,3 +67,27 @@ def test_paged_decode_attention_reads_each_sequence_through_its_block_table(head
         values = v_pages[np.minimum(table, blocks - 1)].reshape(-1, kv_heads, head_dim)
         expected.append(naive(q[row], keys, values, position + 1))
     assert_close(out, np.stack(expected), np.float32, np.float32, scope="op")
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("cached, new", [(0, 5), (8, 8), (28, 19), (60, 4)])
+def test_prefix_attention_sees_the_cached_prefix_and_the_new_tokens_up_to_each(
+    heads, kv_heads, cached, new
+):
+    """A 20-block table of 4-token blocks, shuffled, its tail the sentinel; `cached`
+    tokens there already and `new` more written after them; padded to 24 query rows.
+    Chunks of KEY_BLOCKS blocks: the prefixes end inside the first, second and third."""
+    blocks, block_size, head_dim, rows = 24, 4, 8, 24
+    assert KEY_BLOCKS * block_size < 28 + 19 <= 2 * KEY_BLOCKS * block_size
+    k_pages = random((blocks, block_size, kv_heads, head_dim), 1)
+    v_pages = random((blocks, block_size, kv_heads, head_dim), 2)
+    q = random((rows, heads, head_dim), 3)
+    used = -(-(cached + new) // block_size)
+    table = np.full(20, blocks, np.int32)
+    table[:used] = np.random.default_rng(4).permutation(blocks)[:used]
+    positions = (cached + np.arange(rows)).astype(np.int32)
+    out = paged_prefix_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, positions)))
+    keys = k_pages[table[:used]].reshape(-1, kv_heads, head_dim)
+    values = v_pages[table[:used]].reshape(-1, kv_heads, head_dim)
+    expected = np.stack([naive(q[t], keys, values, cached + t + 1) for t in range(new)])
+    assert_close(out[:new], expected, np.float32, np.float32, scope="op")

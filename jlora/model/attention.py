@@ -3,14 +3,14 @@
 Grouped-query attention throughout: `num_heads` query heads share `num_kv_heads`
 key/value heads in groups of `num_heads // num_kv_heads`. The prefill forms go through
 `jax.nn.dot_product_attention`, which picks the backend's best implementation (cuDNN's
-fused kernel on GPU), except a prompt's causal attention on CPU, which goes in query
-chunks that skip most masked keys, each one batched matmul per product over the KV
-heads (`_chunked_causal`). Decode, one query per sequence, is two einsums over the
+fused kernel on GPU), except on CPU: there a prompt's causal attention goes in query
+chunks that skip most masked keys (`_chunked_causal`), and a cached prefix's attention
+loops over the key blocks it reaches (`_chunked_prefix`), each product one batched
+matmul over the KV heads. Decode, one query per sequence, is two einsums over the
 gathered blocks (the fused form's layout changes cost more than its products:
 `paged_decode_attention`). A packed prefill (several prompts in one call) passes its
 block-diagonal causal mask explicitly, so its scores cover every pair of the call's
-tokens, the other prompts'.
-"""
+tokens, the other prompts'."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 CAUSAL_CHUNKS = 8  # query chunks of a prompt's causal attention, at most
 MIN_CHUNK = 16  # query rows per chunk, at least
+KEY_BLOCKS = 8  # blocks of keys per chunk of a prefix attention's loop
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, length: jax.Array) -> jax.Array:
@@ -49,15 +50,12 @@ def _chunked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     skip most of the masked upper triangle and each chunk's fit in cache.
 
     Each chunk's scores and output are one batched matmul over the KV heads, the
-    queries of a head's group stacked as rows: [kvh, group * chunk, d] @ [kvh, d, T].
-    Letting XLA pick the layouts of the 4-D einsum (or the fused form's, which copies
-    the keys for every query head) cost 1.6-2.6x as much at T = 512-1024 on SmolLM2's
-    heads (2 cores).
+    queries of a head's group stacked as rows (`_by_kv_head`): [kvh, group * chunk, d]
+    @ [kvh, d, T]. Letting XLA pick the layouts of the 4-D einsum (or the fused form's,
+    which copies the keys for every query head) cost 1.6-2.6x as much at T = 512-1024 on
+    SmolLM2's heads (2 cores).
     """
     seq, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    scaled = (q * jnp.asarray(head_dim**-0.5, q.dtype)).reshape(seq, kv_heads, group, head_dim)
     keys = jnp.transpose(k, (1, 2, 0))  # [kvh, d, T]
     values = jnp.transpose(v, (1, 0, 2))  # [kvh, T, d]
     size = max(MIN_CHUNK, -(-seq // CAUSAL_CHUNKS))
@@ -65,23 +63,33 @@ def _chunked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     outs = []
     for start in range(0, seq, size):
         end = min(start + size, seq)
-        rows = end - start
-        chunk = jnp.transpose(scaled[start:end], (1, 2, 0, 3))  # [kvh, group, rows, d]
+        rows = _by_kv_head(q[start:end], k.shape[1])  # [kvh, group * rows, d]
         scores = jnp.einsum(
-            "kmd,kdt->kmt",
-            chunk.reshape(kv_heads, group * rows, head_dim),
-            keys[:, :, :end],
-            preferred_element_type=jnp.float32,
-        )  # [kvh, group * rows, end]
-        visible = index[None, :end] <= index[start:end, None]  # [rows, end]
-        scores = jnp.where(jnp.tile(visible, (group, 1))[None], scores, -jnp.inf)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            "kmd,kdt->kmt", rows, keys[:, :, :end], preferred_element_type=jnp.float32
+        )
+        visible = jnp.tile(index[None, :end] <= index[start:end, None], (heads // k.shape[1], 1))
+        weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
         out = jnp.einsum(
-            "kmt,ktd->kmd", weights, values[:, :end], preferred_element_type=jnp.float32
-        )  # [kvh, group * rows, d]
-        out = jnp.transpose(out.reshape(kv_heads, group, rows, head_dim), (2, 0, 1, 3))
-        outs.append(out.reshape(rows, heads * head_dim).astype(q.dtype))
+            "kmt,ktd->kmd", weights.astype(v.dtype), values[:, :end],
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        outs.append(_by_query(out, end - start).astype(q.dtype))
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+
+
+def _by_kv_head(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Scaled queries [T, heads, d] as [kv_heads, group * T, d]: row j * T + t is query t
+    of the group's head j."""
+    seq, heads, head_dim = q.shape
+    scaled = (q * jnp.asarray(head_dim**-0.5, q.dtype)).reshape(seq, kv_heads, -1, head_dim)
+    return jnp.transpose(scaled, (1, 2, 0, 3)).reshape(kv_heads, -1, head_dim)
+
+
+def _by_query(out: jax.Array, seq: int) -> jax.Array:
+    """`_by_kv_head`'s inverse for the output: [kv_heads, group * T, d] -> [T, heads * d]."""
+    kv_heads, _, head_dim = out.shape
+    out = jnp.transpose(out.reshape(kv_heads, -1, seq, head_dim), (2, 0, 1, 3))
+    return out.reshape(seq, -1)
 
 
 def packed_causal_attention(
@@ -197,6 +205,8 @@ def paged_prefix_attention(
     their output is unspecified). Returns [T, heads * head_dim].
     """
     seq, heads, head_dim = q.shape
+    if jax.default_backend() == "cpu":
+        return _chunked_prefix(q, k_pages, v_pages, block_table, positions)
     kv_heads = k_pages.shape[2]
     keys = jnp.take(k_pages, block_table, axis=0, mode="clip")  # [MB, bs, kvh, d]
     values = jnp.take(v_pages, block_table, axis=0, mode="clip")
@@ -205,6 +215,66 @@ def paged_prefix_attention(
     visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]  # [T, MB*bs]
     out = jax.nn.dot_product_attention(q[None], keys[None], values[None], mask=visible[None, None])
     return out.reshape(seq, heads * head_dim)
+
+
+def _chunked_prefix(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
+    """`paged_prefix_attention` on XLA:CPU: the keys in chunks of KEY_BLOCKS blocks, as
+    many as the last query reaches (a loop of run-time length, with an online softmax),
+    not the whole table: a 512-token chunk after 256 cached tokens reads 48 of a 2048-
+    token table's 128 blocks. One layer of that on SmolLM2's heads (2 cores): 106 ms
+    attending to the whole table, 16 ms in chunks. Each chunk's products are batched
+    matmuls over the KV heads, as in `_chunked_causal`.
+    """
+    seq, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_pages.shape
+    chunks = -(-block_table.shape[0] // KEY_BLOCKS)
+    table = jnp.pad(  # whole chunks; the sentinel is read clipped, and masked
+        block_table, (0, chunks * KEY_BLOCKS - block_table.shape[0]), constant_values=num_blocks
+    )
+    rows = _by_kv_head(q, kv_heads)  # [kvh, group * T, d]
+    query_positions = jnp.tile(positions, heads // kv_heads)  # [group * T]
+    width = KEY_BLOCKS * block_size
+
+    def gathered(pages: jax.Array, blocks: jax.Array) -> jax.Array:
+        """The chunk's keys or values, [kvh, width, d] (a block's rows gathered whole)."""
+        chunk = jnp.take(pages.reshape(num_blocks, -1), blocks, axis=0, mode="clip")
+        return jnp.transpose(chunk.reshape(width, kv_heads, head_dim), (1, 0, 2))
+
+    def chunk(c, carry):
+        most, total, out = carry  # [kvh, group * T] (x2), [kvh, group * T, d]
+        blocks = jax.lax.dynamic_slice_in_dim(table, c * KEY_BLOCKS, KEY_BLOCKS)
+        scores = jnp.einsum(
+            "kmd,ktd->kmt", rows, gathered(k_pages, blocks), preferred_element_type=jnp.float32
+        )
+        key_positions = c * width + jnp.arange(width)
+        visible = key_positions[None, :] <= query_positions[:, None]
+        scores = jnp.where(visible[None], scores, -jnp.inf)
+        # Chunk 0 holds key 0, which every query sees: `most` is finite from then on.
+        new_most = jnp.maximum(most, jnp.max(scores, axis=-1))
+        weights = jnp.exp(scores - new_most[..., None])
+        kept = jnp.exp(most - new_most)
+        values = gathered(v_pages, blocks).astype(jnp.float32)
+        out = out * kept[..., None] + jnp.einsum("kmt,ktd->kmd", weights, values)
+        return new_most, total * kept + jnp.sum(weights, axis=-1), out
+
+    reached = jnp.minimum(jnp.max(positions) // width + 1, chunks)
+    most, total, out = jax.lax.fori_loop(
+        0,
+        reached,
+        chunk,
+        (
+            jnp.full(rows.shape[:2], -jnp.inf, jnp.float32),
+            jnp.zeros(rows.shape[:2], jnp.float32),
+            jnp.zeros(rows.shape, jnp.float32),
+        ),
+    )
+    return _by_query(out / total[..., None], seq).astype(q.dtype)
 
 
 def write_kv(
