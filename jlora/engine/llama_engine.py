@@ -302,8 +302,10 @@ class LlamaEngine(DeviceEngine):
         self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
         decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
         for size in decode:
-            self.steps.compile_decode(
-                self.params, self.cache, cfg.max_slots, size // cfg.block_size, self._weights
+            blocks = size // cfg.block_size
+            self.steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, self._weights)
+            self.cache = self.steps.prime_decode(
+                self.params, self.cache, cfg.max_slots, blocks, self._weights
             )
         if history and self.can_swap_kv:
             self.cache = self.kv_blocks.warm(self.cache)
@@ -316,8 +318,12 @@ class LlamaEngine(DeviceEngine):
                     )
             self.packed.compile(self.merged_steps, self.params, self.cache, None, smallest)
             for size in decode:
+                blocks = size // cfg.block_size
                 self.merged_steps.compile_decode(
-                    self.params, self.cache, cfg.max_slots, size // cfg.block_size, None
+                    self.params, self.cache, cfg.max_slots, blocks, None
+                )
+                self.cache = self.merged_steps.prime_decode(
+                    self.params, self.cache, cfg.max_slots, blocks, None
                 )
             assert self.store is not None
             for name in self.store.names():

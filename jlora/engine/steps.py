@@ -387,6 +387,34 @@ class CompiledSteps:
             executable = self._compile(self._decode_views_jit, what + ", layer views", *args, views)
             self._decode_exe[(slots, blocks)] = WithLayerViews(executable, self._views)
 
+    def prime_decode(
+        self,
+        params: Params,
+        cache: KVCache,
+        slots: int,
+        blocks: int,
+        lora_weights: LoraWeights | None,
+    ) -> KVCache:
+        """Run a compiled decode variant once on idle rows (all-sentinel block tables, so
+        nothing is written): XLA:CPU sets up each matmul's kernel on an executable's first
+        run, about 160 ms for SmolLM2's layer views (a `lax.switch` of 30 branches), which
+        would otherwise stall running streams the first time their length reaches the
+        variant's bucket. Warm-up calls it after `compile_decode`."""
+        tables = np.full((slots, blocks), cache.num_blocks, np.int32)
+        zeros = np.zeros(slots, np.int32)
+        sampled, cache = self.decode(
+            params,
+            cache,
+            zeros,
+            zeros,
+            tables,
+            host_sampling(slots),
+            lora_weights,
+            None if lora_weights is None else zeros,
+        )
+        jax.block_until_ready(sampled)
+        return cache
+
     # -- calls -------------------------------------------------------------------
 
     def prefill(
