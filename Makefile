@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/jlora up
 
+# Two pytest processes share the tests file by file (module fixtures run once); the few
+# that time something against the clock run afterwards, alone.
 test: $(STAMP)
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
+	$(BIN)/pytest -q -m serial --durations=5
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow"

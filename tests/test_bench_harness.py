@@ -152,6 +152,7 @@ def test_a_request_past_its_timeout_is_an_error(slow, kind):
 # -- open loop ---------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("kind", KINDS)
 def test_requests_leave_on_schedule_while_the_server_queues_them(slow, kind):
     """24 requests 20 ms apart, each holding one of 4 slots for 10 steps of 20 ms: the

@@ -183,6 +183,7 @@ SLOW_BODIES = {
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("sent", SLOW_BODIES.values(), ids=SLOW_BODIES.keys())
 def test_a_body_that_does_not_arrive_is_a_408_and_the_connection_closes(deployment, sent):
     calls = generate_calls(deployment)
@@ -201,6 +202,7 @@ IDLE_CLIENTS = {
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("sent", IDLE_CLIENTS.values(), ids=IDLE_CLIENTS.keys())
 def test_a_connection_without_a_request_is_closed(deployment, sent):
     answer, seconds = raw(deployment, sent)
@@ -209,6 +211,7 @@ def test_a_connection_without_a_request_is_closed(deployment, sent):
     assert_known_good(deployment)
 
 
+@pytest.mark.serial
 def test_an_idle_keep_alive_connection_is_closed(deployment):
     answer, seconds = raw(deployment, request_head(len(GOOD_BODY)) + GOOD_BODY)
     status, headers, reply = parse_response(answer)

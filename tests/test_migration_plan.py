@@ -439,6 +439,7 @@ def test_top_k_of_eight_workers_is_four_replicas():
     assert select_replicas(loads, 2) == ["w2", "w5", "w0", "w7"]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("replicas, requests, adapters", [(2, 200, 20), (4, 100, 20)])
 def test_a_decision_takes_well_under_a_second(replicas, requests, adapters):
     """2 replicas x 200 candidates, and the 4 replicas top-K=2 picks (each side) x 100, 20

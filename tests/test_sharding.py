@@ -392,6 +392,7 @@ class ProcessGroup:
             process.wait()
 
 
+@pytest.mark.serial
 def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
     """Two processes, two devices each, one tp4 mesh behind `jlora router`: concurrent
     mixed-adapter streams get the single-device engine's greedy tokens; then a follower

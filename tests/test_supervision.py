@@ -273,6 +273,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("watch_only", [False, True], ids=["parent-death-signal", "watch"])
 def test_a_child_dies_with_its_sigkilled_parent(watch_only):
     parent = subprocess.Popen(
@@ -493,6 +494,7 @@ class ServeProcess:
         self.process.wait(60)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_smollm2_busy_with_long_prefills_and_a_3mb_prompt_answers_its_probes(tmp_path):
     """Two 1000-token prefills, a burst of 32 short streams and a 3 MB text prompt (two

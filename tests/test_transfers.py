@@ -92,6 +92,7 @@ def test_exact_rows_by_hand_and_back():
     np.testing.assert_array_equal(exact[0, :, 0], [1, 0, 0, 0])
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("backend", LORA_BACKENDS)
 def test_a_rank_8_qv_adapter_sends_its_a_and_b_alone(tiny, tmp_path, backend):
     """Slots of rank 64 on all seven targets; a rank-8 adapter of q/v (rank 8 is its own

@@ -145,6 +145,7 @@ def test_a_failed_load_fails_its_requests_only_real_engine(tiny, tiny_adapters):
         engine.close()
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_registering_a_large_adapter_never_stalls_running_streams(smollm2, tmp_path):
     """Rank 256 on all seven SmolLM2 targets is ~310 MB of fp32 weights to read, hash,
