@@ -15,12 +15,13 @@ adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
 arrays of their own (jlora/model/layer_views.py), so each matmul reads its kernel in
-place instead of a copy sliced out of the stack. Executables are compiled ahead of
-time, once per bucket, and then called directly, so nothing is ever traced or compiled
-twice. The engine compiles at warm-up every shape it will use; a shape first met after
-warm-up is compiled then and logged as a warning (the cached-prefix variants, which
-warm-up compiles unless the cache policy keeps no history, are only logged: a prefix
-hit under "none" cannot happen).
+place instead of a copy sliced out of the stack, and on one CPU device in fp32 its
+attention is a host kernel reading the cache's pages in place (host_attention.py).
+Executables are compiled ahead of time, once per bucket, and then called directly, so
+nothing is ever traced or compiled twice. The engine compiles at warm-up every shape it
+will use; a shape first met after warm-up is compiled then and logged as a warning (the
+cached-prefix variants, which warm-up compiles unless the cache policy keeps no
+history, are only logged: a prefix hit under "none" cannot happen).
 
 `KVBlocks` copies whole KV blocks out of the cache and back, for the prefix cache's
 swaps to host memory; `size_pool` says how many blocks the device pool holds.
@@ -52,6 +53,8 @@ from jlora.adapters.targets import rank_row_bytes, target_shapes
 from jlora.engine.device import HostBlocks, SamplingRow
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
+from jlora.model.host_attention import usable as host_attention_usable
+from jlora.model.host_attention import warm as warm_host_attention
 from jlora.model.kv_cache import KVCache
 from jlora.model.layer_views import LayerViews, WithLayerViews
 from jlora.model.llama import Llama, Params
@@ -81,11 +84,14 @@ class CompiledSteps:
         specs: StepSpecs,
         packed_longest: int | None = None,
         layer_views: bool | None = None,
+        host_attention: bool | None = None,
     ) -> None:
         """packed_longest: the most tokens of one prompt in a packed prefill (None: any).
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
-        (a GPU's scan reads them from the stack)."""
+        (a GPU's scan reads them from the stack).
+        host_attention: decode attention by the host kernel (host_attention.py); None:
+        where it can read the cache in place (one CPU device, fp32)."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -127,6 +133,11 @@ class CompiledSteps:
         if layer_views is None:
             layer_views = specs.mesh.devices.flat[0].platform == "cpu"
         self._views = LayerViews() if layer_views else None
+        if host_attention is None:
+            host_attention = host_attention_usable(specs.mesh, model.dtype)
+        if host_attention:
+            warm_host_attention()
+        self.host_attention = host_attention
         one_layer = jax.tree.map(
             lambda spec: PartitionSpec(*spec[1:]),
             params["layers"],
@@ -237,7 +248,15 @@ class CompiledSteps:
         layers: list[Params] | None = None,
     ) -> tuple[jax.Array, KVCache]:
         logits, cache = self.model.decode(
-            params, cache, tokens, positions, block_tables, lora_weights, lora_idx, layers
+            params,
+            cache,
+            tokens,
+            positions,
+            block_tables,
+            lora_weights,
+            lora_idx,
+            layers,
+            host_attention=self.host_attention,
         )
         return sample(logits, sampling), cache
 

@@ -53,6 +53,7 @@ from jlora.model.attention import (
     paged_prefix_attention,
     write_kv,
 )
+from jlora.model.host_attention import paged_decode_attention_host
 from jlora.model.kv_cache import KVCache
 from jlora.model.sharding import TensorParallel
 
@@ -617,6 +618,7 @@ class Llama:
         lora_weights: LoraWeights | None = None,
         lora_idx: jax.Array | None = None,
         layers: list[Params] | None = None,
+        host_attention: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """One token for each of S slots.
 
@@ -626,6 +628,8 @@ class Llama:
         (-1: the base model), both given when the model has a LoRA backend.
         layers: None, or the layers' parameters as arrays of their own (layer_views.py,
         on CPU): the same result, without copying each layer's kernels out of the stack.
+        host_attention: attention by the host kernel (host_attention.py; a one-device
+        CPU mesh in fp32 only), reading each row's own keys in place.
         Returns fp32 logits [S, V] and the updated cache.
         """
         rows = jnp.arange(tokens.shape[0])
@@ -642,9 +646,12 @@ class Llama:
                 k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
                 v=write_kv(cache.v, index, blocks, offsets, v[:, 0]),
             )
-            attn = paged_decode_attention(
-                q[:, 0], cache.k[index], cache.v[index], block_tables, positions
-            )
+            if host_attention:
+                attn = paged_decode_attention_host(q[:, 0], cache, index, block_tables, positions)
+            else:
+                attn = paged_decode_attention(
+                    q[:, 0], cache.k[index], cache.v[index], block_tables, positions
+                )
             return layer.finish(x, attn, lora, dense), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)

@@ -1,0 +1,115 @@
+"""The host decode-attention kernel (jlora/model/host_attention.py): each row's softmax
+over its own keys, read in place through its block table from the layer the scan is
+at; the engine's tokens do not depend on which attention decoded them."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jlora.engine.steps as steps_module
+from jlora.engine.api import SamplingParams
+from jlora.model.attention import paged_decode_attention
+from jlora.model.host_attention import paged_decode_attention_host, usable
+from jlora.model.kv_cache import KVCache
+from tests.engine_helpers import make_engine, run_to_completion
+from tests.test_attention import naive, random
+from tests.tolerances import assert_close
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(3, 3), (9, 3)])
+def test_each_row_attends_to_its_own_keys_in_the_scanned_layer(heads, kv_heads):
+    """Four rows over shuffled blocks of 4 tokens in 3 layers: a one-token row, one ending
+    on a block boundary, one whose table ends in the sentinel (past its position), and an
+    idle row (all sentinel: read clipped, finite, meaningless)."""
+    layers, blocks, block_size, head_dim = 3, 12, 4, 16
+    cache = KVCache(
+        k=jnp.asarray(random((layers, blocks, block_size, kv_heads, head_dim), 1)),
+        v=jnp.asarray(random((layers, blocks, block_size, kv_heads, head_dim), 2)),
+    )
+    tables = np.array(
+        [[7, 12, 12], [3, 0, 11], [5, 9, 12], [12, 12, 12]], np.int32
+    )  # 12: the sentinel
+    positions = np.array([0, 11, 6, 0], np.int32)
+    q = random((layers, 4, heads, head_dim), 3)
+
+    @jax.jit
+    def every_layer(q, cache, tables, positions):
+        def body(_, layer):
+            args = (cache, layer, tables, positions)
+            host = paged_decode_attention_host(q[layer], *args)
+            xla = paged_decode_attention(
+                q[layer], cache.k[layer], cache.v[layer], tables, positions
+            )
+            return None, (host, xla)
+
+        return jax.lax.scan(body, None, jnp.arange(layers))[1]
+
+    host, xla = every_layer(jnp.asarray(q), cache, jnp.asarray(tables), jnp.asarray(positions))
+    assert host.shape == (layers, 4, heads * head_dim) and host.dtype == jnp.float32
+    keys, values = np.asarray(cache.k), np.asarray(cache.v)
+    for layer in range(layers):
+        for row in range(3):
+            seen = tables[row][: positions[row] // block_size + 1]
+            k = keys[layer, seen].reshape(-1, kv_heads, head_dim)
+            v = values[layer, seen].reshape(-1, kv_heads, head_dim)
+            expected = naive(q[layer, row], k, v, positions[row] + 1)
+            assert_close(host[layer, row], expected, np.float32, np.float32, scope="op")
+        assert np.isfinite(np.asarray(host[layer, 3])).all()
+    assert_close(host, xla, np.float32, np.float32, scope="op")
+
+
+def test_it_serves_only_where_it_reads_the_cache_in_place():
+    one = Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
+    assert usable(one, jnp.float32)
+    assert not usable(one, jnp.bfloat16)  # Numba has no bfloat16
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_tokens_do_not_depend_on_the_attention_that_decoded_them(
+    tiny, monkeypatch, temperature
+):
+    prompts = [[1, 2, 3], list(range(40, 75)), [9] * 17]
+    sampling = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
+    config = {"max_slots": 4, "max_seq_len": 128, "min_bucket": 16}
+    engine = make_engine(tiny, **config)
+    assert engine.device.steps.host_attention  # the default on one CPU device in fp32
+    on_host = run_to_completion(engine, prompts, sampling)
+    init = functools.partialmethod(steps_module.CompiledSteps.__init__, host_attention=False)
+    monkeypatch.setattr(steps_module.CompiledSteps, "__init__", init)
+    engine = make_engine(tiny, **config)
+    assert not engine.device.steps.host_attention
+    assert run_to_completion(engine, prompts, sampling) == on_host
+
+
+def test_two_threads_may_decode_at_once():
+    """Two engines in one process decode on their own threads; Numba's workqueue aborts
+    the process if two launches overlap, so the kernel's launches take turns."""
+    cache = KVCache(
+        k=jnp.asarray(random((2, 64, 16, 3, 64), 4)), v=jnp.asarray(random((2, 64, 16, 3, 64), 5))
+    )
+    tables = jnp.asarray(np.arange(32 * 4, dtype=np.int32).reshape(32, 4) % 64)
+    positions = jnp.full(32, 60, jnp.int32)
+    q = jnp.asarray(random((32, 9, 64), 6))
+    attend = jax.jit(paged_decode_attention_host)
+    expected = np.asarray(attend(q, cache, jnp.int32(1), tables, positions))
+    results: list[np.ndarray] = []
+
+    def decode() -> None:
+        for _ in range(50):
+            results.append(np.asarray(attend(q, cache, jnp.int32(1), tables, positions)))
+
+    threads = [threading.Thread(target=decode) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 150
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
