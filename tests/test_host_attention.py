@@ -4,7 +4,6 @@ at; the engine's tokens do not depend on which attention decoded them."""
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import jax
@@ -13,10 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import jlora.engine.steps as steps_module
 from jlora.engine.api import SamplingParams
+from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
-from jlora.model.host_attention import paged_decode_attention_host, usable
+from jlora.model.host_attention import MIN_ROWS, paged_decode_attention_host, usable
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.test_attention import naive, random
@@ -65,10 +64,11 @@ def test_each_row_attends_to_its_own_keys_in_the_scanned_layer(heads, kv_heads):
     assert_close(host, xla, np.float32, np.float32, scope="op")
 
 
-def test_it_serves_only_where_it_reads_the_cache_in_place():
+def test_it_serves_only_where_it_reads_the_cache_in_place_and_pays():
     one = Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
-    assert usable(one, jnp.float32)
-    assert not usable(one, jnp.bfloat16)  # Numba has no bfloat16
+    assert usable(one, jnp.float32, MIN_ROWS)
+    assert not usable(one, jnp.bfloat16, MIN_ROWS)  # Numba has no bfloat16
+    assert not usable(one, jnp.float32, MIN_ROWS - 1)  # the callbacks cost more than it saves
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -77,12 +77,11 @@ def test_engine_tokens_do_not_depend_on_the_attention_that_decoded_them(
 ):
     prompts = [[1, 2, 3], list(range(40, 75)), [9] * 17]
     sampling = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
-    config = {"max_slots": 4, "max_seq_len": 128, "min_bucket": 16}
+    config = {"max_slots": MIN_ROWS, "max_seq_len": 128, "min_bucket": 16}
     engine = make_engine(tiny, **config)
-    assert engine.device.steps.host_attention  # the default on one CPU device in fp32
+    assert engine.device.steps.host_attention  # the default: one CPU device, fp32, 16 rows
     on_host = run_to_completion(engine, prompts, sampling)
-    init = functools.partialmethod(steps_module.CompiledSteps.__init__, host_attention=False)
-    monkeypatch.setattr(steps_module.CompiledSteps, "__init__", init)
+    monkeypatch.setattr(host_attention, "MIN_ROWS", MIN_ROWS + 1)
     engine = make_engine(tiny, **config)
     assert not engine.device.steps.host_attention
     assert run_to_completion(engine, prompts, sampling) == on_host

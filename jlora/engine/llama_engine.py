@@ -94,6 +94,7 @@ from jlora.engine.steps import (
     set_sampling,
     size_pool,
 )
+from jlora.model import host_attention
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
 from jlora.model.merge import WeightMerger
@@ -187,13 +188,19 @@ class LlamaEngine(DeviceEngine):
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        self.steps = CompiledSteps(self.model, specs, self.packed.longest or None)
+        host = host_attention.usable(self.mesh, self.model.dtype, cfg.max_slots)
+        self.steps = CompiledSteps(
+            self.model, specs, self.packed.longest or None, host_attention=host
+        )
         # Merged inference: the steps without LoRA weights, the fold, and its state.
         self.merged_steps: CompiledSteps | None = None
         self.merger: WeightMerger | None = None
         if self.lora is not None:
             self.merged_steps = CompiledSteps(
-                self.model, dataclasses.replace(specs, lora=None), self.packed.longest or None
+                self.model,
+                dataclasses.replace(specs, lora=None),
+                self.packed.longest or None,
+                host_attention=host,
             )
             self.merger = WeightMerger(self.tp, self.params)
         self._merged: str | None = None

@@ -15,8 +15,9 @@ adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
 arrays of their own (jlora/model/layer_views.py), so each matmul reads its kernel in
-place instead of a copy sliced out of the stack, and on one CPU device in fp32 its
-attention is a host kernel reading the cache's pages in place (host_attention.py).
+place instead of a copy sliced out of the stack, and (one CPU device, fp32, a large
+batch) its attention is a host kernel reading the cache's pages in place
+(host_attention.py).
 Executables are compiled ahead of time, once per bucket, and then called directly, so
 nothing is ever traced or compiled twice. The engine compiles at warm-up every shape it
 will use; a shape first met after warm-up is compiled then and logged as a warning (the
@@ -53,7 +54,6 @@ from jlora.adapters.targets import rank_row_bytes, target_shapes
 from jlora.engine.device import HostBlocks, SamplingRow
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
-from jlora.model.host_attention import usable as host_attention_usable
 from jlora.model.host_attention import warm as warm_host_attention
 from jlora.model.kv_cache import KVCache
 from jlora.model.layer_views import LayerViews, WithLayerViews
@@ -84,14 +84,14 @@ class CompiledSteps:
         specs: StepSpecs,
         packed_longest: int | None = None,
         layer_views: bool | None = None,
-        host_attention: bool | None = None,
+        host_attention: bool = False,
     ) -> None:
         """packed_longest: the most tokens of one prompt in a packed prefill (None: any).
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
-        host_attention: decode attention by the host kernel (host_attention.py); None:
-        where it can read the cache in place (one CPU device, fp32)."""
+        host_attention: decode attention by the host kernel (host_attention.py), where
+        `host_attention.usable` says it pays."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -133,8 +133,6 @@ class CompiledSteps:
         if layer_views is None:
             layer_views = specs.mesh.devices.flat[0].platform == "cpu"
         self._views = LayerViews() if layer_views else None
-        if host_attention is None:
-            host_attention = host_attention_usable(specs.mesh, model.dtype)
         if host_attention:
             warm_host_attention()
         self.host_attention = host_attention
@@ -418,7 +416,11 @@ class CompiledSteps:
         nothing is written): XLA:CPU sets up each matmul's kernel on an executable's first
         run, about 160 ms for SmolLM2's layer views (a `lax.switch` of 30 branches), which
         would otherwise stall running streams the first time their length reaches the
-        variant's bucket. Warm-up calls it after `compile_decode`."""
+        variant's bucket. Warm-up calls it after `compile_decode`. Not on a mesh that spans
+        processes: there every launch must be the leader's, mirrored (multiprocess.py),
+        and each process warms up on its own."""
+        if jax.process_count() > 1:
+            return cache
         tables = np.full((slots, blocks), cache.num_blocks, np.int32)
         zeros = np.zeros(slots, np.int32)
         sampled, cache = self.decode(

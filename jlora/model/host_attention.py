@@ -5,14 +5,17 @@ longest bucket into a new array, then reads it twice (two einsums and their layo
 changes): about 7.5 ms a SmolLM2 layer for 32 rows of 512 keys, two thirds of a decode
 step. The kernel here reads each row's keys and values in place, straight from the
 cache's pages, and only up to the row's own position (a row 100 tokens long reads 100
-keys, whatever the batch's bucket): 2.5-4x faster a layer at 32 rows (measured side by
-side in `bench/throughput.py`'s decode and the replay).
+keys, whatever the batch's bucket): a 32-row SmolLM2 decode step over up to 512 keys
+took 150-165 ms against 230 with the XLA path (measured side by side on this 2-core
+machine; the replay in bench/results/2026-11-27-cpu-replay.md runs it).
 
 How: `jax.experimental.buffer_callback` hands the kernel the whole cache's buffers
 without a copy, with the layer's index, inside the scan over the layers; the callback
 holds the GIL only to unwrap its arguments, and the kernel (nogil) splits the (row, KV
-head) pairs over the cores (Numba's workqueue threads, one launch at a time: see below). Only where its inputs are host memory it can read in place:
-a one-device CPU mesh, in float32 (`usable`); elsewhere the XLA path serves.
+head) pairs over the cores (Numba's workqueue threads, one launch at a time: see
+below). It serves only where it reads host memory in place and where it pays: a
+one-device CPU mesh, in float32, at least `MIN_ROWS` decode rows (`usable`); elsewhere
+the XLA path serves.
 
 Semantics are `paged_decode_attention`'s: out[s] = softmax_{j <= positions[s]}(q[s]
 K_s[j] / sqrt(d)) V_s[j], fp32 throughout; a sentinel block (an idle row's) is read
@@ -38,7 +41,7 @@ from jlora.model.kv_cache import KVCache
 # 1.8x slower afterwards (a benchmark's transformers side: 10.9 s before a jlora run,
 # 19.6 s after; 12.8 s with the workqueue, jlora as fast). The workqueue must not be
 # entered by two threads at once (two engines in one process): `_LAUNCH` serialises.
-numba.config.THREADING_LAYER = "workqueue"
+numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 _LAUNCH = threading.Lock()
 
 
@@ -94,12 +97,22 @@ def _callback(ctx: Any, out: Any, q: Any, k: Any, v: Any, layer: Any, tables: An
         _attend(*args, np.asarray(tables), np.asarray(pos), np.asarray(out))
 
 
-def usable(mesh: Mesh, dtype: Any) -> bool:
-    """Whether the kernel can read this mesh's cache in place: one CPU device, fp32."""
+# Fewer decode rows than this: the XLA path. Each layer's callback has a fixed cost (the
+# GIL, the launch: about 0.4 ms), which a small batch's attention does not repay; a
+# SmolLM2 step at 4 rows took 60 ms with the kernel against 48 without, at 32 rows of
+# 512 keys 150-165 against 230. A Python thread busy beside the engine (staging an
+# adapter) also makes each callback wait for the GIL.
+MIN_ROWS = 16
+
+
+def usable(mesh: Mesh, dtype: Any, rows: int) -> bool:
+    """Whether the kernel pays for a decode of `rows` rows over this mesh: it reads the
+    cache in place (one CPU device, fp32) and the batch is large enough."""
     return (
         mesh.devices.size == 1
         and mesh.devices.flat[0].platform == "cpu"
         and np.dtype(dtype) == np.float32
+        and rows >= MIN_ROWS
     )
 
 
