@@ -386,16 +386,7 @@ class CompiledSteps:
     ) -> None:
         if (slots, blocks) in self._decode_exe:
             return
-        args = (
-            params,
-            cache,
-            np.zeros(slots, np.int32),
-            np.zeros(slots, np.int32),
-            np.zeros((slots, blocks), np.int32),
-            host_sampling(slots),
-            lora_weights,
-            None if lora_weights is None else np.zeros(slots, np.int32),
-        )
+        args = (params, cache, *_idle_rows(slots, blocks, cache.num_blocks, lora_weights))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])
         if self._views is None or views is None:
@@ -421,18 +412,8 @@ class CompiledSteps:
         and each process warms up on its own."""
         if jax.process_count() > 1:
             return cache
-        tables = np.full((slots, blocks), cache.num_blocks, np.int32)
-        zeros = np.zeros(slots, np.int32)
-        sampled, cache = self.decode(
-            params,
-            cache,
-            zeros,
-            zeros,
-            tables,
-            host_sampling(slots),
-            lora_weights,
-            None if lora_weights is None else zeros,
-        )
+        idle = _idle_rows(slots, blocks, cache.num_blocks, lora_weights)
+        sampled, cache = self.decode(params, cache, *idle)
         jax.block_until_ready(sampled)
         return cache
 
@@ -653,6 +634,15 @@ def size_pool(
     return dataclasses.replace(
         cfg, kv_cache_tokens=blocks * cfg.block_size, pool_bytes=0, pool_fraction=0.0
     )
+
+
+def _idle_rows(slots: int, blocks: int, sentinel: int, lora_weights: LoraWeights | None):
+    """A decode step's inputs after the cache, for `slots` idle rows: block tables all
+    `sentinel` (nothing written), base-model rows where there are adapter slots."""
+    zeros = np.zeros(slots, np.int32)
+    tables = np.full((slots, blocks), sentinel, np.int32)
+    lora_idx = None if lora_weights is None else np.full(slots, -1, np.int32)
+    return zeros, zeros, tables, host_sampling(slots), lora_weights, lora_idx
 
 
 def host_sampling(rows: int) -> SamplingArrays:
