@@ -79,15 +79,17 @@ def test_prefix_attention_sees_the_cached_prefix_and_the_new_tokens_up_to_each(
     Chunks of KEY_BLOCKS blocks: the prefixes end inside the first, second and third."""
     blocks, block_size, head_dim, rows = 24, 4, 8, 24
     assert KEY_BLOCKS * block_size < 28 + 19 <= 2 * KEY_BLOCKS * block_size
-    k_pages = random((blocks, block_size, kv_heads, head_dim), 1)
-    v_pages = random((blocks, block_size, kv_heads, head_dim), 2)
+    k_cache = random((3, blocks, block_size, kv_heads, head_dim), 1)  # layer 1's is read
+    v_cache = random((3, blocks, block_size, kv_heads, head_dim), 2)
     q = random((rows, heads, head_dim), 3)
     used = -(-(cached + new) // block_size)
     table = np.full(20, blocks, np.int32)
     table[:used] = np.random.default_rng(4).permutation(blocks)[:used]
     positions = (cached + np.arange(rows)).astype(np.int32)
-    out = paged_prefix_attention(*map(jnp.asarray, (q, k_pages, v_pages, table, positions)))
-    keys = k_pages[table[:used]].reshape(-1, kv_heads, head_dim)
-    values = v_pages[table[:used]].reshape(-1, kv_heads, head_dim)
+    out = paged_prefix_attention(
+        *map(jnp.asarray, (q, k_cache, v_cache, np.int32(1), table, positions))
+    )
+    keys = k_cache[1, table[:used]].reshape(-1, kv_heads, head_dim)
+    values = v_cache[1, table[:used]].reshape(-1, kv_heads, head_dim)
     expected = np.stack([naive(q[t], keys, values, cached + t + 1) for t in range(new)])
     assert_close(out[:new], expected, np.float32, np.float32, scope="op")

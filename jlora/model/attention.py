@@ -188,25 +188,27 @@ def paged_decode_attention(
 
 def paged_prefix_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
     block_table: jax.Array,
     positions: jax.Array,
 ) -> jax.Array:
     """A prompt's new tokens attending to its cached prefix and, causally, to each other.
 
     Semantics: out[t] = softmax_{j <= positions[t]}(q[t]·K[j] / sqrt(d)) · V[j], where
-    K[j] = k_pages[block_table[j // block_size], j % block_size].
+    K[j] = k_cache[layer, block_table[j // block_size], j % block_size].
 
-    q: [T, heads, head_dim], the new tokens (padded); k_pages, v_pages: [num_blocks,
-    block_size, kv_heads, head_dim] (one layer, the new tokens' keys already written);
-    block_table: i32[max_blocks] (sentinel entries are read clipped, and masked);
-    positions: i32[T], each query's position (rows past the real tokens are padding and
-    their output is unspecified). Returns [T, heads * head_dim].
+    q: [T, heads, head_dim], the new tokens (padded); k_cache, v_cache: [layers,
+    num_blocks, block_size, kv_heads, head_dim] (the new tokens' keys already written);
+    layer: i32[]; block_table: i32[max_blocks] (sentinel entries are read clipped, and
+    masked); positions: i32[T], each query's position (rows past the real tokens are
+    padding and their output is unspecified). Returns [T, heads * head_dim].
     """
     seq, heads, head_dim = q.shape
     if jax.default_backend() == "cpu":
-        return _chunked_prefix(q, k_pages, v_pages, block_table, positions)
+        return _chunked_prefix(q, k_cache, v_cache, layer, block_table, positions)
+    k_pages, v_pages = k_cache[layer], v_cache[layer]
     kv_heads = k_pages.shape[2]
     keys = jnp.take(k_pages, block_table, axis=0, mode="clip")  # [MB, bs, kvh, d]
     values = jnp.take(v_pages, block_table, axis=0, mode="clip")
@@ -219,8 +221,9 @@ def paged_prefix_attention(
 
 def _chunked_prefix(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
     block_table: jax.Array,
     positions: jax.Array,
 ) -> jax.Array:
@@ -229,10 +232,14 @@ def _chunked_prefix(
     not the whole table: a 512-token chunk after 256 cached tokens reads 48 of a 2048-
     token table's 128 blocks. One layer of that on SmolLM2's heads (2 cores): 106 ms
     attending to the whole table, 16 ms in chunks. Each chunk's products are batched
-    matmuls over the KV heads, as in `_chunked_causal`.
+    matmuls over the KV heads, as in `_chunked_causal`. The blocks are gathered from the
+    whole cache, rows `layer * num_blocks + block`: gathering from `k_cache[layer]`
+    copied the layer's pages out of the cache first (XLA:CPU hoists the slice out of
+    the loop), 50 MB a layer for a 4096-block SmolLM2 cache, which made any call after a
+    cached prefix cost about 300 ms more than a plain prefill, whatever its length.
     """
     seq, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_pages.shape
+    _, num_blocks, block_size, kv_heads, _ = k_cache.shape
     chunks = -(-block_table.shape[0] // KEY_BLOCKS)
     table = jnp.pad(  # whole chunks; the sentinel is read clipped, and masked
         block_table, (0, chunks * KEY_BLOCKS - block_table.shape[0]), constant_values=num_blocks
@@ -241,16 +248,18 @@ def _chunked_prefix(
     query_positions = jnp.tile(positions, heads // kv_heads)  # [group * T]
     width = KEY_BLOCKS * block_size
 
-    def gathered(pages: jax.Array, blocks: jax.Array) -> jax.Array:
+    def gathered(cache: jax.Array, blocks: jax.Array) -> jax.Array:
         """The chunk's keys or values, [kvh, width, d] (a block's rows gathered whole)."""
-        chunk = jnp.take(pages.reshape(num_blocks, -1), blocks, axis=0, mode="clip")
+        flat = cache.reshape(-1, block_size * kv_heads * head_dim)  # [layers * NB, ...]
+        index = layer * num_blocks + jnp.minimum(blocks, num_blocks - 1)
+        chunk = jnp.take(flat, index, axis=0)
         return jnp.transpose(chunk.reshape(width, kv_heads, head_dim), (1, 0, 2))
 
     def chunk(c, carry):
         most, total, out = carry  # [kvh, group * T] (x2), [kvh, group * T, d]
         blocks = jax.lax.dynamic_slice_in_dim(table, c * KEY_BLOCKS, KEY_BLOCKS)
         scores = jnp.einsum(
-            "kmd,ktd->kmt", rows, gathered(k_pages, blocks), preferred_element_type=jnp.float32
+            "kmd,ktd->kmt", rows, gathered(k_cache, blocks), preferred_element_type=jnp.float32
         )
         key_positions = c * width + jnp.arange(width)
         visible = key_positions[None, :] <= query_positions[:, None]
@@ -259,7 +268,7 @@ def _chunked_prefix(
         new_most = jnp.maximum(most, jnp.max(scores, axis=-1))
         weights = jnp.exp(scores - new_most[..., None])
         kept = jnp.exp(most - new_most)
-        values = gathered(v_pages, blocks).astype(jnp.float32)
+        values = gathered(v_cache, blocks).astype(jnp.float32)
         out = out * kept[..., None] + jnp.einsum("kmt,ktd->kmd", weights, values)
         return new_most, total * kept + jnp.sum(weights, axis=-1), out
 

@@ -521,7 +521,7 @@ class Llama:
         def attend(q, k, v, cache, index):
             if cached is None:
                 return causal_attention(q, k, v, length)
-            return paged_prefix_attention(q, cache.k[index], cache.v[index], block_table, positions)
+            return paged_prefix_attention(q, cache.k, cache.v, index, block_table, positions)
 
         def lora_for(index, step):
             device = self._lora_fn(lora_weights, self._lora_apply(index, segments))
