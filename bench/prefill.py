@@ -39,11 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.throughput import Measurement, compare, machine_facts, make_prompts, write_report
-from configs import EngineConfig
+from configs import EngineConfig, bucket
 from jlora.adapters.peft import make_demo_adapters
 from jlora.engine.device import PrefillJob, SamplingRow
 from jlora.engine.llama_engine import LlamaEngine
-from jlora.engine.steps import bucket
 from jlora.model.loading import LoadedModel, load_model
 
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)

@@ -5,7 +5,7 @@ dataclasses defined here; every dataclass validates itself in `__post_init__` an
 names the bad field. This package imports neither jax nor flax.
 """
 
-from configs.engine import CACHE_POLICIES, MERGE_MODES, EngineConfig
+from configs.engine import CACHE_POLICIES, MERGE_MODES, EngineConfig, bucket
 from configs.model import (
     ConfigError,
     ModelConfig,
@@ -28,5 +28,6 @@ __all__ = [
     "list_presets",
     "list_sharding_presets",
     "load_preset",
+    "bucket",
     "load_sharding",
 ]

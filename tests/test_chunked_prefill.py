@@ -87,6 +87,30 @@ def test_each_step_prefills_at_most_the_budget_and_admissions_fill_what_is_left(
         assert out[name] == mock_completion(prompt, None, 5, VOCAB)
 
 
+@pytest.mark.parametrize(
+    "length, prefills",
+    [
+        (384, [(256, 0), (384, 256)]),  # 512 would pad 128 tokens; 256 + 128 pad none
+        (300, [(256, 0), (300, 256)]),  # 512 pads 212; 256 + 44 (in 64) pads 20
+        (257, [(256, 0), (257, 256)]),  # 512 pads 255; 256 + 1 (in 32) pads 31
+        (500, [(500, 0)]),  # 512 pads 12
+        (100, [(100, 0)]),  # 128 pads 28; 64 + 36 (in 64) would pad 28
+    ],
+)
+def test_a_prefill_ends_on_a_bucket_where_padding_it_whole_would_cost_more(length, prefills):
+    """Buckets 32, 64, ..., 512 (the default), a budget of 512: a prompt whose bucket
+    would pad SPLIT_TOKENS more than ending on a smaller bucket and padding the rest
+    runs in two steps; the stream is exact either way. Not under the "none" policy."""
+    prompt = [(7 * i) % VOCAB for i in range(length)]
+    for policy, expected in (("fastlibra", prefills), ("none", [(length, 0)])):
+        engine = mock_engine(max_slots=2, max_seq_len=512, cache_policy=policy)
+        steps = _record_prefills(engine)
+        engine.add_request(Request("r", prompt, SamplingParams(max_tokens=4)))
+        out = [event.token_id for _ in range(8) for event in engine.step()]
+        assert [job for jobs in steps for job in jobs] == expected
+        assert out == mock_completion(prompt, None, 4, VOCAB)
+
+
 def test_aborting_or_preempting_a_request_between_its_chunks_gives_back_its_blocks():
     engine = mock_engine(max_slots=3, max_seq_len=128, prefill_token_budget=16)
     engine.add_request(Request("long", [5] * 100, SamplingParams(max_tokens=3)))
@@ -157,9 +181,11 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill_with_adapters(tiny,
                 out[event.request_id].append(event.token_id)
         results.append((out, engine.stats().prefill_chunks))
         engine.close()
-    (chunked, chunks), (whole, none) = results
+    (chunked, chunks), (whole, split) = results
     assert chunked == whole
-    assert chunks == 3 + 1 + 2 and none == 0
+    # Chunks of 32: 3 + 1 + 2. Within 512: the 70-token prompt runs as 64 + 6 (padded
+    # to 16), not 70 padded to 128.
+    assert chunks == 3 + 1 + 2 and split == 1
 
 
 @pytest.mark.slow

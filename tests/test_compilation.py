@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from configs import bucket
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.steps import bucket
 from tests.engine_helpers import make_engine
 
 _EVENTS: list[str] = []
@@ -57,12 +57,15 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
             max_loras=2,
             max_lora_rank=16,
             lora_backend=lora,
+            decode_row_buckets=(1, 3),
         )
         for path in paths:
             engine.register_adapter(path.name, str(path))
         adapters = [path.name for path in paths] + [None]
     else:
-        engine = make_engine(tiny, max_slots=3, max_seq_len=128, min_bucket=16)
+        engine = make_engine(
+            tiny, max_slots=3, max_seq_len=128, min_bucket=16, decode_row_buckets=(1, 3)
+        )
         adapters = [None]
     engine.warmup()
     rng = np.random.default_rng(0)
@@ -110,10 +113,12 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
     if lora:
         assert engine.adapters.slots.stats()["evictions"] >= 1
     # Each prefill bucket three times: plain, continuing a cached prefix (the prefix
-    # cache), and packed (prefill_many: every bucket here is within packed_prefill_tokens).
-    assert engine.device.steps.num_compiles == 3 * len(engine.config.prefill_buckets) + len(
-        engine.config.decode_buckets
-    )
+    # cache), and packed (prefill_many: every bucket here is within packed_prefill_tokens);
+    # each decode bucket once per row bucket.
+    config = engine.config
+    assert engine.device.steps.num_compiles == 3 * len(config.prefill_buckets) + len(
+        config.decode_buckets
+    ) * len(config.decode_row_buckets)
 
 
 def test_on_demand_warmup_compiles_only_the_shapes_a_run_meets(tiny, caplog):

@@ -94,6 +94,17 @@ def test_engine_config_buckets_default_to_powers_of_two():
 
 
 @pytest.mark.parametrize(
+    "slots, rows", [(1, (1,)), (8, (8,)), (31, (31,)), (32, (8, 32)), (128, (8, 32, 128))]
+)
+def test_decode_row_buckets_default_to_quarters_of_max_slots_down_to_eight(slots, rows):
+    assert EngineConfig(max_slots=slots).decode_row_buckets == rows
+    assert EngineConfig(max_slots=slots, decode_row_buckets=(slots, 1)).decode_row_buckets == (
+        1,
+        slots,
+    )
+
+
+@pytest.mark.parametrize(
     "change, message",
     [
         ({"dtype": "float16"}, "EngineConfig.dtype='float16'"),
@@ -101,6 +112,8 @@ def test_engine_config_buckets_default_to_powers_of_two():
         ({"max_seq_len": 100}, "max_seq_len=100 must be a multiple of block_size=16"),
         ({"prefill_buckets": (16, 64)}, "prefill_buckets=.* must be positive and end at"),
         ({"decode_buckets": (20, 2048)}, "decode_buckets has 20, not a multiple of block_size"),
+        ({"decode_row_buckets": (2, 4)}, r"decode_row_buckets=\(2, 4\) must .* end at max_slots=8"),
+        ({"decode_row_buckets": (0, 8)}, "decode_row_buckets=.* must be positive"),
     ],
 )
 def test_engine_config_names_the_bad_field(change, message):

@@ -88,6 +88,24 @@ def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_the_base_model(ti
     engine.close()
 
 
+def test_tokens_do_not_depend_on_the_decode_row_bucket(tiny, demo):
+    """As the batch drains, decode runs its live rows gathered into smaller row buckets
+    (with their adapter slots and sampling); every request's tokens are those of the
+    engine that always decodes every slot."""
+    a, b, c = _names(demo)
+    prompts = _prompts([5, 9, 17, 3, 20, 11], seed=4)
+    rows = [a, None, b, c, a, None]
+    sampling = [
+        SamplingParams(max_tokens=n, temperature=t, seed=i, ignore_eos=True)
+        for i, (n, t) in enumerate([(3, 0.0), (14, 0.8), (6, 0.0), (20, 0.0), (9, 0.9), (1, 0.0)])
+    ]
+    every_slot = run_to_completion(_engine(tiny, demo), prompts, sampling, rows)
+    engine = _engine(tiny, demo, decode_row_buckets=(1, 2, 4))
+    assert run_to_completion(engine, prompts, sampling, rows) == every_slot
+    assert {rows for rows, _ in engine.device.steps._decode_exe} == {1, 2, 4}
+    engine.close()
+
+
 def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     """Logits of rows without an adapter, next to adapted rows, equal the base model's."""
     engine = _engine(tiny, demo, max_loras=3, lora_mode="cached")

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jlora.engine.api import SamplingParams
 from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
-from jlora.model.host_attention import MIN_ROWS, paged_decode_attention_host, usable
+from jlora.model.host_attention import MIN_ROWS, paged_decode_attention_host, pays, usable
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.test_attention import naive, random
@@ -66,9 +66,10 @@ def test_each_row_attends_to_its_own_keys_in_the_scanned_layer(heads, kv_heads):
 
 def test_it_serves_only_where_it_reads_the_cache_in_place_and_pays():
     one = Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
-    assert usable(one, jnp.float32, MIN_ROWS)
-    assert not usable(one, jnp.bfloat16, MIN_ROWS)  # Numba has no bfloat16
-    assert not usable(one, jnp.float32, MIN_ROWS - 1)  # the callbacks cost more than it saves
+    assert usable(one, jnp.float32)
+    assert not usable(one, jnp.bfloat16)  # Numba has no bfloat16
+    assert pays(MIN_ROWS)
+    assert not pays(MIN_ROWS - 1)  # the callbacks cost more than it saves
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -79,11 +80,11 @@ def test_engine_tokens_do_not_depend_on_the_attention_that_decoded_them(
     sampling = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
     config = {"max_slots": MIN_ROWS, "max_seq_len": 128, "min_bucket": 16}
     engine = make_engine(tiny, **config)
-    assert engine.device.steps.host_attention  # the default: one CPU device, fp32, 16 rows
+    assert engine.device.steps.host_attention_for(MIN_ROWS)  # one CPU device, fp32
     on_host = run_to_completion(engine, prompts, sampling)
     monkeypatch.setattr(host_attention, "MIN_ROWS", MIN_ROWS + 1)
     engine = make_engine(tiny, **config)
-    assert not engine.device.steps.host_attention
+    assert not engine.device.steps.host_attention_for(MIN_ROWS)
     assert run_to_completion(engine, prompts, sampling) == on_host
 
 

@@ -176,11 +176,14 @@ def test_a_packed_call_gives_each_job_its_own_prefill(engine, monkeypatch):
 def test_packed_logits_equal_each_prompts_alone(engine, longest):
     """The model's packed prefill, padded to six prompt rows (two empty) and 96 tokens,
     its attention over every key or (longest=40) in windows of 20 queries and the 40 keys
-    before them: each prompt's last logits are its single prefill's; an adapted prompt's
-    differ from the base model's (its segment reaches it)."""
+    before them, and its LoRA segments over every row or over windows of 40 (adapter
+    a's two prompts, 5 + 40 tokens, cut in two): each prompt's last logits are
+    its single prefill's; an adapted prompt's differ from the base model's (its segment
+    reaches it)."""
     model, weights = engine.model, engine.lora.weights
     jobs = _Blocks(engine).jobs(seed=10)
-    call = layout(jobs, 96, 6, num_blocks=32)
+    call = layout(jobs, 96, 6, num_blocks=32, window=longest)
+    assert len(set(call.segments.start.tolist())) == (5 if longest else 4)
     tables = np.full((6, 16), 32, np.int32)
     tables[:4, :3] = np.arange(12).reshape(4, 3)  # each prompt's own three blocks
     packed, _ = jax.jit(model.prefill_packed, static_argnames="longest")(
@@ -311,6 +314,13 @@ def test_layout_groups_prompts_by_adapter_and_pads():
     # Segments: the base prompt, then both slot-1 prompts as one; the rest empty.
     assert call.segments.slot.tolist() == [-1, 1, -1, -1]
     assert call.segments.start.tolist() == [0, 1, 6, 6, 6]
+    # Segments of at most 2 rows: slot 1's five rows cut in three; room for 4 + 8 // 2.
+    call = layout(jobs, 8, 4, num_blocks=9, window=2)
+    assert (call.segments.slot.tolist(), call.segments.start.tolist()) == (
+        [-1, 1, 1, 1, -1, -1, -1, -1],
+        [0, 1, 3, 5, 6, 6, 6, 6, 6],
+    )
+    assert call.segments.window == 2
 
 
 def test_the_default_prefill_many_is_prefill_per_job_and_reports_a_fault(monkeypatch):

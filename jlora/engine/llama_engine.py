@@ -20,7 +20,8 @@ placed, in KV blocks; else `kv_cache_tokens`. `config` carries the resolved size
 (`config.num_blocks`), which is what the orchestrator allocates from.
 
 A prefill pads its prompt to the next prefill bucket and runs in one compiled call
-that also samples the first token; a decode step attends over the smallest decode
+that also samples the first token; a decode step gathers the live rows into the smallest
+decode row bucket holding them (idle rows pad it) and attends over the smallest decode
 bucket holding the longest row. Both compile once per bucket (`warmup`), never while
 serving a known shape. A prefill after a cached prefix (`PrefillJob.cached`) pads only
 the new tokens, in a variant of its own (steps.py), compiled at warm-up unless the cache
@@ -63,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from configs import ConfigError, EngineConfig, ModelConfig
+from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
 from jlora.adapters.backends import LoraWeights, Segments, make_backend
 from jlora.adapters.device import DeviceSlots, Transfer
@@ -89,7 +90,6 @@ from jlora.engine.steps import (
     CompiledSteps,
     KVBlocks,
     StepSpecs,
-    bucket,
     host_sampling,
     set_sampling,
     size_pool,
@@ -181,14 +181,15 @@ class LlamaEngine(DeviceEngine):
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
         self.state = self._empty_state()
-        self.packed = PackedPrefill(cfg)  # prefill_many's calls
+        # prefill_many's calls
+        self.packed = PackedPrefill(cfg, None if backend is None else backend.segment_rows)
         specs = StepSpecs(
             mesh=self.mesh,
             params=self.tp.param_specs(self.params),
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        host = host_attention.usable(self.mesh, self.model.dtype, cfg.max_slots)
+        host = host_attention.usable(self.mesh, self.model.dtype)
         self.steps = CompiledSteps(
             self.model, specs, self.packed.longest or None, host_attention=host
         )
@@ -308,12 +309,7 @@ class LlamaEngine(DeviceEngine):
                 )
         self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
         decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
-        for size in decode:
-            blocks = size // cfg.block_size
-            self.steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, self._weights)
-            self.cache = self.steps.prime_decode(
-                self.params, self.cache, cfg.max_slots, blocks, self._weights
-            )
+        self._compile_decodes(self.steps, decode, self._weights)
         if history and self.can_swap_kv:
             self.cache = self.kv_blocks.warm(self.cache)
         self.steps.warmed_up = True
@@ -324,14 +320,7 @@ class LlamaEngine(DeviceEngine):
                         self.params, self.cache, size, cfg.blocks_per_seq, None, cached=cached
                     )
             self.packed.compile(self.merged_steps, self.params, self.cache, None, smallest)
-            for size in decode:
-                blocks = size // cfg.block_size
-                self.merged_steps.compile_decode(
-                    self.params, self.cache, cfg.max_slots, blocks, None
-                )
-                self.cache = self.merged_steps.prime_decode(
-                    self.params, self.cache, cfg.max_slots, blocks, None
-                )
+            self._compile_decodes(self.merged_steps, decode, None)
             assert self.store is not None
             for name in self.store.names():
                 spec = self.store.get(name).spec
@@ -458,6 +447,17 @@ class LlamaEngine(DeviceEngine):
         )
         return int(to_host(sampled))
 
+    def _compile_decodes(
+        self, steps: CompiledSteps, sizes: Sequence[int], weights: LoraWeights | None
+    ) -> None:
+        """Compile and prime the decode of each row bucket over each of `sizes` keys."""
+        cfg = self.config
+        for size in sizes:
+            for rows in cfg.decode_row_buckets:
+                blocks = size // cfg.block_size
+                steps.compile_decode(self.params, self.cache, rows, blocks, weights)
+                self.cache = steps.prime_decode(self.params, self.cache, rows, blocks, weights)
+
     def insert(self, slot: int, row: DecodeRow) -> None:
         state = self.state
         state.tokens[slot] = row.token
@@ -472,21 +472,23 @@ class LlamaEngine(DeviceEngine):
         live = state.live
         longest = int(state.positions[live].max(initial=0)) + 1
         blocks = bucket(cfg.decode_buckets, longest) // cfg.block_size
+        rows = _decode_rows(live, bucket(cfg.decode_row_buckets, max(int(live.sum()), 1)))
         steps, weights = self.steps, self._weights
         if self._merged is not None:
             steps, weights = self._merged_steps_for(state.lora_idx[live], "a live decode row"), None
-        steps.compile_decode(self.params, self.cache, cfg.max_slots, blocks, weights)
+        steps.compile_decode(self.params, self.cache, len(rows), blocks, weights)
         sampled, self.cache = steps.decode(
             self.params,
             self.cache,
-            state.tokens,
-            state.positions,
-            state.block_tables[:, :blocks],
-            state.sampling,
+            state.tokens[rows],
+            state.positions[rows],
+            state.block_tables[rows, :blocks],
+            jax.tree.map(lambda field: field[rows], state.sampling),
             weights,
-            None if weights is None else state.lora_idx,
+            None if weights is None else state.lora_idx[rows],
         )
-        tokens = to_host(sampled)
+        tokens = np.zeros_like(state.tokens)
+        tokens[rows] = to_host(sampled)
         state.tokens[live] = tokens[live]
         state.positions[live] += 1
         state.sampling.step[live] += 1
@@ -663,6 +665,12 @@ class LlamaEngine(DeviceEngine):
             self.cpu.close()
         if self.store is not None:
             self.store.close()
+
+
+def _decode_rows(live: np.ndarray, count: int) -> np.ndarray:
+    """`count` row indices for a decode step: every live row, in order, then idle rows
+    (all-sentinel block tables: their writes are dropped) to fill the bucket."""
+    return np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])[:count]
 
 
 def build_engine(

@@ -21,7 +21,9 @@ A request's life:
    the request admitted last, or one whose prompt alone exceeds the budget, gets a
    chunk of whole blocks, and its prefill goes on in the next steps, ahead of new
    admissions, each chunk continuing the KV of the ones before (as after a cached
-   prefix); the last chunk samples its first token. CPU-assisted prefills and those
+   prefix); the last chunk samples its first token. A prefill whose padding to its
+   prefill bucket would cost more than a call of its own ends early on a smaller
+   bucket, the rest continuing in the next step (`_chunk_end`). CPU-assisted prefills and those
    that merging schedules run whole. A request for an adapter that is not on the
    device waits while its adapter is copied in the background (later requests may go
    ahead of it), unless CPU assistance starts it at once: always
@@ -73,7 +75,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import ConfigError
+from configs import ConfigError, bucket
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -102,6 +104,11 @@ from jlora.engine.merging import Batch, DynamicBatcher
 from jlora.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 
 log = logging.getLogger(__name__)
+
+# A prefill ends early, on a prefill bucket, where that saves at least this many padding
+# tokens (`_chunk_end`): about what a compiled call of its own costs on a 2-core CPU (40
+# ms against 1.45 ms a token; bench/results/2026-11-25-cpu-packed-prefill.md).
+SPLIT_TOKENS = 32
 
 LOAD_WAIT_S = 1.0  # an idle step waits this long at most for an adapter to land
 # With merging on, adapters are requested (loads started) for this many queued requests
@@ -572,11 +579,22 @@ class Orchestrator:
         """Where this step's prefill of `seq` ends, its KV written up to `start`: at its
         last token if the rest fits in `room` tokens, else after the most whole blocks
         that do (vLLM's chunked prefill), so the next chunk continues a cached prefix of
-        whole blocks; `start` if not one block fits."""
-        if seq.length - start <= room:
-            return seq.length
-        bs = self.config.block_size
-        return start + room // bs * bs
+        whole blocks; `start` if not one block fits. Where padding that prefill to its
+        prefill bucket would compute `SPLIT_TOKENS` or more tokens than ending it on a
+        smaller bucket (and, for the last chunk, padding the rest), it ends there: a
+        384-token prompt runs as 256 + 128 tokens, not 512. Not under the "none" cache
+        policy, whose warm-up compiles no variant continuing a prefix."""
+        cfg = self.config
+        rest, bs = seq.length - start, cfg.block_size
+        whole = rest if rest <= room else room // bs * bs
+        buckets = cfg.prefill_buckets
+        smaller = [b for b in buckets if b % bs == 0 and b <= min(whole, rest - 1)]
+        if cfg.cache_policy == "none" or not smaller:
+            return start + whole
+        split = smaller[-1]
+        padding = bucket(buckets, whole) - whole
+        after = 0 if whole < rest else bucket(buckets, rest - split) - (rest - split)
+        return start + (split if padding - after >= SPLIT_TOKENS else whole)
 
     def _assists(self, seq: _Sequence) -> bool:
         """Whether to prefill `seq` now with CPU assistance, its adapter still loading."""

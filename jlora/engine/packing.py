@@ -6,11 +6,13 @@ up to `prompts` prompts back to back in `bucket` tokens. Two steps make its inpu
 1. `packs` groups the jobs into calls: greedily, in order, a job joins the current call
    while the call's tokens and prompts allow, else it starts the next call.
 2. `layout` writes one call's arrays. Its prompts are sorted by adapter slot, so that
-   the prompts of one adapter are one SGMV segment (Punica's form: the kernels' cost
-   is the same either way, the reference backend's grows with the segments that have
-   rows); then the call is padded to its fixed shapes: tokens with zeros (written
-   nowhere), prompt rows with empty prompts (all-sentinel block tables, greedy), and
-   segments with empty ones of no adapter (slot -1).
+   the prompts of one adapter are one SGMV segment (Punica's form), cut every `window`
+   rows where the backend asks for it (`LoraBackend.segment_rows`: the reference
+   backend computes each segment over a window of that many rows, not over the whole
+   call, so its LoRA costs about the call's rows, not its rows times its adapters);
+   then the call is padded to its fixed shapes: tokens with zeros (written nowhere),
+   prompt rows with empty prompts (all-sentinel block tables, greedy), and segments
+   with empty ones of no adapter (slot -1), `segment_count` of them.
 
 `PackedPrefill` holds an engine's packed shapes (`EngineConfig.packed_prefill_tokens`,
 `packed_prefill_prompts` and `packed_prefill_prompt_tokens`), compiles them and runs
@@ -24,11 +26,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from configs import EngineConfig
+from configs import EngineConfig, bucket
 from jlora.adapters.backends import LoraWeights, Segments
 from jlora.engine.device import PrefillJob
 from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, bucket, host_sampling, set_sampling
+from jlora.engine.steps import CompiledSteps, host_sampling, set_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params
 from jlora.model.sharding import to_host
@@ -60,9 +62,27 @@ def packs(lengths: Sequence[int], tokens: int, prompts: int) -> list[list[int]]:
     return calls
 
 
-def layout(jobs: Sequence[PrefillJob], size: int, prompts: int, num_blocks: int) -> PackedCall:
+def segment_count(prompts: int, size: int, window: int | None) -> int:
+    """The segments a call of `prompts` prompts in `size` tokens has room for: a run per
+    prompt, and with segments of at most `window` rows, one more per `window` tokens."""
+    return prompts if window is None else prompts + size // window
+
+
+def empty_segments(count: int, window: int | None) -> Segments:
+    """`count` empty segments of no adapter."""
+    return Segments(np.full(count, -1, np.int32), np.zeros(count + 1, np.int32), window)
+
+
+def layout(
+    jobs: Sequence[PrefillJob],
+    size: int,
+    prompts: int,
+    num_blocks: int,
+    window: int | None = None,
+) -> PackedCall:
     """The arrays of one packed call of `jobs` (plain: nothing cached, at most `prompts`
-    of them, their tokens together at most `size`); `num_blocks` is the sentinel."""
+    of them, their tokens together at most `size`); `num_blocks` is the sentinel;
+    `window`: the most rows of one LoRA segment (None: any)."""
     order = sorted(range(len(jobs)), key=lambda j: jobs[j].adapter_slot)  # stable
     lengths = [len(jobs[j].tokens) for j in order]
     starts = np.full(prompts + 1, sum(lengths), np.int32)
@@ -76,16 +96,21 @@ def layout(jobs: Sequence[PrefillJob], size: int, prompts: int, num_blocks: int)
         tables[row] = jobs[j].block_table
         set_sampling(sampling, row, jobs[j].sampling)
         slots[row] = jobs[j].adapter_slot
-    # A segment per run of one slot: its first prompt's start; the rest empty, at the end.
-    first = [row for row in range(len(jobs)) if row == 0 or slots[row] != slots[row - 1]]
-    seg_slot = np.full(prompts, -1, np.int32)
-    seg_start = np.full(prompts + 1, starts[-1], np.int32)
-    seg_slot[: len(first)] = slots[first]
-    seg_start[: len(first)] = starts[first]
+    # A segment per run of one slot's prompts, cut every `window` rows; the rest empty,
+    # at the end.
+    segments = empty_segments(segment_count(prompts, size, window), window)
+    segments.start[:] = starts[-1]
+    runs = [row for row in range(len(jobs)) if row == 0 or slots[row] != slots[row - 1]]
+    bounds, count = [*runs, len(jobs)], 0
+    for first, end in zip(bounds, bounds[1:], strict=False):
+        low, high = int(starts[first]), int(starts[end])
+        for start in range(low, high, window or high - low):
+            segments.slot[count], segments.start[count] = slots[first], start
+            count += 1
     rows = [0] * len(jobs)
     for row, j in enumerate(order):
         rows[j] = row
-    return PackedCall(tokens, starts, tables, sampling, Segments(seg_slot, seg_start), rows)
+    return PackedCall(tokens, starts, tables, sampling, segments, rows)
 
 
 class PackedPrefill:
@@ -94,7 +119,8 @@ class PackedPrefill:
     of one prompt in a call (packed_prefill_prompt_tokens, at most the largest size),
     which bounds the keys each token's attention reads (`packed_causal_attention`)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, window: int | None = None) -> None:
+        """window: the most rows of one LoRA segment (`LoraBackend.segment_rows`)."""
         self.config = cfg
         self.prompts = min(cfg.packed_prefill_prompts, cfg.max_slots)
         on = self.prompts > 1 and cfg.packed_prefill_prompt_tokens > 0
@@ -102,6 +128,13 @@ class PackedPrefill:
             size for size in cfg.prefill_buckets if on and size <= cfg.packed_prefill_tokens
         )
         self.longest = min(cfg.packed_prefill_prompt_tokens, self.tokens)
+        self.window = window
+
+    def segments(self, size: int, weights: LoraWeights | None) -> Segments | None:
+        """The LoRA segments' shape of a call of `size` tokens (None: no LoRA)."""
+        if weights is None:
+            return None
+        return empty_segments(segment_count(self.prompts, size, self.window), self.window)
 
     @property
     def tokens(self) -> int:
@@ -124,7 +157,13 @@ class PackedPrefill:
         for size in self.sizes:
             if size >= smallest:
                 steps.compile_prefill_packed(
-                    params, cache, size, self.prompts, self.config.blocks_per_seq, weights
+                    params,
+                    cache,
+                    size,
+                    self.prompts,
+                    self.config.blocks_per_seq,
+                    weights,
+                    self.segments(size, weights),
                 )
 
     def calls(self, plain: Mapping[int, int]) -> list[list[int]]:
@@ -146,8 +185,16 @@ class PackedPrefill:
         each job's first token, and the cache (donated)."""
         cfg = self.config
         size = bucket(cfg.prefill_buckets, sum(len(job.tokens) for job in jobs))
-        call = layout(jobs, size, self.prompts, cfg.num_blocks)
-        steps.compile_prefill_packed(params, cache, size, self.prompts, cfg.blocks_per_seq, weights)
+        call = layout(jobs, size, self.prompts, cfg.num_blocks, self.window)
+        steps.compile_prefill_packed(
+            params,
+            cache,
+            size,
+            self.prompts,
+            cfg.blocks_per_seq,
+            weights,
+            self.segments(size, weights),
+        )
         sampled, cache = steps.prefill_packed(
             params,
             cache,

@@ -1,7 +1,7 @@
 """The jitted step functions, compiled ahead of time per bucket.
 
-`prefill` runs one prompt padded to a bucket length; `decode` runs every slot for
-one token, attending over a bucketed prefix of the block tables. A prefill that
+`prefill` runs one prompt padded to a bucket length; `decode` runs a bucketed number of
+decode rows for one token each, attending over a bucketed prefix of the block tables. A prefill that
 continues a cached prefix (`cached` > 0: a prefix-cache hit) is a variant of its own,
 its new tokens padded to a bucket attending over the whole block table. A packed
 prefill (`prefill_packed`) runs several prompts back to back, padded to a bucket
@@ -35,7 +35,6 @@ replicated): the model computes one shard and its collectives are explicit
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import math
@@ -54,7 +53,7 @@ from jlora.adapters.targets import rank_row_bytes, target_shapes
 from jlora.engine.device import HostBlocks, SamplingRow
 from jlora.engine.sampling import SamplingArrays, sample
 from jlora.link import wait_for_link
-from jlora.model.host_attention import warm as warm_host_attention
+from jlora.model import host_attention as host_kernel
 from jlora.model.kv_cache import KVCache
 from jlora.model.layer_views import LayerViews, WithLayerViews
 from jlora.model.llama import Llama, Params
@@ -90,8 +89,9 @@ class CompiledSteps:
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
-        host_attention: decode attention by the host kernel (host_attention.py), where
-        `host_attention.usable` says it pays."""
+        host_attention: decode attention by the host kernel (host_attention.py) in the
+        variants whose row count it pays for (`host_attention.pays`); the engine passes
+        `host_attention.usable`."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -134,7 +134,7 @@ class CompiledSteps:
             layer_views = specs.mesh.devices.flat[0].platform == "cpu"
         self._views = LayerViews() if layer_views else None
         if host_attention:
-            warm_host_attention()
+            host_kernel.warm()
         self.host_attention = host_attention
         one_layer = jax.tree.map(
             lambda spec: PartitionSpec(*spec[1:]),
@@ -254,9 +254,13 @@ class CompiledSteps:
             lora_weights,
             lora_idx,
             layers,
-            host_attention=self.host_attention,
+            host_attention=self.host_attention_for(tokens.shape[0]),
         )
         return sample(logits, sampling), cache
+
+    def host_attention_for(self, rows: int) -> bool:
+        """Whether a decode of `rows` rows attends by the host kernel."""
+        return self.host_attention and host_kernel.pays(rows)
 
     # -- compilation -------------------------------------------------------------
 
@@ -317,9 +321,10 @@ class CompiledSteps:
         prompts: int,
         blocks_per_seq: int,
         lora_weights: LoraWeights | None,
+        segments: Segments | None,
     ) -> None:
-        """The packed prefill of `bucket` tokens in up to `prompts` prompts (and as many
-        LoRA segments)."""
+        """The packed prefill of `bucket` tokens in up to `prompts` prompts, with LoRA
+        segments shaped as `segments` (packing.py lays them out; None: no LoRA)."""
         if (bucket, prompts) in self._prefill_packed_exe:
             return
         self._prefill_packed_exe[(bucket, prompts)] = self._compile(
@@ -332,11 +337,7 @@ class CompiledSteps:
             np.zeros((prompts, blocks_per_seq), np.int32),
             host_sampling(prompts),
             lora_weights,
-            None
-            if lora_weights is None
-            else Segments(
-                slot=np.full(prompts, -1, np.int32), start=np.zeros(prompts + 1, np.int32)
-            ),
+            segments,
         )
 
     def compile_segmented(
@@ -663,8 +664,3 @@ def set_sampling(arrays: SamplingArrays, row: int, sampling: SamplingRow) -> Non
     arrays.top_p[row] = sampling.top_p
     arrays.seed[row] = sampling.seed
     arrays.step[row] = sampling.step
-
-
-def bucket(buckets: Sequence[int], length: int) -> int:
-    """The smallest of the sorted `buckets` that holds `length`."""
-    return buckets[bisect.bisect_left(buckets, length)]

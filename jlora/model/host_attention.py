@@ -13,9 +13,9 @@ How: `jax.experimental.buffer_callback` hands the kernel the whole cache's buffe
 without a copy, with the layer's index, inside the scan over the layers; the callback
 holds the GIL only to unwrap its arguments, and the kernel (nogil) splits the (row, KV
 head) pairs over the cores (Numba's workqueue threads, one launch at a time: see
-below). It serves only where it reads host memory in place and where it pays: a
-one-device CPU mesh, in float32, at least `MIN_ROWS` decode rows (`usable`); elsewhere
-the XLA path serves.
+below). It serves only where it reads host memory in place (`usable`: a one-device CPU
+mesh, in float32) and where it pays (`pays`: a decode of at least `MIN_ROWS` rows);
+elsewhere the XLA path serves.
 
 Semantics are `paged_decode_attention`'s: out[s] = softmax_{j <= positions[s]}(q[s]
 K_s[j] / sqrt(d)) V_s[j], fp32 throughout; a sentinel block (an idle row's) is read
@@ -105,15 +105,19 @@ def _callback(ctx: Any, out: Any, q: Any, k: Any, v: Any, layer: Any, tables: An
 MIN_ROWS = 16
 
 
-def usable(mesh: Mesh, dtype: Any, rows: int) -> bool:
-    """Whether the kernel pays for a decode of `rows` rows over this mesh: it reads the
-    cache in place (one CPU device, fp32) and the batch is large enough."""
+def usable(mesh: Mesh, dtype: Any) -> bool:
+    """Whether the kernel can serve decodes over this mesh: it reads the cache in place
+    (one CPU device, fp32)."""
     return (
         mesh.devices.size == 1
         and mesh.devices.flat[0].platform == "cpu"
         and np.dtype(dtype) == np.float32
-        and rows >= MIN_ROWS
     )
+
+
+def pays(rows: int) -> bool:
+    """Whether it pays for a decode of `rows` rows: the batch is large enough."""
+    return rows >= MIN_ROWS
 
 
 def warm() -> None:

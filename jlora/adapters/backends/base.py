@@ -49,10 +49,14 @@ class Segments:
     slot: i32[G], the device slot of each segment's adapter (-1: no adapter).
     start: i32[G + 1], non-decreasing row offsets; segment g is rows
       start[g]:start[g + 1]; rows at or after start[G] have no adapter.
+    window: (static) no segment has more rows than this (None: no bound), so a
+      backend may compute each segment over a window of this many rows from its start
+      instead of over every row (a packed prefill's segments hold short prompts).
     """
 
     slot: jax.Array | np.ndarray
     start: jax.Array | np.ndarray
+    window: int | None = struct.field(pytree_node=False, default=None)
 
     @staticmethod
     def single(slot: int, rows: int) -> Segments:
@@ -72,6 +76,9 @@ class LoraBackend(abc.ABC):
     name: str
     layout: dict[str, tuple[str, ...]]
     payload_layout: dict[str, tuple[str, ...]]
+    # The most rows a packed prefill's LoRA segment should hold (`Segments.window`), for
+    # a backend whose SGMV costs a segment's window, not its rows; None: no bound.
+    segment_rows: int | None = None
 
     def rank_dim(self, max_rank: int, shards: int = 1) -> int:
         """The slots' rank dimension for adapters of rank <= max_rank, split over
