@@ -44,7 +44,8 @@ def test_listener_counts_compilations(tiny):
 )
 def test_no_compilation_after_warmup(tiny, tmp_path, lora):
     """With LoRA, three adapters share two device slots: the run loads, evicts and
-    mixes adapters with base rows, and still compiles nothing."""
+    mixes adapters with base rows, and still compiles nothing. The base model and the
+    reference backend decode in row buckets of 1 and 3 as the batch fills and drains."""
     if lora:
         from jlora.adapters.peft import make_demo_adapters
 
@@ -57,7 +58,7 @@ def test_no_compilation_after_warmup(tiny, tmp_path, lora):
             max_loras=2,
             max_lora_rank=16,
             lora_backend=lora,
-            decode_row_buckets=(1, 3),
+            decode_row_buckets=(1, 3) if lora == "reference" else (3,),  # Pallas: slow compiles
         )
         for path in paths:
             engine.register_adapter(path.name, str(path))
