@@ -189,7 +189,12 @@ class LlamaEngine(DeviceEngine):
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        host = host_attention.usable(self.mesh, self.model.dtype)
+        # The host kernel (and its Numba threads, warmed up here) only where some row
+        # bucket uses it: with it warm, a Python thread staging a large adapter stalled
+        # 4-row streams 250-330 ms (twice in three runs; never without).
+        host = host_attention.usable(self.mesh, self.model.dtype) and any(
+            host_attention.pays(rows) for rows in cfg.decode_row_buckets
+        )
         self.steps = CompiledSteps(
             self.model, specs, self.packed.longest or None, host_attention=host
         )
