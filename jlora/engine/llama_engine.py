@@ -189,12 +189,7 @@ class LlamaEngine(DeviceEngine):
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        # The host kernel (and its Numba threads, warmed up here) only where some row
-        # bucket uses it: with it warm, a Python thread staging a large adapter stalled
-        # 4-row streams 250-330 ms (twice in three runs; never without).
-        host = host_attention.usable(self.mesh, self.model.dtype) and any(
-            host_attention.pays(rows) for rows in cfg.decode_row_buckets
-        )
+        host = host_attention.usable(self.mesh, self.model.dtype)
         self.steps = CompiledSteps(
             self.model, specs, self.packed.longest or None, host_attention=host
         )
@@ -458,8 +453,8 @@ class LlamaEngine(DeviceEngine):
         """Compile and prime the decode of each row bucket over each of `sizes` keys."""
         cfg = self.config
         for size in sizes:
+            blocks = size // cfg.block_size
             for rows in cfg.decode_row_buckets:
-                blocks = size // cfg.block_size
                 steps.compile_decode(self.params, self.cache, rows, blocks, weights)
                 self.cache = steps.prime_decode(self.params, self.cache, rows, blocks, weights)
 

@@ -193,7 +193,7 @@ class PackedPrefill:
             self.prompts,
             cfg.blocks_per_seq,
             weights,
-            self.segments(size, weights),
+            None if weights is None else call.segments,
         )
         sampled, cache = steps.prefill_packed(
             params,

@@ -133,8 +133,6 @@ class CompiledSteps:
         if layer_views is None:
             layer_views = specs.mesh.devices.flat[0].platform == "cpu"
         self._views = LayerViews() if layer_views else None
-        if host_attention:
-            host_kernel.warm()
         self.host_attention = host_attention
         one_layer = jax.tree.map(
             lambda spec: PartitionSpec(*spec[1:]),
@@ -387,6 +385,11 @@ class CompiledSteps:
     ) -> None:
         if (slots, blocks) in self._decode_exe:
             return
+        if self.host_attention_for(slots):
+            # Numba's kernel (and its threads) only once a variant uses it: warm, they
+            # made a thread staging a large adapter stall a 4-slot engine's streams
+            # 250-330 ms (test_worker_faults' large adapter, 2 failures in 4 runs).
+            host_kernel.warm()
         args = (params, cache, *_idle_rows(slots, blocks, cache.num_blocks, lora_weights))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])
