@@ -5,7 +5,7 @@ dataclasses defined here; every dataclass validates itself in `__post_init__` an
 names the bad field. This package imports neither jax nor flax.
 """
 
-from configs.engine import CACHE_POLICIES, MERGE_MODES, EngineConfig, bucket
+from configs.engine import CACHE_POLICIES, MERGE_MODES, SPLIT_TOKENS, EngineConfig, bucket
 from configs.model import (
     ConfigError,
     ModelConfig,
@@ -21,6 +21,7 @@ __all__ = [
     "EngineConfig",
     "CACHE_POLICIES",
     "MERGE_MODES",
+    "SPLIT_TOKENS",
     "ModelConfig",
     "ModelPreset",
     "ShardingConfig",

@@ -19,6 +19,11 @@ LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
 MERGE_MODES = ("never", "auto", "always")  # the first is the default
 CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
 KV_ALLOCATIONS = ("lazy", "upfront")  # the first is the default
+# A prefill is split across two compiled calls on smaller buckets where that saves at
+# least this many padding tokens (the orchestrator's chunks, packed calls): about what a
+# call of its own costs on a 2-core CPU (37-40 ms against 1.3-1.45 ms a token;
+# bench/results/2026-11-25-cpu-packed-prefill.md).
+SPLIT_TOKENS = 32
 
 
 def _number(value: object) -> bool:

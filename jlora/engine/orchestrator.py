@@ -75,7 +75,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import ConfigError, bucket
+from configs import SPLIT_TOKENS, ConfigError, bucket
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -104,11 +104,6 @@ from jlora.engine.merging import Batch, DynamicBatcher
 from jlora.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 
 log = logging.getLogger(__name__)
-
-# A prefill ends early, on a prefill bucket, where that saves at least this many padding
-# tokens (`_chunk_end`): about what a compiled call of its own costs on a 2-core CPU (40
-# ms against 1.45 ms a token; bench/results/2026-11-25-cpu-packed-prefill.md).
-SPLIT_TOKENS = 32
 
 LOAD_WAIT_S = 1.0  # an idle step waits this long at most for an adapter to land
 # With merging on, adapters are requested (loads started) for this many queued requests
