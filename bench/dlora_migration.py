@@ -2,7 +2,7 @@
 on and off (Fig. 11a), side by side in one run, with real processes.
 
 Run: `python -m bench.dlora_migration [--quick] [--out DIR]` (about 4 minutes on two
-idle cores; `--quick` about 2). Writes `bench/results/<date>-cpu-dlora-migration.md`
+idle cores; `--quick` about 1). Writes `bench/results/<date>-cpu-dlora-migration.md`
 and `.json`.
 
 What runs: two `jlora serve` workers (SmolLM2-135M, fp32, `Plan.slots` decode slots
@@ -97,7 +97,7 @@ class Plan:
     request_timeout_s: float = 300.0
 
 
-QUICK = Plan(requests=14)
+QUICK = Plan(requests=8, rate_per_s=2.0)  # a smoke run: every part, little waiting
 
 
 def make_workload(plan: Plan, tokenizer: TextTokenizer) -> Workload:
@@ -290,7 +290,7 @@ def render(facts: dict[str, Any], plan: Plan, meta: dict[str, Any], results: lis
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="14 requests, a smoke run")
+    parser.add_argument("--quick", action="store_true", help="8 requests at 2/s, a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
