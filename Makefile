@@ -60,6 +60,7 @@ bench-dlora: $(STAMP)
 bench-cache: $(STAMP)
 	$(BIN)/python -m bench.cache
 	$(BIN)/python -m bench.cache --scenario many-adapters
+	$(BIN)/python -m bench.cache --scenario contention
 
 # Lazy KV allocation with preemption against up-front reservation, at one pool size.
 bench-kv-allocation: $(STAMP)

@@ -1,9 +1,9 @@
 """FastLibra's comparison on jlora: one multi-turn chatbot workload (FastLibra §6.2)
 served under the three cache policies, FastLibra and its baselines (§6.1).
 
-Run: `python -m bench.cache [--quick] [--scenario chat|many-adapters]` (`make
-bench-cache` runs both scenarios; about 5 minutes each on two cores, `--quick` one or
-two). Writes `bench/results/<date>-cpu-cache[-many-adapters].md` and `.json`.
+Run: `python -m bench.cache [--quick] [--scenario chat|many-adapters|contention]` (`make
+bench-cache` runs the three scenarios; about 5 minutes each on two cores, `--quick` one
+or two). Writes `bench/results/<date>-cpu-cache[-SCENARIO].md` and `.json` (chat: no suffix).
 
 Setup (one process): SmolLM2 in fp32, `adapters` demo adapters of mixed ranks on all
 seven projections, loaded on demand into device slots over an emulated
@@ -508,11 +508,23 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-# The default chat scenario, and one where adapters compete for the pool: twice the
-# adapters, flatter popularity, a slower link (loads and swaps cost 4x as much).
+# The default chat scenario; one where adapters compete for the pool: twice the
+# adapters, flatter popularity, a slower link (loads and swaps cost 4x as much); and one
+# where they also compete for lru's slots: twice the decode rows of its max_loras, twice
+# the arrival rate, and a host pool too small to keep all history (FastLibra §5.1's case).
 SCENARIOS = {
     "chat": Plan(),
     "many-adapters": dataclasses.replace(Plan(), adapters=16, zipf_s=0.5, link_gbps=0.25),
+    "contention": dataclasses.replace(
+        Plan(),
+        adapters=16,
+        zipf_s=0.5,
+        link_gbps=0.25,
+        slots=8,
+        host_pool_mib=64,
+        rate_scale=0.8,
+        turns=96,
+    ),
 }
 
 
