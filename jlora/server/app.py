@@ -10,6 +10,10 @@ Threads of a running worker:
 - the metrics HTTP server's thread, if `metrics_port` is given;
 - the caller's thread gets a `WorkerServer` back at once and may `wait()` on it.
 
+While a server runs, what the process held when it started is frozen out of the
+garbage collector's full passes (`gc.freeze`), which would otherwise stall every stream
+for as long as they take (`_freeze_heap`).
+
 Stopping (`WorkerServer.stop(grace)`, or SIGTERM after `stop_on_signals`) drains:
 
 1. new Generate calls are refused (UNAVAILABLE) and the health service reports
