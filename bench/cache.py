@@ -42,7 +42,8 @@ Reported per policy: TTFT (from the turn's send time to its first token) mean an
 TPOT mean, the prefix cache's hit rate (hit tokens over prompt tokens), the device pool
 by kind averaged over the engine's steps (running KV, cached KV, adapters, free), KV
 swaps out and in, the most invalid KV pages seen (KV whose adapter is off the device;
-0 under fastlibra by design), adapter loads, output tokens per second of the run.
+0 under fastlibra by design), adapter loads, the mean time a turn waited queued for its
+adapter (`EngineStats.adapter_wait_s`), output tokens per second of the run.
 """
 
 from __future__ import annotations
@@ -302,6 +303,7 @@ def summarize(
         "swap_in_mib": (last.swap_in_bytes - first.swap_in_bytes) / 2**20,
         "max_invalid_kv_pages": max((s.invalid_kv_pages for s in samples), default=0),
         "adapter_loads": adapter_loads,
+        "adapter_wait_s": (after.adapter_wait_s - before.adapter_wait_s) / max(len(done), 1),
         "output_tokens": tokens,
         "makespan_s": makespan,
         "throughput_tokens_per_s": tokens / makespan,
@@ -464,7 +466,8 @@ def _row_line(row: dict[str, Any]) -> str:
         f"{row['mean_tpot_s'] * 1e3:.0f} | {row['hit_rate']:.0%} | "
         + " / ".join(f"{share:.0%}" for share in shares)
         + f" | {row['swaps_out']} / {row['swaps_in']} | {row['max_invalid_kv_pages']} | "
-        f"{row['adapter_loads']} | {row['throughput_tokens_per_s']:.1f} | "
+        f"{row['adapter_loads']} | {row['adapter_wait_s']:.2f} | "
+        f"{row['throughput_tokens_per_s']:.1f} | "
         f"{row['mismatched_turns']} |"
     )
 
@@ -497,12 +500,14 @@ def render(
         "",
         "Pool use is the mean share of the device pool's pages over the engine's steps: "
         "running KV / cached (history) KV / adapters. Invalid KV: the most device KV pages "
-        "seen whose adapter was off the device. Mismatched turns: turns whose tokens differ "
-        f"from {plan.policies[0]}'s.",
+        "seen whose adapter was off the device. Adapter wait: the seconds a turn waited, "
+        "queued, for its adapter to be on the device (the mean over turns). Mismatched "
+        f"turns: turns whose tokens differ from {plan.policies[0]}'s.",
         "",
         "| policy | TTFT mean (s) | TTFT P90 (s) | TPOT (ms) | hit rate | pool use | "
-        "swaps out / in | invalid KV | adapter loads | tokens/s | mismatched turns |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "swaps out / in | invalid KV | adapter loads | adapter wait (s) | tokens/s | "
+        "mismatched turns |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         *(_row_line(row) for row in rows),
     ]
     return "\n".join(lines) + "\n"

@@ -184,6 +184,23 @@ def test_adapter_slots_lru_eviction_holds_and_pins():
     assert engine.adapter_infos()[0].state == HOST and not engine.adapter_infos()[0].pinned
 
 
+def test_the_time_queued_requests_wait_for_their_adapter_is_counted():
+    """ra waits for its adapter's load; rc (the base model) for nothing; rb for the only
+    slot, which ra's adapter holds until ra finishes."""
+    engine = mock_engine(max_slots=3, max_loras=1, step_latency=0.005, adapters={"a": 4, "b": 8})
+    engine.add_request(Request("ra", [1], SamplingParams(max_tokens=20), adapter="a"))
+    step_until(engine, lambda: engine.num_running == 1)
+    loading = engine.stats().adapter_wait_s
+    engine.add_request(Request("rc", [2], SamplingParams(max_tokens=3)))
+    step_until(engine, lambda: engine.num_running == 2)
+    assert engine.stats().adapter_wait_s == loading
+    queued = time.monotonic()
+    engine.add_request(Request("rb", [1], SamplingParams(max_tokens=3), adapter="b"))
+    step_until(engine, lambda: "rb" in {r.request_id for r in engine.stats().running})
+    waited = engine.stats().adapter_wait_s - loading
+    assert 0.02 < waited <= time.monotonic() - queued  # ra's ~18 more steps of 5 ms
+
+
 def test_register_and_unregister(tmp_path):
     engine = mock_engine()
     info = engine.register_adapter("mine", write_adapter_config(tmp_path / "mine", rank=16))

@@ -231,3 +231,4 @@ class EngineStats:
     cache: CacheStats | None = None  # the memory pool and prefix cache
     preemptions: int = 0  # running requests sent back to the queue (the KV pool ran out)
     prefill_chunks: int = 0  # prefills cut short by the step's prefill_token_budget
+    adapter_wait_s: float = 0.0  # seconds queued requests spent waiting for their adapter

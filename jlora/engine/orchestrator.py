@@ -130,6 +130,7 @@ class _Sequence:
     parked: bool = False  # prefilled, not inserted: its adapter is still landing
     paused: bool = False  # prefilled, out of the batch (merging): keeps blocks and slot
     served_at: float = dataclasses.field(default_factory=time.monotonic)  # its last token
+    adapter_wait: float | None = None  # since when it waits, queued, for its adapter
     preemptions: int = 0
 
     @property
@@ -174,6 +175,7 @@ class Orchestrator:
             )
             self.memory.attach(self.adapters.slots)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.adapter_wait_s = 0.0  # queued requests' seconds waiting for their adapter
         self.batcher: DynamicBatcher | None = None
         if cfg.merge != "never":
             if not device.can_merge:
@@ -421,6 +423,7 @@ class Orchestrator:
             cache=cache,
             preemptions=self.counters["preemptions"],
             prefill_chunks=self.counters["prefill_chunks"],
+            adapter_wait_s=self.adapter_wait_s,
         )
 
     def _merge_stats(self) -> MergeStats | None:
@@ -546,6 +549,8 @@ class Orchestrator:
                 assert self.adapters is not None
                 if self.adapters.slots.request(adapter) is None:
                     if not self._assists(seq):
+                        if seq.adapter_wait is None:
+                            seq.adapter_wait = time.monotonic()
                         continue  # its adapter is on its way; later requests may go first
                     assist = True
             if assist and prefilled and prefilled + seq.length > budget:
@@ -558,6 +563,9 @@ class Orchestrator:
             if lease == FULL:
                 break
             assert isinstance(lease, Lease)
+            if seq.adapter_wait is not None:
+                self.adapter_wait_s += time.monotonic() - seq.adapter_wait
+                seq.adapter_wait = None
             self._start(seq, lease)
             start = lease.cached_tokens
             end = seq.length if assist else self._chunk_end(seq, start, budget - prefilled)
