@@ -272,6 +272,13 @@ def test_the_pool_and_prefix_cache_metrics_follow_the_engine_stats():
     assert value("jlora_prefix_cache_prompt_tokens_total") == 300
 
 
+def test_the_adapter_wait_counter_follows_the_engine_stats():
+    metrics = Metrics()
+    for seconds in (0.0, 1.5, 2.25, 2.0):  # the last: an older snapshot
+        metrics.observe_engine(dataclasses.replace(engine_stats(None), adapter_wait_s=seconds))
+    assert metrics.registry.get_sample_value("jlora_adapter_load_wait_seconds_total") == 2.25
+
+
 # -- CLI ---------------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ client library). Who updates what:
 - the scheduler thread (per engine step): jlora_batch_size, jlora_step_seconds, and from
   the engine's stats at most every `STATS_INTERVAL` seconds: jlora_adapter_loads_total,
   jlora_adapter_evictions_total, jlora_preemptions_total, jlora_prefill_chunks_total,
-  jlora_kv_blocks_free,
+  jlora_adapter_load_wait_seconds_total, jlora_kv_blocks_free,
   jlora_adapter_slots_free, and
   with merging on (dLoRA): jlora_merged_iterations_total, jlora_unmerged_iterations_total,
   jlora_merge_switches_total, jlora_merged_adapter{adapter}, jlora_merge_threshold{name},
@@ -117,6 +117,11 @@ class Metrics:
             "Prefills cut short by an iteration's prompt-token budget (chunked prefill)",
             registry=registry,
         )
+        self.adapter_load_wait = Counter(
+            "jlora_adapter_load_wait_seconds",
+            "Seconds queued requests waited for their adapter to be on the device",
+            registry=registry,
+        )
         self.kv_blocks_free = Gauge(
             "jlora_kv_blocks_free", "Free KV-cache blocks", registry=registry
         )
@@ -220,6 +225,7 @@ class Metrics:
         self._catch_up(self.adapter_evictions, stats.adapter_evictions)
         self._catch_up(self.preemptions, stats.preemptions)
         self._catch_up(self.prefill_chunks, stats.prefill_chunks)
+        self._catch_up(self.adapter_load_wait, stats.adapter_wait_s)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.adapter_slots_free.set(stats.adapter_slots_free)
         if stats.merging is not None:
