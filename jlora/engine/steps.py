@@ -386,9 +386,8 @@ class CompiledSteps:
         if (slots, blocks) in self._decode_exe:
             return
         if self.host_attention_for(slots):
-            # Numba's kernel (and its threads) only once a variant uses it: warm, they
-            # made a thread staging a large adapter stall a 4-slot engine's streams
-            # 250-330 ms (test_worker_faults' large adapter, 2 failures in 4 runs).
+            # Numba's kernel (its compile and its threads) only once a variant uses
+            # it: an engine whose row buckets never pay for host attention skips both.
             host_kernel.warm()
         args = (params, cache, *_idle_rows(slots, blocks, cache.num_blocks, lora_weights))
         what = f"decode[{slots} slots x {blocks} blocks]"
