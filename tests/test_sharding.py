@@ -345,7 +345,7 @@ def test_smollm2_tp3_tokens_equal_the_single_device_engines():
 class ProcessGroup:
     """`jlora serve` as two processes with two fake devices each: one tp4 mesh."""
 
-    def __init__(self, tmp_path: Path, adapters: list[Path]) -> None:
+    def __init__(self, tmp_path: Path, adapters: list[Path], flags: list[str]) -> None:
         import socket
 
         with socket.socket() as probe:  # the coordinator's port; its followers use + 1
@@ -362,7 +362,7 @@ class ProcessGroup:
             "--sharding", "tp4", "--port", "0", "--max-seq-len", "128", "--max-slots", "4",
             "--max-loras", "2", "--max-lora-rank", "32",
             *(flag for path in adapters for flag in ("--adapter", f"{path.name}={path}")),
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *flags,
         ]  # fmt: skip
         self.processes = [
             subprocess.Popen(
@@ -423,7 +423,7 @@ def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
     )
     single.close()
 
-    group = ProcessGroup(tmp_path, list(paths.values()))
+    group = ProcessGroup(tmp_path, list(paths.values()), [])
     router = start_router([group.address], poll_interval=0.1)
     try:
         got: dict[int, list[int]] = {}
@@ -454,4 +454,91 @@ def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
             time.sleep(0.05)
     finally:
         router.stop(grace=0)
+        group.close()
+
+
+def test_followers_let_go_of_their_kv_copies_when_the_leader_does():
+    """The leader's swap calls, replayed on a follower as they arrive: the follower holds
+    its part of every host copy and staged copy the leader holds, and no other."""
+    from jlora.engine.mock import MockEngine
+    from jlora.engine.multiprocess import Leader, _Swaps
+
+    class Connection:  # a follower's end: what the leader sent
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, tuple]] = []
+
+        def send(self, message: tuple[str, tuple]) -> None:
+            self.sent.append(message)
+
+    connection = Connection()
+    leader = Leader(MockEngine(), [connection])  # type: ignore[arg-type]
+    follower = _Swaps(MockEngine())  # type: ignore[arg-type]
+
+    def held_by_the_follower() -> set[int]:
+        for method, args in connection.sent:
+            getattr(follower, method)(*args)
+        connection.sent.clear()
+        return set(follower._copies)
+
+    host = leader.kv_to_host(leader.kv_snapshot([0, 1]))
+    staged = leader.kv_to_device(host)
+    assert held_by_the_follower() == {host.data.ident, staged.ident}
+    leader.kv_restore([2, 3], staged)
+    del staged  # restored: the leader lets it go and keeps the host copy
+    again = leader.kv_snapshot([1])  # the next call tells the followers
+    assert held_by_the_follower() == {host.data.ident, again[0]}
+    del host
+    last = leader.kv_snapshot([0])
+    assert held_by_the_follower() == {again[0], last[0]}
+    follower.close()
+
+
+@pytest.mark.serial
+def test_a_worker_over_two_processes_swaps_its_prefix_cache_to_host_memory(tiny, tmp_path):
+    """Two processes, one tp4 mesh, a pool of six KV blocks: a second prompt pushes the
+    first one's cached blocks out to host memory (each process its devices' part), and
+    the first prompt asked again brings them back: all four blocks are reused, and
+    every answer has the single-device engine's greedy tokens."""
+    import grpc
+
+    from jlora.api import jlora_pb2 as pb
+    from jlora.api import jlora_pb2_grpc as pb_grpc
+    from jlora.engine.api import SamplingParams
+    from tests.engine_helpers import make_engine, run_to_completion
+
+    first, second = list(range(1, 65)), list(range(200, 264))  # four blocks each
+    prompts = [first, second, first + [5]]
+    single = make_engine(tiny, max_slots=1, max_seq_len=80, min_bucket=16)
+    expected = [
+        run_to_completion(single, [prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        for prompt in prompts
+    ]
+    single.close()
+
+    block_bytes = 24576  # cpu-tiny's 3 layers of 16 tokens, its 2 KV heads widened to 4
+    group = ProcessGroup(
+        tmp_path,
+        [],
+        ["--max-seq-len", "80", "--max-slots", "1", "--pool-size", str(6 * block_bytes)],
+    )
+    try:
+        with grpc.insecure_channel(group.address) as channel:
+            stub = pb_grpc.JloraStub(channel)
+            assert (
+                stub.Stats(pb.StatsRequest(), timeout=30).memory.kv_bytes_per_block == block_bytes
+            )
+            answers = []
+            for prompt in prompts:
+                request = pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=prompt),
+                    sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True),
+                )
+                responses = list(stub.Generate(request, timeout=120))
+                answers.append(([r.token_id for r in responses], responses[-1].usage))
+            cache = stub.Stats(pb.StatsRequest(), timeout=30).memory.cache
+        assert [tokens for tokens, _ in answers] == [r["token_ids"] for r in expected]
+        assert [usage.cached_tokens for _, usage in answers] == [0, 0, 64]
+        assert cache.pages_total == 6 and cache.invalid_kv_pages == 0
+        assert cache.swaps_out >= 3 and cache.swaps_in >= 3, cache
+    finally:
         group.close()

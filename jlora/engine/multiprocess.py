@@ -21,6 +21,15 @@ every process to put its part, so a load cannot run on the leader's transfer thr
 alone: every process copies an adapter to its devices and installs it at the leader's
 `install_adapter`, between two steps (the transfer thread only marks it ready to).
 
+KV swaps (the prefix cache's, jlora/memory): the leader's memory manager decides them
+as on one process. The gather of a swap-out and the scatter of a swap-in are launched
+by every process in order, like a step; the copies between each process's devices and
+its own host memory run beside the steps, on the leader's swap thread and on each
+follower's own (`_Swaps`), each process moving only its devices' parts
+(`steps.KVBlocks`). The leader's host blocks and staged copies are handles (`_Held`)
+on the parts every process holds; the followers let theirs go when the leader's handle
+is gone.
+
 Faults: with a process gone the mesh cannot step, and a step already waiting on it
 never returns. A follower whose connection closes makes the leader call `on_lost`
 (the worker reports NOT_SERVING and exits); a follower whose leader goes away exits.
@@ -29,19 +38,25 @@ CPU assistance is not offered across processes (lora_mode ondemand or cached).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener, wait
-from typing import Any
+from typing import Any, cast
 
 from jlora.contract.errors import RequestError
 from jlora.engine.device import (
     DecodeRow,
     DeviceEngine,
+    HostBlocks,
     Memory,
     Payload,
     Prefilled,
@@ -54,6 +69,16 @@ log = logging.getLogger(__name__)
 
 GROUP_KEY_ENV = "JLORA_PROCESS_GROUP_KEY"  # the followers' connections are checked with it
 CONNECT_TIMEOUT_S = 600.0  # a follower compiles its steps before it connects
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """KV copies of which every process holds its part: host blocks, or blocks staged on
+    the devices for a restore. `ident` names them to the followers; `local` is the
+    leader's part."""
+
+    ident: int
+    local: object
 
 
 def join(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -88,6 +113,8 @@ class Leader(DeviceEngine):
         self._followers = followers
         self._lock = threading.Lock()  # stage/drop come from other threads than steps
         self._closing = False  # followers that leave after close() are not lost
+        self._idents = itertools.count(1)  # of the KV copies the processes hold (`_Held`)
+        self._forgotten: collections.deque[int] = collections.deque()  # gone, not yet told
 
     @classmethod
     def accept(
@@ -130,8 +157,20 @@ class Leader(DeviceEngine):
 
     def _send(self, method: str, *args: Any) -> None:
         with self._lock:
+            messages = [(method, args)]
+            if self._forgotten:  # the followers let go of copies the leader no longer holds
+                idents = [self._forgotten.popleft() for _ in range(len(self._forgotten))]
+                messages.insert(0, ("kv_forget", (idents,)))
             for conn in self._followers:
-                conn.send((method, args))
+                for message in messages:
+                    conn.send(message)
+
+    def _held(self, ident: int, local: object) -> _Held:
+        """A handle on copies every process holds; when it is gone, so are the followers'
+        (told with the next call: a finalizer may run on any thread, even inside `_send`)."""
+        held = _Held(ident, local)
+        weakref.finalize(held, self._forgotten.append, ident)
+        return held
 
     # -- the device engine's calls, mirrored ----------------------------------------------
 
@@ -199,6 +238,31 @@ class Leader(DeviceEngine):
         self._send("install_adapter", name, slot)
         _load_and_install(self.engine, name, slot)
 
+    @property
+    def can_swap_kv(self) -> bool:
+        return True
+
+    def kv_snapshot(self, blocks: Sequence[int]) -> object:
+        ident = next(self._idents)
+        self._send("kv_snapshot", ident, list(blocks))
+        return ident, self.engine.kv_snapshot(blocks)
+
+    def kv_to_host(self, snapshot: object) -> HostBlocks:
+        ident, local = cast(tuple[int, object], snapshot)  # the followers' copies: theirs
+        host = self.engine.kv_to_host(local)
+        return HostBlocks(host.count, host.nbytes, self._held(ident, host))
+
+    def kv_to_device(self, host: HostBlocks) -> object:
+        held, ident = cast(_Held, host.data), next(self._idents)
+        self._send("kv_to_device", ident, held.ident)
+        local = cast(HostBlocks, held.local)
+        return self._held(ident, self.engine.kv_to_device(local))
+
+    def kv_restore(self, blocks: Sequence[int], staged: object) -> None:
+        held = cast(_Held, staged)
+        self._send("kv_restore", list(blocks), held.ident)
+        self.engine.kv_restore(blocks, held.local)
+
     def memory(self) -> Memory:
         return self.engine.memory()
 
@@ -225,7 +289,8 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
             time.sleep(0.2)
     conn.send(("ready", process_id))
     log.info("process %d follows the leader", process_id)
-    with conn:
+    swaps = _Swaps(engine)
+    with conn, contextlib.closing(swaps):
         while True:
             try:
                 method, args = conn.recv()
@@ -245,6 +310,8 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
             elif method == "drop_adapter":
                 if engine.store is not None and args[0] in engine.store:
                     engine.drop_adapter(args[0])
+            elif method.startswith("kv_"):
+                getattr(swaps, method)(*args)
             else:
                 getattr(engine, method)(*args)
 
@@ -252,3 +319,33 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
 def _load_and_install(engine: LlamaEngine, name: str, slot: int) -> None:
     """Copy an adapter to this process's devices and install it (every process in turn)."""
     engine.install_adapter(name, slot, engine.load_adapter(name, slot))
+
+
+class _Swaps:
+    """A follower's side of the KV swaps: its devices' parts of the copies the leader
+    holds handles on, by ident. The copies to and from host memory run on a thread of
+    their own, in order (a staging reads the host copy before it), while the follower
+    goes on with the leader's calls; a restore waits for its staging."""
+
+    def __init__(self, engine: LlamaEngine) -> None:
+        self.engine = engine
+        self._copies: dict[int, Future[Any]] = {}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="jlora-kv-swap")
+
+    def kv_snapshot(self, ident: int, blocks: list[int]) -> None:
+        snapshot = self.engine.kv_snapshot(blocks)
+        self._copies[ident] = self._thread.submit(self.engine.kv_to_host, snapshot)
+
+    def kv_to_device(self, ident: int, host: int) -> None:
+        copy = self._copies[host]
+        self._copies[ident] = self._thread.submit(lambda: self.engine.kv_to_device(copy.result()))
+
+    def kv_restore(self, blocks: list[int], ident: int) -> None:
+        self.engine.kv_restore(blocks, self._copies[ident].result())
+
+    def kv_forget(self, idents: list[int]) -> None:
+        for ident in idents:
+            self._copies.pop(ident, None)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

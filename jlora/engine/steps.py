@@ -511,6 +511,16 @@ class CompiledSteps:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _HostParts:
+    """Swapped-out KV blocks in host memory: each of this process's devices' part of the
+    keys and of the values, and the shape of the whole (padded) copy they came from."""
+
+    shape: tuple[int, ...]
+    keys: tuple[tuple[jax.Device, np.ndarray], ...]
+    values: tuple[tuple[jax.Device, np.ndarray], ...]
+
+
 class KVBlocks:
     """Whole KV blocks (every layer, keys and values) copied out of the cache and back
     in: the device engine's prefix-cache swaps (device.py, `kv_snapshot` to
@@ -522,7 +532,11 @@ class KVBlocks:
     others on first use (a gather or a scatter: milliseconds). Copies keep the cache's
     layout, [layers, n, block_size, kv_heads, head_dim], and its sharding (split over
     the KV heads under tensor parallelism), so a restore writes each device's heads
-    where they are. In host memory, `HostBlocks.data` is the numpy (keys, values) of the n blocks.
+    where they are. In host memory each device's part stays apart: `HostBlocks.data`
+    is a `_HostParts`, the numpy keys and values of the n blocks on each of this
+    process's devices. So a mesh that spans processes swaps too: each process copies
+    its own devices' parts out and back (no data crosses between processes), and the
+    gather and the scatter, which every process launches, are the only global steps.
     """
 
     def __init__(self, shardings: KVCache, num_blocks: int, emulated_link_gbps: float) -> None:
@@ -560,18 +574,31 @@ class KVBlocks:
     def to_host(self, snapshot: tuple[int, KVCache]) -> HostBlocks:
         count, copies = snapshot
         started = time.perf_counter()
-        keys, values = (np.asarray(pages)[:, :count].copy() for pages in (copies.k, copies.v))
-        nbytes = keys.nbytes + values.nbytes
+        keys, values = (
+            tuple(
+                (shard.device, np.asarray(shard.data)[:, :count].copy())
+                for shard in pages.addressable_shards
+            )
+            for pages in (copies.k, copies.v)
+        )
+        nbytes = sum(part.nbytes for _, part in keys + values)
         wait_for_link(nbytes, self.emulated_link_gbps, started)
-        return HostBlocks(count, nbytes, (keys, values))
+        return HostBlocks(count, nbytes, _HostParts(copies.k.shape, keys, values))
 
     def to_device(self, host: HostBlocks) -> tuple[int, KVCache]:
-        """Host blocks on the device, padded to the power of two a restore takes."""
+        """Host blocks on the device, padded to the power of two a restore takes: each
+        of this process's devices gets its own part back."""
         started = time.perf_counter()
-        width = [(0, 0), (0, len(self._indices(host.count)) - host.count)] + [(0, 0)] * 3
-        padded = tuple(np.pad(pages, width) for pages in cast(tuple, host.data))
-        keys, values = jax.device_put(padded, (self.shardings.k, self.shardings.v))
-        copies = KVCache(k=keys, v=values)
+        parts = cast(_HostParts, host.data)
+        width = [(0, 0), (0, parts.shape[1] - host.count)] + [(0, 0)] * 3
+
+        def place(shards: tuple[tuple[jax.Device, np.ndarray], ...], sharding) -> jax.Array:
+            arrays = [jax.device_put(np.pad(part, width), device) for device, part in shards]
+            return jax.make_array_from_single_device_arrays(parts.shape, sharding, arrays)
+
+        copies = KVCache(
+            k=place(parts.keys, self.shardings.k), v=place(parts.values, self.shardings.v)
+        )
         jax.block_until_ready(copies)
         wait_for_link(host.nbytes, self.emulated_link_gbps, started)
         return host.count, copies
