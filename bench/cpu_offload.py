@@ -12,12 +12,16 @@ CPU; `--quick` well under one).
    sgemm calls), the previous kernel (Numba `np.dot`, kept here as the baseline) and
    PyTorch's `x @ A @ B` (MKL) with one thread, at SmolLM2-135M shapes (in 576; out
    576 = q/o, 1536 = gate/up; ranks 8, 16 and 64; 128 and 512 rows).
-3. The pool against PyTorch on the same threads (CaraServe §4.2, Fig. 18-Right): the
-   pool split across n workers, everything the engine pays included (x copied into
+3. The pool against PyTorch on the same threads (CaraServe §4.2, Fig. 18-Right): a
+   submit split across n threads, everything the engine pays included (x copied into
    shared memory, the hand-off, the result copied into a caller's buffer), against
-   `x @ A @ B` with `torch.set_num_threads(n)`, for n = 1 and every core. A and B live
-   in a shared-memory arena laid out as the host store lays it out; torch reads the
-   same memory (`torch.from_numpy`, no copy).
+   `x @ A @ B` with `torch.set_num_threads(n)`, for n = 1 and every core. Two pools:
+   the calling process computing one share itself (`caller_share`, one worker per
+   core less one: how the engine runs on a CPU), and n workers with the caller
+   waiting (how it runs beside an accelerator, and how it ran on a CPU until
+   2026-11-27). Torch's n threads include its calling thread. A and B live in a
+   shared-memory arena laid out as the host store lays it out; torch reads the same
+   memory (`torch.from_numpy`, no copy).
 4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
    an adapter on all 7 targets): a jitted scan in which each layer makes the four
    input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
@@ -138,7 +142,7 @@ def _shapes() -> list[tuple[int, int, int]]:
 
 
 def _round_trip(pool: CpuLoraPool, x: np.ndarray, jobs: list[LoraJob], workers: int) -> object:
-    return pool.collect(pool.submit(x, jobs, workers=workers))
+    return pool.collect(pool.submit(x, jobs, threads=workers))
 
 
 def handoff(arena: Arena, iters: int) -> list[str]:
@@ -202,23 +206,25 @@ def kernels(arena: Arena, iters: int) -> list[str]:
 # -- 3. the pool against torch on the same threads -----------------------------------
 
 
-def _pooled(pool: CpuLoraPool, x: np.ndarray, job: LoraJob, workers: int, y: np.ndarray) -> object:
-    return pool.collect(pool.submit(x, [job], workers=workers), out=y)
+def _pooled(pool: CpuLoraPool, x: np.ndarray, job: LoraJob, threads: int, y: np.ndarray) -> object:
+    return pool.collect(pool.submit(x, [job], threads=threads), out=y)
 
 
 def products(arena: Arena, iters: int) -> list[str]:
     import torch
 
-    thread_counts = sorted({1, len(os.sched_getaffinity(0))})
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = sorted({1, cores})
     lines = [
-        "| rows | rank | out | threads | pool, all included (µs) | torch x@A@B (µs) "
-        "| torch / pool |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | rank | out | threads | pool, caller's share (µs) | workers only (µs) "
+        "| torch x@A@B (µs) | torch / pool | torch / workers only |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    workers = max(thread_counts)
-    with CpuLoraPool(
-        arena.shm.name, workers=workers, max_rows=max(ROWS), max_in=HIDDEN, max_out=max(OUTS)
-    ) as pool:
+    sizes = {"max_rows": max(ROWS), "max_in": HIDDEN, "max_out": max(OUTS)}
+    with (
+        CpuLoraPool(arena.shm.name, workers=max(1, cores - 1), caller_share=True, **sizes) as pool,
+        CpuLoraPool(arena.shm.name, workers=cores, **sizes) as workers_only,
+    ):
         rng = np.random.default_rng(1)
         for rows, rank, out in _shapes():
             x = rng.standard_normal((rows, HIDDEN), np.float32)
@@ -229,17 +235,21 @@ def products(arena: Arena, iters: int) -> list[str]:
                 torch.set_num_threads(threads)
                 calls = {
                     "pool": functools.partial(_pooled, pool, x, job, threads, y),
+                    "workers": functools.partial(_pooled, workers_only, x, job, threads, y),
                     "torch": functools.partial(_product, x_t, a_t, b_t),
                 }
                 samples = _interleaved_us(calls, iters, block=BLOCK, gap_s=BLOCK_GAP_S)
-                pool_us, torch_us = _median(samples["pool"]), _median(samples["torch"])
+                pool_us, workers_us, torch_us = (
+                    _median(samples[name]) for name in ("pool", "workers", "torch")
+                )
                 lines.append(
-                    f"| {rows} | {rank} | {out} | {threads} | {pool_us:.0f} | "
-                    f"{torch_us:.0f} | {torch_us / pool_us:.2f} |"
+                    f"| {rows} | {rank} | {out} | {threads} | {pool_us:.0f} | {workers_us:.0f} "
+                    f"| {torch_us:.0f} | {torch_us / pool_us:.2f} | {torch_us / workers_us:.2f} |"
                 )
         lines.append(
-            f"\nShares computed by the calling process: {pool.steals} taken from late "
-            f"workers, {pool.fallbacks} fallbacks."
+            f"\nShares the calling process computed for late workers: {pool.steals} "
+            f"(caller's share), {workers_only.steals} (workers only); fallbacks "
+            f"{pool.fallbacks}, {workers_only.fallbacks}."
         )
     return lines
 

@@ -10,11 +10,21 @@ The wire protocol is in `cpu_offload.protocol`; this module is its two ends:
   job in place, in one compiled call (`kernels.lora_task`).
 - `CpuLoraPool`: profiles the kernel at start-up (tokens per core per millisecond
   on a reference shape, CaraServe's profiling-guided parallelization), decides how
-  many workers a submit gets (`workers_for`), splits the rows (a worker's share of
-  rows needs A and B whole but only its rows of x; splitting the output columns
-  instead would repeat x·A on every worker), and collects: into a buffer the caller
-  gives, each job in the columns the submit named and zeros in the columns no job
-  covers, so a host callback copies the products once, into its own output.
+  many threads a submit gets (`threads_for`), splits the rows (a share of rows needs
+  A and B whole but only its rows of x; splitting the output columns instead would
+  repeat x·A on every thread), and collects: into a buffer the caller gives, each job
+  in the columns the submit named and zeros in the columns no job covers, so a host
+  callback copies the products once, into its own output.
+
+The calling process's own share (`caller_share`): where the device is the CPU itself,
+the caller has nothing to do between a submit and its collect but wait on cores it
+shares with the workers, so it is one of the submit's threads: the first rows are its
+share, computed at `collect` straight into the caller's buffer (no copy out of shared
+memory, no hand-off), while the workers compute theirs; a product small enough for one
+thread never leaves the calling process. Beside an accelerator it stays off: the
+workers' shares run while the device computes the base projections, and the caller's
+could only run after them. Measured on this project's 2-core EPYC against PyTorch's
+`x @ A @ B` on the same threads (bench/cpu_offload.py, section 3).
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -104,6 +114,8 @@ class Ticket:
     """A submit in flight; pass it to `collect`.
 
     gaps: the column ranges [start, stop) of the output that no job writes.
+    own_rows: the first rows, which the calling process computes at `collect`, straight
+      into the output (its share, or all of them where no worker could take any).
     """
 
     rows: int
@@ -111,6 +123,7 @@ class Ticket:
     shares: tuple[Share, ...]
     gaps: tuple[tuple[int, int], ...] = ()
     submitted: float = 0.0  # time.monotonic() of the submit
+    own_rows: int = 0
 
 
 def _arena_floats(arena: mmap.mmap) -> np.ndarray:
@@ -118,11 +131,15 @@ def _arena_floats(arena: mmap.mmap) -> np.ndarray:
     return np.frombuffer(arena, np.float32, count=len(arena) // 4)
 
 
-def _compute(block: ControlBlock, arena: np.ndarray, task: Task) -> None:
-    """Step 4 of the protocol in the calling process (a share no worker serves)."""
+def _compute(
+    block: ControlBlock, arena: np.ndarray, task: Task, into: np.ndarray | None = None
+) -> None:
+    """Step 4 of the protocol in the calling process (a share no worker serves), into
+    the output region, or into the rows of `into` (the caller's output) that it has."""
     x = block.x(task.row_end, task.in_features)[task.row_start :]
-    y = block.y(task.row_end, task.out_total)[task.row_start :]
-    lora_task(arena, x, y, task.job_rows())
+    if into is None:
+        into = block.y(task.row_end, task.out_total)
+    lora_task(arena, x, into[task.row_start : task.row_end], task.job_rows())
 
 
 def _worker_main(
@@ -217,8 +234,11 @@ class CpuLoraPool:
     max_rows:   most rows (tokens) one submit carries.
     max_in:     largest in_features of a submit.
     max_out:    most output columns one submit produces (the sum over its jobs).
-    target_ms:  how long one worker's share should take; `workers_for` gives a
-                submit as many workers as that takes, by the start-up profile.
+    target_ms:  how long one share should take; `threads_for` gives a submit as many
+                threads as that takes, by the start-up profile.
+    caller_share: the calling process computes the first share of each submit itself
+                (see the module docstring); the threads of a submit are then the
+                caller and up to `workers` workers.
     hang_after: seconds a worker may hold a task before the watchdog replaces it.
     steal_after: seconds after a submit from which `collect` computes the rows of a
                 worker that has not taken its share yet (None: always wait for it).
@@ -235,6 +255,7 @@ class CpuLoraPool:
         target_ms: float = 1.0,
         hang_after: float = 5.0,
         steal_after: float | None = STEAL_AFTER_S,
+        caller_share: bool = False,
         start_timeout: float = 120.0,
         max_start_failures: int = 3,
     ) -> None:
@@ -262,11 +283,12 @@ class CpuLoraPool:
         if steal_after is not None and not steal_after >= 0:
             raise ValueError(f"steal_after={steal_after!r} must be None or >= 0")
         self.steal_after = steal_after
+        self.caller_share = caller_share
         self.start_timeout = start_timeout
         self.max_start_failures = max_start_failures
         one_blas_thread()  # this process computes shares too: see its docstring
         self.profile = _profile()
-        self.fallbacks = 0  # shares recomputed in the calling process
+        self.fallbacks = 0  # shares recomputed in the calling process (no worker could)
         self.steals = 0  # shares a late worker had not taken, computed in the calling process
         self.respawns = 0  # workers replaced after dying or hanging
         self._context = multiprocessing.get_context("spawn")
@@ -318,15 +340,20 @@ class CpuLoraPool:
             if not worker.disabled and int(self._block.slots[index, READY]) == worker.generation
         ]
 
-    def workers_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
-        """How many workers a product of this shape needs to finish in ~target_ms."""
-        return self.workers_for_flops(rows, 2 * rank * (in_features + out_features))
+    @property
+    def max_threads(self) -> int:
+        """The most threads a submit can have: the workers, and the caller's share."""
+        return self.num_workers + self.caller_share
 
-    def workers_for_flops(self, rows: int, flops_per_token: int) -> int:
-        """How many workers `rows` tokens of `flops_per_token` need for ~target_ms."""
+    def threads_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
+        """How many threads a product of this shape needs to finish in ~target_ms."""
+        return self.threads_for_flops(rows, 2 * rank * (in_features + out_features))
+
+    def threads_for_flops(self, rows: int, flops_per_token: int) -> int:
+        """How many threads `rows` tokens of `flops_per_token` need for ~target_ms."""
         per_ms = self.profile.tokens_per_ms * self.profile.flops_per_token / flops_per_token
         wanted = math.ceil(rows / max(per_ms * self.target_ms, 1e-9))
-        return max(1, min(wanted, self.num_workers))
+        return max(1, min(wanted, self.max_threads))
 
     def submit(
         self,
@@ -335,7 +362,7 @@ class CpuLoraPool:
         *,
         columns: Sequence[int] | None = None,
         out_total: int | None = None,
-        workers: int | None = None,
+        threads: int | None = None,
     ) -> Ticket:
         """Hand x @ A_j @ B_j for every job to the workers; returns a Ticket for `collect`.
 
@@ -346,24 +373,31 @@ class CpuLoraPool:
                    side by side in job order. Ranges may not overlap.
         out_total: the output's width (default: the end of the last job's columns),
                    <= max_out; columns no job covers come back as zeros.
-        workers:   how many workers to split the rows across (default: `workers_for`).
+        threads:   how many threads to split the rows across, the caller's share one of
+                   them under `caller_share` (default: `threads_for`); fewer where
+                   fewer workers are ready. With none ready the caller computes all.
         """
         rows, in_features = self._check_input(x)
         jobs = tuple(jobs)
         self._check_jobs(jobs, in_features)
         columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
-        if workers is not None and (not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers={workers!r} must be a positive int")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r} must be a positive int")
         if not self._finalizer.alive:
             raise RuntimeError("submit: the pool is closed")
         if self._inflight is not None:
             raise RuntimeError("submit: the previous ticket has not been collected")
         flops = sum(2 * job.rank * (in_features + job.out_features) for job in jobs)
-        wanted = workers if workers is not None else self.workers_for_flops(rows, flops)
+        wanted = threads if threads is not None else self.threads_for_flops(rows, flops)
+        wanted = min(wanted, rows)
         self._block.x(rows, in_features)[...] = x
         shares = []
         with self._lock:
-            ready = self.ready_workers()[: min(wanted, rows)] or [LOCAL]
+            ready = [LOCAL] if self.caller_share else []
+            ready += self.ready_workers()[: wanted - len(ready)]
+            if not ready:  # no worker can take it: the caller computes it all
+                ready = [LOCAL]
+                self.fallbacks += 1
             now = time.monotonic()
             for i, index in enumerate(ready):  # contiguous row ranges, sizes differing by <= 1
                 start, end = rows * i // len(ready), rows * (i + 1) // len(ready)
@@ -373,7 +407,8 @@ class CpuLoraPool:
                     self._workers[index].task_since = now
                     self._block.write_task(index, task, self._seq)
                 shares.append(Share(index, self._seq, task))
-        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now)
+        own = shares[0].task.row_end if shares[0].worker == LOCAL else 0
+        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, own)
         return self._inflight
 
     def collect(
@@ -403,14 +438,15 @@ class CpuLoraPool:
                 f"out: {out.dtype}{list(out.shape)} must be float32 [>= {ticket.rows}, "
                 f"{ticket.out_total}]"
             )
-        self._settle(ticket, timeout)
-        result, products = out[: ticket.rows], self._block.y(ticket.rows, ticket.out_total)
+        result = out[: ticket.rows]
+        self._settle(ticket, timeout, result)
+        own, products = ticket.own_rows, self._block.y(ticket.rows, ticket.out_total)
         if not ticket.gaps:
-            np.copyto(result, products)
+            np.copyto(result[own:], products[own:])
             return result
         cursor = 0
         for start, stop in (*ticket.gaps, (ticket.out_total, ticket.out_total)):
-            np.copyto(result[:, cursor:start], products[:, cursor:start])
+            np.copyto(result[own:, cursor:start], products[own:, cursor:start])
             result[:, start:stop] = 0.0
             cursor = stop
         return result
@@ -422,10 +458,14 @@ class CpuLoraPool:
         if ticket is self._inflight:
             self._settle(ticket, timeout)
 
-    def _settle(self, ticket: Ticket, timeout: float | None) -> None:
-        """Wait until every share of the ticket in flight is served; it leaves flight."""
+    def _settle(self, ticket: Ticket, timeout: float | None, out: np.ndarray | None = None) -> None:
+        """Wait until every share of the ticket in flight is served (the caller's own
+        into `out` first, if given: else it is not computed); it leaves flight."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending = list(ticket.shares)
+        pending = [share for share in ticket.shares if share.worker != LOCAL]
+        for share in ticket.shares:
+            if share.worker == LOCAL and out is not None:
+                _compute(self._block, self._floats, share.task, into=out)
         backoff = Backoff(spin_s=COLLECT_SPIN_S)
         while pending:
             pending = [share for share in pending if not self._served(share, ticket.submitted)]
@@ -513,18 +553,17 @@ class CpuLoraPool:
         return columns, out_total, tuple(gaps)
 
     def _served(self, share: Share, submitted: float) -> bool:
-        """True once the share's rows are in the output region (computing here those of a
+        """True once a worker's share is in the output region (computing here those of a
         lost task, or of a late worker's: step 5 and 6 of the protocol)."""
-        if share.worker != LOCAL:
-            worker = self._workers[share.worker]
-            if worker.lost_seq < share.seq:  # set before the replacement is visible
-                if int(self._block.slots[share.worker, DONE]) >= share.seq:
-                    return True
-                if not self._steal(share, worker, submitted):
-                    return False
-                _compute(self._block, self._floats, share.task)
-                self.steals += 1
+        worker = self._workers[share.worker]
+        if worker.lost_seq < share.seq:  # set before the replacement is visible
+            if int(self._block.slots[share.worker, DONE]) >= share.seq:
                 return True
+            if not self._steal(share, worker, submitted):
+                return False
+            _compute(self._block, self._floats, share.task)
+            self.steals += 1
+            return True
         _compute(self._block, self._floats, share.task)
         self.fallbacks += 1
         return True

@@ -203,7 +203,7 @@ def test_pool_matches_numpy(pool, arena, workers, layer):
     x = _x(37, 64, seed=layer)
     weights = [arena.weights[layer, target] for target in ("q", "k", "v")]
     fallbacks = pool.fallbacks
-    y = pool.collect(pool.submit(x, [job for _, _, job in weights], workers=workers), 10.0)
+    y = pool.collect(pool.submit(x, [job for _, _, job in weights], threads=workers), 10.0)
     assert y.dtype == np.float32 and y.shape == (37, 64 + 32 + 32)
     expected = np.concatenate([_reference(x, a, b) for a, b, _ in weights], axis=1)
     np.testing.assert_allclose(y, expected, rtol=0, atol=ATOL)
@@ -216,9 +216,9 @@ def test_pool_puts_each_job_in_its_columns_and_zeros_the_rest(pool, arena, worke
     come back zero, even right after a submit that wrote products there."""
     x = _x(19, 64, seed=9)
     big = arena.weights[0, "big"][2]
-    pool.collect(pool.submit(_x(19, 1024), [big], workers=workers))  # fills the region
+    pool.collect(pool.submit(_x(19, 1024), [big], threads=workers))  # fills the region
     (aq, bq, q), (av, bv, v) = arena.weights[0, "q"], arena.weights[0, "v"]
-    ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, workers=workers)
+    ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=workers)
     y = pool.collect(ticket, 10.0)
     assert y.dtype == np.float32 and y.shape == (19, 200)
     np.testing.assert_allclose(y[:, 64:128], _reference(x, aq, bq), rtol=0, atol=ATOL)
@@ -242,18 +242,18 @@ def test_pool_collects_into_the_callers_buffer(pool, arena):
     pool.collect(ticket)
 
 
-def test_workers_for_follows_the_profile(pool):
+def test_threads_for_follows_the_profile(pool):
     assert pool.profile.tokens_per_ms > 0
-    assert pool.workers_for(1, 64, 8, 64) == 1
-    assert pool.workers_for(512, 1024, 64, 1024) == pool.num_workers
-    small, large = pool.workers_for(64, 576, 1, 576), pool.workers_for(64, 576, 64, 576)
+    assert pool.threads_for(1, 64, 8, 64) == 1
+    assert pool.threads_for(512, 1024, 64, 1024) == pool.num_workers
+    small, large = pool.threads_for(64, 576, 1, 576), pool.threads_for(64, 576, 64, 576)
     assert small <= large
 
 
 def _big_product(pool, arena):
     a, b, job = arena.weights[1, "big"]
     x = _x(512, 1024, seed=3)
-    return x, pool.submit(x, [job], workers=2), _reference(x, a, b)
+    return x, pool.submit(x, [job], threads=2), _reference(x, a, b)
 
 
 def _assert_served_by_workers_again(pool, arena):
@@ -328,6 +328,59 @@ def test_a_late_workers_rows_are_computed_by_the_caller(arena):
         assert pool.fallbacks == 0 and pool.respawns == 0
 
 
+def test_the_callers_share_goes_straight_into_its_buffer(arena):
+    """With `caller_share`, the caller computes a submit's first rows at `collect`,
+    into its own buffer (the shared output region's rows stay as they were), and the
+    worker the rest; the columns no job covers are zeros in every row."""
+    with CpuLoraPool(
+        arena.shm.name,
+        workers=1,
+        max_rows=64,
+        max_in=64,
+        max_out=200,
+        steal_after=None,  # the worker's rows are the worker's
+        caller_share=True,
+    ) as pool:
+        assert pool.max_threads == 2 and pool.threads_for(512, 1024, 64, 1024) == 2
+        (aq, bq, q), (av, bv, v) = arena.weights[1, "q"], arena.weights[1, "v"]
+        x = _x(21, 64, seed=4)
+        _wait_all_ready(pool)
+        ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=2)
+        assert [share.worker for share in ticket.shares] == [-1, 0]
+        assert ticket.own_rows == ticket.shares[0].task.row_end == 10
+        region = pool._block.y(21, 200)
+        region[:10] = np.nan  # where the worker would have put the caller's rows
+        out = np.full((21, 200), 5.0, np.float32)
+        pool.collect(ticket, 10.0, out=out)
+        np.testing.assert_allclose(out[:, 64:128], _reference(x, aq, bq), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(out[:, 0:32], _reference(x, av, bv), rtol=0, atol=ATOL)
+        assert (out[:, 32:64] == 0).all() and (out[:, 128:] == 0).all()
+        assert np.isnan(region[:10]).all()
+        del region
+        assert (pool.steals, pool.fallbacks) == (0, 0)
+
+
+def test_a_product_for_one_thread_never_leaves_the_caller(arena):
+    """A one-thread submit under `caller_share` is the caller's alone: it needs no
+    worker (this one is stopped) and nothing is stolen or recomputed."""
+    with CpuLoraPool(
+        arena.shm.name, workers=1, max_rows=64, max_in=64, max_out=64, caller_share=True
+    ) as pool:
+        a, b, job = arena.weights[0, "k"]
+        x = _x(16, 64, seed=5)
+        assert pool.threads_for(16, 64, job.rank, job.out_features) == 1
+        _wait_all_ready(pool)
+        victim = pool._workers[0].process.pid
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            ticket = pool.submit(x, [job])
+            assert [share.worker for share in ticket.shares] == [-1]
+            np.testing.assert_allclose(pool.collect(ticket, 1.0), _reference(x, a, b), atol=ATOL)
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert (pool.steals, pool.fallbacks) == (0, 0)
+
+
 def test_collect_timeout_keeps_the_ticket(pool, arena):
     _wait_all_ready(pool)
     fallbacks, worker = pool.fallbacks, pool._workers[0].process.pid
@@ -370,7 +423,7 @@ def test_a_discarded_ticket_frees_the_pool_for_the_next(pool, arena):
         ("a_offset", lambda p, x, job: p.submit(x, [LoraJob(-4, 0, 8, 64)])),
         ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 2, 8, 64)])),
         ("b_offset", lambda p, x, job: p.submit(x, [LoraJob(0, 1 << 30, 8, 64)])),
-        ("workers", lambda p, x, job: p.submit(x, [job], workers=0)),
+        ("threads", lambda p, x, job: p.submit(x, [job], threads=0)),
         ("len(columns)", lambda p, x, job: p.submit(x, [job, job], columns=[0])),
         ("overlap", lambda p, x, job: p.submit(x, [job, job], columns=[0, 63])),
         ("leave the output", lambda p, x, job: p.submit(x, [job], columns=[1], out_total=64)),

@@ -139,6 +139,7 @@ class CpuAssist:
         self.shards = shards or ShardPlan()
         self.held = [[name for name in names if name in shapes] for names in INPUT_GROUPS]
         self.widths = [sum(shapes[name][1] for name in names) for names in self.held]
+        on_cpu = jax.default_backend() == "cpu"
         self.pool = CpuLoraPool(
             arena_name,
             workers=workers,
@@ -146,9 +147,10 @@ class CpuAssist:
             max_in=max(fan_in for fan_in, _ in shapes.values()),
             max_out=max(self.widths),
             hang_after=hang_after,
+            caller_share=on_cpu,  # the callback's thread is one of a submit's threads
         )
         self.handoffs = 0  # submits that reached the pool
-        self.in_place = jax.default_backend() == "cpu"  # see _host_op
+        self.in_place = on_cpu  # see _host_op
         self.collect_wait_s: deque[float] = deque(maxlen=4096)  # time blocked in collect
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []
@@ -370,7 +372,7 @@ class CpuAssist:
             fan_in = self.shapes[adapted[0]][0]
             flops = sum(2 * adapter.spec.rank * (fan_in + self.shapes[n][1]) for n in adapted)
             per_core_ms = rows * flops / (profile.tokens_per_ms * profile.flops_per_token)
-            total += per_core_ms / self.pool.workers_for_flops(rows, flops) / 1e3
+            total += per_core_ms / self.pool.threads_for_flops(rows, flops) / 1e3
         return total
 
     def measure_handoff_s(self, repeats: int = 20) -> float:
@@ -396,7 +398,7 @@ class CpuAssist:
         return float(np.median(samples))
 
     def _probe_submit(self, ctx: Any, flag: Any, x: Any) -> None:
-        self._probe = self.pool.submit(np.asarray(x), [LoraJob(0, 0, 1, 1)], workers=1)
+        self._probe = self.pool.submit(np.asarray(x), [LoraJob(0, 0, 1, 1)], threads=1)
         np.asarray(flag)[...] = 1
 
     def _probe_collect(self, ctx: Any, out: Any, ticket: Any) -> None:
