@@ -27,7 +27,9 @@ an accelerator, whose buffers are not host memory, they are `io_callback`s still
 `_host_op`).
 Only the real rows of x are copied, once, into the workers' shared memory; the
 workers write each product straight into its projection's columns there, and
-`collect` copies those rows once into the output buffer. The callbacks are unordered
+`collect` copies those rows once into the output buffer. Where the device is the CPU,
+the callback's own thread computes the first rows, straight into the output buffer
+(`CpuLoraPool`'s `caller_share`). The callbacks are unordered
 (no token threaded through the scan): the data already orders them (the base
 projections take h from an optimization barrier with the ticket, the collect takes
 the ticket from one with their outputs, and the next group's input depends on this
