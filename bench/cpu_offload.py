@@ -21,7 +21,10 @@ CPU; `--quick` well under one).
    waiting (how it runs beside an accelerator, and how it ran on a CPU until
    2026-11-27). Torch's n threads include its calling thread. A and B live in a
    shared-memory arena laid out as the host store lays it out; torch reads the same
-   memory (`torch.from_numpy`, no copy).
+   memory (`torch.from_numpy`, no copy). A third contender is not the engine's:
+   `threaded_rows`, the same kernel over n row ranges on n threads of the calling
+   process (Numba's threading layer), measuring what the processes' copies and
+   hand-offs cost against threads that need neither.
 4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
    an adapter on all 7 targets): a jitted scan in which each layer makes the four
    input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
@@ -61,9 +64,10 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
+from cpu_offload.kernels import _product as _sgemm_product  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
@@ -80,6 +84,17 @@ BLOCK, BLOCK_GAP_S = 20, 0.05
 def numba_dot_rows(x, a, b, out):  # pragma: no cover - compiled
     """The previous kernel (until 2026-11-25): Numba's np.dot, a temporary, a copy."""
     out[:, :] = np.dot(np.dot(x, a), b)
+
+
+@njit(parallel=True, nogil=True, cache=True)  # compiled at its first call, like the above
+def threaded_rows(x, a, b, out, threads):  # pragma: no cover - compiled
+    """The alternative to the pool measured in section 3: `lora_rows` over `threads`
+    row ranges on threads of this process (Numba's threading layer, OpenMP here): no
+    shared-memory copies, no hand-off between processes."""
+    rows = x.shape[0]
+    for i in prange(threads):
+        start, end = rows * i // threads, rows * (i + 1) // threads
+        _sgemm_product(x[start:end], a, b, out[start:end])
 
 
 def _interleaved_us(
@@ -217,8 +232,9 @@ def products(arena: Arena, iters: int) -> list[str]:
     thread_counts = sorted({1, cores})
     lines = [
         "| rows | rank | out | threads | pool, caller's share (µs) | workers only (µs) "
-        "| torch x@A@B (µs) | torch / pool | torch / workers only |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-process threads (µs) | torch x@A@B (µs) | torch / pool | torch / workers only "
+        "| torch / in-process threads |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     sizes = {"max_rows": max(ROWS), "max_in": HIDDEN, "max_out": max(OUTS)}
     with (
@@ -236,15 +252,19 @@ def products(arena: Arena, iters: int) -> list[str]:
                 calls = {
                     "pool": functools.partial(_pooled, pool, x, job, threads, y),
                     "workers": functools.partial(_pooled, workers_only, x, job, threads, y),
+                    "threads": functools.partial(threaded_rows, x, a, b, y, threads),
                     "torch": functools.partial(_product, x_t, a_t, b_t),
                 }
                 samples = _interleaved_us(calls, iters, block=BLOCK, gap_s=BLOCK_GAP_S)
-                pool_us, workers_us, torch_us = (
-                    _median(samples[name]) for name in ("pool", "workers", "torch")
-                )
+                us = {name: _median(times) for name, times in samples.items()}
                 lines.append(
-                    f"| {rows} | {rank} | {out} | {threads} | {pool_us:.0f} | {workers_us:.0f} "
-                    f"| {torch_us:.0f} | {torch_us / pool_us:.2f} | {torch_us / workers_us:.2f} |"
+                    f"| {rows} | {rank} | {out} | {threads} | {us['pool']:.0f} "
+                    f"| {us['workers']:.0f} | {us['threads']:.0f} | {us['torch']:.0f} "
+                    + "".join(
+                        f"| {us['torch'] / us[name]:.2f} "
+                        for name in ("pool", "workers", "threads")
+                    )
+                    + "|"
                 )
         lines.append(
             f"\nShares the calling process computed for late workers: {pool.steals} "
