@@ -14,17 +14,13 @@ CPU; `--quick` well under one).
    576 = q/o, 1536 = gate/up; ranks 8, 16 and 64; 128 and 512 rows).
 3. The pool against PyTorch on the same threads (CaraServe §4.2, Fig. 18-Right): a
    submit split across n threads, everything the engine pays included (x copied into
-   shared memory, the hand-off, the result copied into a caller's buffer), against
+   shared memory, the hand-off, the result written into a caller's buffer), against
    `x @ A @ B` with `torch.set_num_threads(n)`, for n = 1 and every core. Two pools:
-   the calling process computing one share itself (`caller_share`, one worker per
-   core less one: how the engine runs on a CPU), and n workers with the caller
-   waiting (how it runs beside an accelerator, and how it ran on a CPU until
-   2026-11-27). Torch's n threads include its calling thread. A and B live in a
-   shared-memory arena laid out as the host store lays it out; torch reads the same
-   memory (`torch.from_numpy`, no copy). A third contender is not the engine's:
-   `threaded_rows`, the same kernel over n row ranges on n threads of the calling
-   process (Numba's threading layer), measuring what the processes' copies and
-   hand-offs cost against threads that need neither.
+   n threads of the calling process (`local_threads`: how the engine runs where the
+   device is the CPU) and n worker processes (how it runs beside an accelerator, and
+   how it ran on a CPU until 2026-11-27). Torch's n threads include its calling
+   thread. A and B live in a shared-memory arena laid out as the host store lays it
+   out; torch reads the same memory (`torch.from_numpy`, no copy).
 4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
    an adapter on all 7 targets): a jitted scan in which each layer makes the four
    input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
@@ -34,9 +30,10 @@ CPU; `--quick` well under one).
    pairs doing no work (the new mechanism's floor), and copying x out and a result in
    as the real callbacks do (the callback overhead proper: the comparable figure);
    and `CpuAssist`'s real ops over the real pool (this path), next to its products
-   computed alone in this process, at rank 1 and 16. This path minus its products is
-   the overhead with the hand-off to the workers included (the scan has no base
-   projections for the products to overlap with).
+   computed alone in this process on one thread, at rank 1 and 16, with the products
+   on threads of this process and on worker processes. This path minus its products
+   is the overhead with the hand-off included (the scan has no base projections for
+   the products to overlap with); on several threads it can be below zero.
 
 Timing: contenders that are compared run interleaved, call by call (or scan by scan;
 in blocks of BLOCK calls in section 3), so that whatever else runs on the machine
@@ -64,10 +61,9 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from numba import njit  # noqa: E402
 
 from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
-from cpu_offload.kernels import _product as _sgemm_product  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
@@ -84,17 +80,6 @@ BLOCK, BLOCK_GAP_S = 20, 0.05
 def numba_dot_rows(x, a, b, out):  # pragma: no cover - compiled
     """The previous kernel (until 2026-11-25): Numba's np.dot, a temporary, a copy."""
     out[:, :] = np.dot(np.dot(x, a), b)
-
-
-@njit(parallel=True, nogil=True, cache=True)  # compiled at its first call, like the above
-def threaded_rows(x, a, b, out, threads):  # pragma: no cover - compiled
-    """The alternative to the pool measured in section 3: `lora_rows` over `threads`
-    row ranges on threads of this process (Numba's threading layer, OpenMP here): no
-    shared-memory copies, no hand-off between processes."""
-    rows = x.shape[0]
-    for i in prange(threads):
-        start, end = rows * i // threads, rows * (i + 1) // threads
-        _sgemm_product(x[start:end], a, b, out[start:end])
 
 
 def _interleaved_us(
@@ -231,15 +216,14 @@ def products(arena: Arena, iters: int) -> list[str]:
     cores = len(os.sched_getaffinity(0))
     thread_counts = sorted({1, cores})
     lines = [
-        "| rows | rank | out | threads | pool, caller's share (µs) | workers only (µs) "
-        "| in-process threads (µs) | torch x@A@B (µs) | torch / pool | torch / workers only "
-        "| torch / in-process threads |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | rank | out | threads | pool of threads (µs) | pool of processes (µs) "
+        "| torch x@A@B (µs) | torch / threads | torch / processes |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     sizes = {"max_rows": max(ROWS), "max_in": HIDDEN, "max_out": max(OUTS)}
     with (
-        CpuLoraPool(arena.shm.name, workers=max(1, cores - 1), caller_share=True, **sizes) as pool,
-        CpuLoraPool(arena.shm.name, workers=cores, **sizes) as workers_only,
+        CpuLoraPool(arena.shm.name, workers=0, local_threads=cores, **sizes) as threads_pool,
+        CpuLoraPool(arena.shm.name, workers=cores, **sizes) as processes,
     ):
         rng = np.random.default_rng(1)
         for rows, rank, out in _shapes():
@@ -250,26 +234,20 @@ def products(arena: Arena, iters: int) -> list[str]:
             for threads in thread_counts:
                 torch.set_num_threads(threads)
                 calls = {
-                    "pool": functools.partial(_pooled, pool, x, job, threads, y),
-                    "workers": functools.partial(_pooled, workers_only, x, job, threads, y),
-                    "threads": functools.partial(threaded_rows, x, a, b, y, threads),
+                    "threads": functools.partial(_pooled, threads_pool, x, job, threads, y),
+                    "processes": functools.partial(_pooled, processes, x, job, threads, y),
                     "torch": functools.partial(_product, x_t, a_t, b_t),
                 }
                 samples = _interleaved_us(calls, iters, block=BLOCK, gap_s=BLOCK_GAP_S)
                 us = {name: _median(times) for name, times in samples.items()}
                 lines.append(
-                    f"| {rows} | {rank} | {out} | {threads} | {us['pool']:.0f} "
-                    f"| {us['workers']:.0f} | {us['threads']:.0f} | {us['torch']:.0f} "
-                    + "".join(
-                        f"| {us['torch'] / us[name]:.2f} "
-                        for name in ("pool", "workers", "threads")
-                    )
-                    + "|"
+                    f"| {rows} | {rank} | {out} | {threads} | {us['threads']:.0f} "
+                    f"| {us['processes']:.0f} | {us['torch']:.0f} "
+                    f"| {us['torch'] / us['threads']:.2f} | {us['torch'] / us['processes']:.2f} |"
                 )
         lines.append(
-            f"\nShares the calling process computed for late workers: {pool.steals} "
-            f"(caller's share), {workers_only.steals} (workers only); fallbacks "
-            f"{pool.fallbacks}, {workers_only.fallbacks}."
+            f"\nShares the calling process computed for late workers (processes): "
+            f"{processes.steals}; fallbacks {processes.fallbacks}."
         )
     return lines
 
@@ -410,50 +388,57 @@ def callback_overhead(iters: int) -> list[str]:
     config = load_preset(DEFAULT_MODEL).config
     tokens, layers, ranks = OVERHEAD_TOKENS, config.num_layers, (1, 16)
     store = HostStore(config, 64 << 20)
-    cpu = None
+    workers, rows, notes = default_workers(), [], []
     try:
         with tempfile.TemporaryDirectory() as root:
             for rank in ranks:
                 [path] = make_demo_adapters(config, Path(root) / f"r{rank}", n=1, ranks=[rank])
                 store.register(f"r{rank}", path)
-        cpu = CpuAssist(
-            store.arena.name, target_shapes(config), workers=default_workers(), max_rows=tokens
-        )
         x = jnp.ones((tokens, config.hidden_size), jnp.float32)
-        rows = []
-        for rank in ranks:
-            cpu.begin(store.get(f"r{rank}"))
+        for threads in (True, False):
+            where = f"{workers + 1} threads" if threads else f"{workers} worker process(es)"
+            cpu = CpuAssist(
+                store.arena.name,
+                target_shapes(config),
+                workers=workers,
+                threads=threads,
+                max_rows=tokens,
+            )
             try:
-                rows.append((rank, *_per_layer_us(cpu, config, x, store, iters)))
+                for rank in ranks:
+                    cpu.begin(store.get(f"r{rank}"))
+                    try:
+                        rows.append((where, rank, *_per_layer_us(cpu, config, x, store, iters)))
+                    finally:
+                        cpu.end()
+                notes.append(
+                    f"{where}: {cpu.pool.steals} shares taken from late workers, "
+                    f"{cpu.pool.fallbacks} fallbacks"
+                )
             finally:
-                cpu.end()
-        workers, steals, fallbacks = cpu.pool.num_workers, cpu.pool.steals, cpu.pool.fallbacks
+                cpu.close()
     finally:
-        if cpu is not None:
-            cpu.close()
         store.close()
     lines = [
         f"{DEFAULT_MODEL}, {tokens} tokens, {layers} layers, all {len(TARGETS)} targets "
-        f"adapted, {workers} CPU worker(s); the scan without callbacks took "
-        f"{rows[0][1] / 1e3:.2f} ms. Per CPU-routed layer, in µs, beyond that scan; "
-        "overhead = this path - its products:",
+        f"adapted; the scan without callbacks took {rows[0][2] / 1e3:.2f} ms. Per "
+        "CPU-routed layer, in µs, beyond that scan; overhead = this path - its products:",
         "",
-        "| rank | io_callback pairs, no work (previous) | buffer_callback pairs, no work "
-        "| buffer_callback pairs + the copies (callback overhead) | previous / callback "
-        "overhead | this path | its products alone | overhead with the hand-off |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU LoRA on | rank | io_callback pairs, no work (previous) | buffer_callback "
+        "pairs, no work | buffer_callback pairs + the copies (callback overhead) | "
+        "previous / callback overhead | this path | its products alone (one thread) | "
+        "overhead with the hand-off |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for rank, _, layer in rows:
+    for where, rank, _, layer in rows:
         copies = layer["buffer_copies"]
         lines.append(
-            f"| {rank} | {layer['io_callback']:.0f} | {layer['buffer_callback']:.0f} | "
-            f"{copies:.0f} | {layer['io_callback'] / copies:.1f} | {layer['ours']:.0f} | "
+            f"| {where} | {rank} | {layer['io_callback']:.0f} | "
+            f"{layer['buffer_callback']:.0f} | {copies:.0f} | "
+            f"{layer['io_callback'] / copies:.1f} | {layer['ours']:.0f} | "
             f"{layer['products']:.0f} | {layer['ours'] - layer['products']:.0f} |"
         )
-    lines.append(
-        f"\nShares computed by the calling process: {steals} taken from late workers, "
-        f"{fallbacks} fallbacks."
-    )
+    lines.append(f"\nShares computed by the calling process: {'; '.join(notes)}.")
     return lines
 
 

@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the default
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
+CPU_LORA = ("auto", "threads", "processes")  # the first is the default
 MERGE_MODES = ("never", "auto", "always")  # the first is the default
 CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
 KV_ALLOCATIONS = ("lazy", "upfront")  # the first is the default
@@ -93,8 +94,13 @@ class EngineConfig:
       prefills a request for a cold adapter at once, its LoRA computed by CPU workers
       for the layers whose group has not landed yet (CaraServe/Toppings §4); "auto"
       picks between cpu-assist and waiting per request by a cost model.
-    cpu_workers: CPU LoRA worker processes for cpu-assist and auto (0: one per core
-      this process may use, less one for the engine's own thread).
+    cpu_workers: CPU LoRA workers for cpu-assist and auto, besides the engine's own
+      thread: worker processes, or threads (0: one per core this process may use, less
+      one for the engine's thread).
+    cpu_lora: where those products run: "processes" (worker processes over shared
+      memory; they overlap an accelerator's base projections), "threads" (threads of
+      the engine's process, the host callback's among them: no copies or hand-offs),
+      "auto" (threads where the device is the CPU, else processes).
     lora_layer_groups: an adapter is transferred (and a CPU-assisted prefill is run)
       in this many layer groups (Toppings §4.1, pipelined loading).
     lora_backend: the batched-LoRA implementation:
@@ -161,6 +167,7 @@ class EngineConfig:
     host_store_mib: int = 1024
     emulated_link_gbps: float = 0.0
     cpu_workers: int = 0
+    cpu_lora: str = CPU_LORA[0]
     lora_layer_groups: int = 4
     sharding: ShardingConfig | None = None
 
@@ -216,6 +223,8 @@ class EngineConfig:
                 f"EngineConfig.emulated_link_gbps={self.emulated_link_gbps!r} must be >= 0 "
                 "(0: no throttle)"
             )
+        if self.cpu_lora not in CPU_LORA:
+            raise ConfigError(f"EngineConfig.cpu_lora={self.cpu_lora!r} must be one of {CPU_LORA}")
         if self.lora_mode not in LORA_MODES:
             raise ConfigError(
                 f"EngineConfig.lora_mode={self.lora_mode!r} must be one of {LORA_MODES}"

@@ -3,16 +3,26 @@
 While an adapter is still being copied to the device, the LoRA part x·A·B of its
 layers runs here, on CPU cores, reading A and B in place from the host store's
 shared-memory arena (CaraServe §4, Toppings §4). `CpuLoraPool` owns the worker
-processes (one per core, started with `spawn`), `protocol` is the shared-memory
+processes (one per core, started with `spawn`; or none, computing on threads of the
+calling process where the device is the CPU), `protocol` is the shared-memory
 control block they poll, and `kernels` holds the compiled kernels: `lora_rows` (one
-product, two direct sgemm calls into strided output columns) and `lora_task` (every
-job of one worker's task in one call).
+product, two direct sgemm calls into strided output columns), `lora_task` (every
+job of one worker's task in one call) and `lora_task_threads` (the same over threads).
 
 Never imports jax: it receives plain numbers (segment names, byte offsets, shapes).
 """
 
-from cpu_offload.kernels import lora_rows, lora_task
+from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads
 from cpu_offload.pool import CpuLoraPool, Profile, Ticket
 from cpu_offload.protocol import MAX_JOBS, LoraJob
 
-__all__ = ["MAX_JOBS", "CpuLoraPool", "LoraJob", "Profile", "Ticket", "lora_rows", "lora_task"]
+__all__ = [
+    "MAX_JOBS",
+    "CpuLoraPool",
+    "LoraJob",
+    "Profile",
+    "Ticket",
+    "lora_rows",
+    "lora_task",
+    "lora_task_threads",
+]

@@ -2,7 +2,8 @@
 
 One call runs on one core: parallelism comes from the pool, which gives each worker
 process its own rows (CaraServe §4.2, profiling-guided parallelization: one process
-per core) and starts it with one BLAS thread.
+per core) and starts it with one BLAS thread, or, where the device is the CPU, from
+`lora_task_threads`, which splits the rows over threads of the calling process.
 
 Both products are single-precision GEMMs of OpenBLAS (SciPy's, the library Numba's
 own `np.dot` calls), made directly from the compiled function through its Fortran
@@ -33,7 +34,7 @@ import ctypes
 
 import numpy as np
 from llvmlite import binding
-from numba import float32, int64, njit, types, void
+from numba import float32, int64, njit, prange, types, void
 from numba.extending import get_cython_function_address
 
 # Fortran sgemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every
@@ -130,6 +131,17 @@ def lora_rows(x, a, b, out):  # pragma: no cover - compiled
     _product(x, a, b, out)
 
 
+@njit(cache=True, nogil=True)
+def _job(arena, jobs, j, fan_in):  # pragma: no cover - compiled
+    """Job j of a task: its A [in, rank] and B [rank, out] (views of the arena) and the
+    first of its output columns."""
+    a_start, b_start = jobs[j, 0] // 4, jobs[j, 1] // 4
+    rank, n_out = jobs[j, 2], jobs[j, 3]
+    a = arena[a_start : a_start + fan_in * rank].reshape((fan_in, rank))
+    b = arena[b_start : b_start + rank * n_out].reshape((rank, n_out))
+    return a, b, jobs[j, 4]
+
+
 @njit(
     void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1]),
     cache=True,
@@ -145,10 +157,24 @@ def lora_task(arena, x, y, jobs):  # pragma: no cover - compiled
     jobs:  i64[n_jobs, 5]: a_offset, b_offset (bytes into the arena, multiples
            of 4: A [in, rank] and B [rank, out] row-major), rank, out_features, out_column
     """
-    fan_in = x.shape[1]
     for j in range(jobs.shape[0]):
-        a_start, b_start = jobs[j, 0] // 4, jobs[j, 1] // 4
-        rank, n_out, column = jobs[j, 2], jobs[j, 3], jobs[j, 4]
-        a = arena[a_start : a_start + fan_in * rank].reshape((fan_in, rank))
-        b = arena[b_start : b_start + rank * n_out].reshape((rank, n_out))
-        _product(x, a, b, y[:, column : column + n_out])
+        a, b, column = _job(arena, jobs, j, x.shape[1])
+        _product(x, a, b, y[:, column : column + b.shape[1]])
+
+
+@njit(
+    void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64),
+    cache=True,
+    nogil=True,
+    parallel=True,
+)
+def lora_task_threads(arena, x, y, jobs, threads):  # pragma: no cover - compiled
+    """`lora_task` over `threads` contiguous row ranges (sizes differing by <= 1), each on
+    a thread of this process (Numba's threading layer: OpenMP where the system has it),
+    each product one sgemm pair of its rows as in `lora_task`."""
+    rows = x.shape[0]
+    for i in prange(threads):
+        start, end = rows * i // threads, rows * (i + 1) // threads
+        for j in range(jobs.shape[0]):
+            a, b, column = _job(arena, jobs, j, x.shape[1])
+            _product(x[start:end], a, b, y[start:end, column : column + b.shape[1]])

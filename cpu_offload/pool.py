@@ -16,15 +16,18 @@ The wire protocol is in `cpu_offload.protocol`; this module is its two ends:
   in the columns the submit named and zeros in the columns no job covers, so a host
   callback copies the products once, into its own output.
 
-The calling process's own share (`caller_share`): where the device is the CPU itself,
-the caller has nothing to do between a submit and its collect but wait on cores it
-shares with the workers, so it is one of the submit's threads: the first rows are its
-share, computed at `collect` straight into the caller's buffer (no copy out of shared
-memory, no hand-off), while the workers compute theirs; a product small enough for one
-thread never leaves the calling process. Beside an accelerator it stays off: the
-workers' shares run while the device computes the base projections, and the caller's
-could only run after them. Measured on this project's 2-core EPYC against PyTorch's
-`x @ A @ B` on the same threads (bench/cpu_offload.py, section 3).
+Threads instead of processes (`local_threads`): where the device is the CPU itself,
+the products have nothing to overlap (the device's base projections run on the same
+cores), and the processes' copies and hand-offs are pure cost. A pool made with
+`local_threads` has no worker processes: `collect` computes every submit in the calling
+process, on up to that many of its threads (`kernels.lora_task_threads`, Numba's
+OpenMP layer), straight into the caller's buffer. Measured on this project's 2-core
+EPYC against PyTorch's `x @ A @ B` on the same threads, copies included
+(bench/results/2026-11-27-cpu-offload-threads.md): level at the median (0.98-0.99x),
+where worker processes reached 0.76-0.84x. Beside an accelerator the processes stay:
+their products run while the device computes the base projections. A pool serves one caller thread
+at a time (one ticket in flight), so no two parallel kernels ever run at once, which
+Numba's workqueue layer (its fallback without OpenMP) would not allow.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -61,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from cpu_offload.kernels import lora_rows, lora_task, one_blas_thread
+from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads, one_blas_thread
 from cpu_offload.protocol import (
     CLAIMED,
     DONE,
@@ -115,7 +118,8 @@ class Ticket:
 
     gaps: the column ranges [start, stop) of the output that no job writes.
     own_rows: the first rows, which the calling process computes at `collect`, straight
-      into the output (its share, or all of them where no worker could take any).
+      into the output (all of them under `local_threads`, or where no worker could take
+      any), on `threads` of its threads.
     """
 
     rows: int
@@ -124,6 +128,7 @@ class Ticket:
     gaps: tuple[tuple[int, int], ...] = ()
     submitted: float = 0.0  # time.monotonic() of the submit
     own_rows: int = 0
+    threads: int = 1
 
 
 def _arena_floats(arena: mmap.mmap) -> np.ndarray:
@@ -132,14 +137,23 @@ def _arena_floats(arena: mmap.mmap) -> np.ndarray:
 
 
 def _compute(
-    block: ControlBlock, arena: np.ndarray, task: Task, into: np.ndarray | None = None
+    block: ControlBlock,
+    arena: np.ndarray,
+    task: Task,
+    into: np.ndarray | None = None,
+    threads: int = 1,
 ) -> None:
     """Step 4 of the protocol in the calling process (a share no worker serves), into
-    the output region, or into the rows of `into` (the caller's output) that it has."""
+    the output region, or into the rows of `into` (the caller's output) that it has, on
+    `threads` of its threads."""
     x = block.x(task.row_end, task.in_features)[task.row_start :]
     if into is None:
         into = block.y(task.row_end, task.out_total)
-    lora_task(arena, x, into[task.row_start : task.row_end], task.job_rows())
+    y = into[task.row_start : task.row_end]
+    if threads > 1:
+        lora_task_threads(arena, x, y, task.job_rows(), threads)
+    else:
+        lora_task(arena, x, y, task.job_rows())
 
 
 def _worker_main(
@@ -236,9 +250,9 @@ class CpuLoraPool:
     max_out:    most output columns one submit produces (the sum over its jobs).
     target_ms:  how long one share should take; `threads_for` gives a submit as many
                 threads as that takes, by the start-up profile.
-    caller_share: the calling process computes the first share of each submit itself
-                (see the module docstring); the threads of a submit are then the
-                caller and up to `workers` workers.
+    local_threads: no worker processes (`workers` must be 0): the calling process
+                computes every submit itself, on up to this many of its threads (see
+                the module docstring); 0: the workers do.
     hang_after: seconds a worker may hold a task before the watchdog replaces it.
     steal_after: seconds after a submit from which `collect` computes the rows of a
                 worker that has not taken its share yet (None: always wait for it).
@@ -255,18 +269,26 @@ class CpuLoraPool:
         target_ms: float = 1.0,
         hang_after: float = 5.0,
         steal_after: float | None = STEAL_AFTER_S,
-        caller_share: bool = False,
+        local_threads: int = 0,
         start_timeout: float = 120.0,
         max_start_failures: int = 3,
     ) -> None:
         for field, value in [
-            ("workers", workers),
             ("max_rows", max_rows),
             ("max_in", max_in),
             ("max_out", max_out),
         ]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field}={value!r} must be a positive int")
+        if not isinstance(local_threads, int) or local_threads < 0:
+            raise ValueError(f"local_threads={local_threads!r} must be an int >= 0")
+        if not isinstance(workers, int) or workers < (0 if local_threads else 1):
+            raise ValueError(f"workers={workers!r} must be a positive int")
+        if local_threads and workers:
+            raise ValueError(
+                f"workers={workers} with local_threads={local_threads}: a pool computes "
+                "in worker processes or on the caller's threads, not both (workers=0)"
+            )
         for field, seconds in [
             ("target_ms", target_ms),
             ("hang_after", hang_after),
@@ -283,7 +305,7 @@ class CpuLoraPool:
         if steal_after is not None and not steal_after >= 0:
             raise ValueError(f"steal_after={steal_after!r} must be None or >= 0")
         self.steal_after = steal_after
-        self.caller_share = caller_share
+        self.local_threads = local_threads
         self.start_timeout = start_timeout
         self.max_start_failures = max_start_failures
         one_blas_thread()  # this process computes shares too: see its docstring
@@ -316,6 +338,8 @@ class CpuLoraPool:
         except BaseException:
             self.close()
             raise
+        if not workers:
+            return  # nothing to watch
         watchdog = threading.Thread(
             target=_watch, args=(weakref.ref(self), self._resources.stop), daemon=True
         )
@@ -342,8 +366,8 @@ class CpuLoraPool:
 
     @property
     def max_threads(self) -> int:
-        """The most threads a submit can have: the workers, and the caller's share."""
-        return self.num_workers + self.caller_share
+        """The most threads a submit can have: the caller's, or the workers."""
+        return self.local_threads or self.num_workers
 
     def threads_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
         """How many threads a product of this shape needs to finish in ~target_ms."""
@@ -373,8 +397,8 @@ class CpuLoraPool:
                    side by side in job order. Ranges may not overlap.
         out_total: the output's width (default: the end of the last job's columns),
                    <= max_out; columns no job covers come back as zeros.
-        threads:   how many threads to split the rows across, the caller's share one of
-                   them under `caller_share` (default: `threads_for`); fewer where
+        threads:   how many threads to split the rows across: the caller's under
+                   `local_threads`, else workers (default: `threads_for`); fewer where
                    fewer workers are ready. With none ready the caller computes all.
         """
         rows, in_features = self._check_input(x)
@@ -393,8 +417,7 @@ class CpuLoraPool:
         self._block.x(rows, in_features)[...] = x
         shares = []
         with self._lock:
-            ready = [LOCAL] if self.caller_share else []
-            ready += self.ready_workers()[: wanted - len(ready)]
+            ready = [LOCAL] if self.local_threads else self.ready_workers()[:wanted]
             if not ready:  # no worker can take it: the caller computes it all
                 ready = [LOCAL]
                 self.fallbacks += 1
@@ -407,8 +430,9 @@ class CpuLoraPool:
                     self._workers[index].task_since = now
                     self._block.write_task(index, task, self._seq)
                 shares.append(Share(index, self._seq, task))
-        own = shares[0].task.row_end if shares[0].worker == LOCAL else 0
-        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, own)
+        own = rows if ready == [LOCAL] else 0
+        threads = min(wanted, self.local_threads) if self.local_threads else 1
+        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, own, threads)
         return self._inflight
 
     def collect(
@@ -465,7 +489,7 @@ class CpuLoraPool:
         pending = [share for share in ticket.shares if share.worker != LOCAL]
         for share in ticket.shares:
             if share.worker == LOCAL and out is not None:
-                _compute(self._block, self._floats, share.task, into=out)
+                _compute(self._block, self._floats, share.task, into=out, threads=ticket.threads)
         backoff = Backoff(spin_s=COLLECT_SPIN_S)
         while pending:
             pending = [share for share in pending if not self._served(share, ticket.submitted)]

@@ -114,6 +114,7 @@ def test_decode_row_buckets_default_to_quarters_of_max_slots_down_to_eight(slots
         ({"decode_buckets": (20, 2048)}, "decode_buckets has 20, not a multiple of block_size"),
         ({"decode_row_buckets": (2, 4)}, r"decode_row_buckets=\(2, 4\) must .* end at max_slots=8"),
         ({"decode_row_buckets": (0, 8)}, "decode_row_buckets=.* must be positive"),
+        ({"cpu_lora": "fibers"}, r"EngineConfig.cpu_lora='fibers' must be one of \('auto'"),
     ],
 )
 def test_engine_config_names_the_bad_field(change, message):

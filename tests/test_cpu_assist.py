@@ -245,15 +245,16 @@ def test_cpu_routed_layers_give_the_device_logits(tiny, adapters, dtype):
 def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapters, device_only):
     """SIGKILL a CPU worker from inside a prefill's callbacks: the request still gets the
     device-only tokens (its rows are recomputed in the engine's process), the watchdog
-    respawns the worker, and nothing is left in /dev/shm after close. The pool runs as
-    beside an accelerator (no share of the caller's own), so that workers have rows."""
+    respawns the worker, and nothing is left in /dev/shm after close. The products run
+    in worker processes, as beside an accelerator."""
     prompts = _prompts([25])
     expected = device_only(prompts, ["all-r12"])
-    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    engine = _engine(
+        tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS, cpu_lora="processes"
+    )
     segments = _segments(engine)
     try:
         pool, submit = engine.device.cpu.pool, engine.device.cpu.pool.submit
-        pool.caller_share = False
         killed = []
 
         def submit_then_kill(x, jobs, **kwargs):

@@ -16,7 +16,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task, lora_task_threads
 from cpu_offload.protocol import DONE
 
 ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
@@ -328,57 +328,50 @@ def test_a_late_workers_rows_are_computed_by_the_caller(arena):
         assert pool.fallbacks == 0 and pool.respawns == 0
 
 
-def test_the_callers_share_goes_straight_into_its_buffer(arena):
-    """With `caller_share`, the caller computes a submit's first rows at `collect`,
-    into its own buffer (the shared output region's rows stay as they were), and the
-    worker the rest; the columns no job covers are zeros in every row."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_pool_of_local_threads_computes_straight_into_the_callers_buffer(arena, threads):
+    """`local_threads`: no worker processes; `collect` computes the whole submit on the
+    caller's threads, into its own buffer (the shared output region stays as it was),
+    with zeros in the columns no job covers."""
     with CpuLoraPool(
-        arena.shm.name,
-        workers=1,
-        max_rows=64,
-        max_in=64,
-        max_out=200,
-        steal_after=None,  # the worker's rows are the worker's
-        caller_share=True,
+        arena.shm.name, workers=0, local_threads=3, max_rows=64, max_in=64, max_out=200
     ) as pool:
-        assert pool.max_threads == 2 and pool.threads_for(512, 1024, 64, 1024) == 2
+        assert pool.num_workers == 0 and pool.max_threads == 3
+        assert pool.threads_for(512, 1024, 1024, 1024) == 3  # ~20 ms of work on one core
         (aq, bq, q), (av, bv, v) = arena.weights[1, "q"], arena.weights[1, "v"]
         x = _x(21, 64, seed=4)
-        _wait_all_ready(pool)
-        ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=2)
-        assert [share.worker for share in ticket.shares] == [-1, 0]
-        assert ticket.own_rows == ticket.shares[0].task.row_end == 10
+        ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=threads)
+        assert [share.worker for share in ticket.shares] == [-1]
+        assert (ticket.own_rows, ticket.threads) == (21, threads)
         region = pool._block.y(21, 200)
-        region[:10] = np.nan  # where the worker would have put the caller's rows
+        region[:] = np.nan  # where workers would have put the products
         out = np.full((21, 200), 5.0, np.float32)
         pool.collect(ticket, 10.0, out=out)
         np.testing.assert_allclose(out[:, 64:128], _reference(x, aq, bq), rtol=0, atol=ATOL)
         np.testing.assert_allclose(out[:, 0:32], _reference(x, av, bv), rtol=0, atol=ATOL)
         assert (out[:, 32:64] == 0).all() and (out[:, 128:] == 0).all()
-        assert np.isnan(region[:10]).all()
+        assert np.isnan(region).all()
         del region
         assert (pool.steals, pool.fallbacks) == (0, 0)
 
 
-def test_a_product_for_one_thread_never_leaves_the_caller(arena):
-    """A one-thread submit under `caller_share` is the caller's alone: it needs no
-    worker (this one is stopped) and nothing is stolen or recomputed."""
-    with CpuLoraPool(
-        arena.shm.name, workers=1, max_rows=64, max_in=64, max_out=64, caller_share=True
-    ) as pool:
-        a, b, job = arena.weights[0, "k"]
-        x = _x(16, 64, seed=5)
-        assert pool.threads_for(16, 64, job.rank, job.out_features) == 1
-        _wait_all_ready(pool)
-        victim = pool._workers[0].process.pid
-        os.kill(victim, signal.SIGSTOP)
-        try:
-            ticket = pool.submit(x, [job])
-            assert [share.worker for share in ticket.shares] == [-1]
-            np.testing.assert_allclose(pool.collect(ticket, 1.0), _reference(x, a, b), atol=ATOL)
-        finally:
-            os.kill(victim, signal.SIGCONT)
-        assert (pool.steals, pool.fallbacks) == (0, 0)
+def test_the_threaded_kernel_equals_the_one_thread_kernel_bit_for_bit(arena):
+    floats = np.frombuffer(arena.shm.buf, np.float32)
+    jobs = np.array(
+        [
+            [job.a_offset, job.b_offset, job.rank, job.out_features, column]
+            for job, column in ((arena.weights[0, "q"][2], 0), (arena.weights[0, "k"][2], 70))
+        ],
+        np.int64,
+    )
+    x = _x(37, 64, seed=6)
+    alone = np.zeros((37, 110), np.float32)
+    lora_task(floats, x, alone, jobs)
+    for threads in (2, 3, 5):
+        threaded = np.zeros((37, 110), np.float32)
+        lora_task_threads(floats, x, threaded, jobs, threads)
+        assert np.array_equal(threaded, alone)
+    del floats
 
 
 def test_collect_timeout_keeps_the_ticket(pool, arena):
@@ -452,6 +445,8 @@ def test_max_jobs_fit_in_a_slot(pool, arena):
         ({"arena_name": "jlora-test-no-such-segment"}, "arena_name"),
         ({"arena_name": "../etc/passwd"}, "arena_name"),
         ({"workers": 0}, "workers"),
+        ({"local_threads": -1}, "local_threads"),
+        ({"workers": 1, "local_threads": 2}, "not both"),
         ({"max_rows": -1}, "max_rows"),
         ({"hang_after": 0.0}, "hang_after"),
         ({"steal_after": -1.0}, "steal_after"),

@@ -99,8 +99,9 @@ def resolve_dtype(name: str) -> str:
 
 def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
     """How an engine serves adapters: --lora-mode, --lora-backend, --max-loras,
-    --emulated-link-gbps, --cpu-workers, --merge (read back with `lora_engine_config`)."""
-    from configs.engine import LORA_BACKENDS, LORA_MODES
+    --emulated-link-gbps, --cpu-workers, --cpu-lora, --merge (read back with
+    `lora_engine_config`)."""
+    from configs.engine import CPU_LORA, LORA_BACKENDS, LORA_MODES
 
     group.add_argument(
         "--lora-mode",
@@ -131,7 +132,16 @@ def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
         "--cpu-workers",
         type=int,
         default=0,
-        help="CPU LoRA worker processes for cpu-assist/auto (default: one per core, less one)",
+        help="CPU LoRA workers for cpu-assist/auto, besides the engine's thread (default: "
+        "one per core, less one)",
+    )
+    group.add_argument(
+        "--cpu-lora",
+        choices=CPU_LORA,
+        default=CPU_LORA[0],
+        help="where the CPU LoRA products run: processes (worker processes over shared "
+        "memory), threads (of the engine's process), auto (default: threads where the "
+        "device is the CPU, processes beside an accelerator)",
     )
     group.add_argument(
         "--merge",
@@ -151,6 +161,7 @@ def lora_engine_config(args: argparse.Namespace) -> dict:
         "lora_backend": args.lora_backend,
         "emulated_link_gbps": args.emulated_link_gbps,
         "cpu_workers": args.cpu_workers,
+        "cpu_lora": args.cpu_lora,
         "merge": args.merge,
     }
 

@@ -28,8 +28,9 @@ an accelerator, whose buffers are not host memory, they are `io_callback`s still
 Only the real rows of x are copied, once, into the workers' shared memory; the
 workers write each product straight into its projection's columns there, and
 `collect` copies those rows once into the output buffer. Where the device is the CPU,
-the callback's own thread computes the first rows, straight into the output buffer
-(`CpuLoraPool`'s `caller_share`). The callbacks are unordered
+the products run on threads of the engine's process instead (`threads`, EngineConfig's
+`cpu_lora`), straight into the output buffer: nothing overlaps there, and the
+processes' copies and hand-offs only cost. The callbacks are unordered
 (no token threaded through the scan): the data already orders them (the base
 projections take h from an optimization barrier with the ticket, the collect takes
 the ticket from one with their outputs, and the next group's input depends on this
@@ -123,8 +124,10 @@ class CpuAssist:
 
     arena_name: the host store's shared-memory arena; shapes: (in, out) of each
     projection the device slots hold, as the adapters store them (whole, k/v not
-    widened); max_rows: the longest prefill (in tokens); shards: how the devices split
-    the results (one device by default).
+    widened); workers: the workers besides the callback's thread; threads: they are
+    threads of this process (`CpuLoraPool`'s `local_threads`: workers + 1 threads, the
+    callback's among them), not worker processes; max_rows: the longest prefill (in
+    tokens); shards: how the devices split the results (one device by default).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class CpuAssist:
         shapes: dict[str, tuple[int, int]],
         *,
         workers: int,
+        threads: bool = False,
         max_rows: int,
         hang_after: float = 5.0,
         shards: ShardPlan | None = None,
@@ -141,18 +145,17 @@ class CpuAssist:
         self.shards = shards or ShardPlan()
         self.held = [[name for name in names if name in shapes] for names in INPUT_GROUPS]
         self.widths = [sum(shapes[name][1] for name in names) for names in self.held]
-        on_cpu = jax.default_backend() == "cpu"
         self.pool = CpuLoraPool(
             arena_name,
-            workers=workers,
+            workers=0 if threads else workers,
+            local_threads=workers + 1 if threads else 0,
             max_rows=max_rows,
             max_in=max(fan_in for fan_in, _ in shapes.values()),
             max_out=max(self.widths),
             hang_after=hang_after,
-            caller_share=on_cpu,  # the callback's thread is one of a submit's threads
         )
         self.handoffs = 0  # submits that reached the pool
-        self.in_place = on_cpu  # see _host_op
+        self.in_place = jax.default_backend() == "cpu"  # see _host_op
         self.collect_wait_s: deque[float] = deque(maxlen=4096)  # time blocked in collect
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []

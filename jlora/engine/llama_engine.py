@@ -221,6 +221,8 @@ class LlamaEngine(DeviceEngine):
                 self.store.arena.name,
                 {target: stored[target] for target in self.lora.shapes},
                 workers=cfg.cpu_workers or default_workers(),
+                threads=cfg.cpu_lora == "threads"
+                or (cfg.cpu_lora == "auto" and jax.default_backend() == "cpu"),
                 max_rows=max(cfg.prefill_buckets),
                 shards=self._shard_plan(),
             )
