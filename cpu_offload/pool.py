@@ -25,9 +25,9 @@ OpenMP layer), straight into the caller's buffer. Measured on this project's 2-c
 EPYC against PyTorch's `x @ A @ B` on the same threads, copies included
 (bench/results/2026-11-27-cpu-offload-threads.md): level at the median (0.98-0.99x),
 where worker processes reached 0.76-0.84x. Beside an accelerator the processes stay:
-their products run while the device computes the base projections. A pool serves one caller thread
-at a time (one ticket in flight), so no two parallel kernels ever run at once, which
-Numba's workqueue layer (its fallback without OpenMP) would not allow.
+their products run while the device computes the base projections. No two parallel
+kernels run at once in a process (`_PARALLEL`), which Numba's workqueue layer (its
+fallback without OpenMP) would not allow.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -95,6 +95,9 @@ COLLECT_SPIN_S = 5e-3
 # A running worker takes its task within microseconds of the submit; one that has not
 # after this long is descheduled or asleep, and `collect` computes its rows itself.
 STEAL_AFTER_S = 5e-5
+# Numba's workqueue layer (its fallback where OpenMP is missing) aborts the process when
+# two threads launch parallel kernels at once; two pools of threads may share a process.
+_PARALLEL = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +154,8 @@ def _compute(
         into = block.y(task.row_end, task.out_total)
     y = into[task.row_start : task.row_end]
     if threads > 1:
-        lora_task_threads(arena, x, y, task.job_rows(), threads)
+        with _PARALLEL:  # one parallel kernel at a time in this process
+            lora_task_threads(arena, x, y, task.job_rows(), threads)
     else:
         lora_task(arena, x, y, task.job_rows())
 
