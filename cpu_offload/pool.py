@@ -120,9 +120,9 @@ class Ticket:
     """A submit in flight; pass it to `collect`.
 
     gaps: the column ranges [start, stop) of the output that no job writes.
-    own_rows: the first rows, which the calling process computes at `collect`, straight
-      into the output (all of them under `local_threads`, or where no worker could take
-      any), on `threads` of its threads.
+    threads: the calling process's threads for a share of its own (`LOCAL`: every row,
+      under `local_threads` or where no worker could take any), computed at `collect`
+      straight into the output.
     """
 
     rows: int
@@ -130,8 +130,11 @@ class Ticket:
     shares: tuple[Share, ...]
     gaps: tuple[tuple[int, int], ...] = ()
     submitted: float = 0.0  # time.monotonic() of the submit
-    own_rows: int = 0
     threads: int = 1
+
+    @property
+    def local(self) -> bool:
+        return self.shares[0].worker == LOCAL
 
 
 def _arena_floats(arena: mmap.mmap) -> np.ndarray:
@@ -434,9 +437,8 @@ class CpuLoraPool:
                     self._workers[index].task_since = now
                     self._block.write_task(index, task, self._seq)
                 shares.append(Share(index, self._seq, task))
-        own = rows if ready == [LOCAL] else 0
         threads = min(wanted, self.local_threads) if self.local_threads else 1
-        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, own, threads)
+        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, threads)
         return self._inflight
 
     def collect(
@@ -468,7 +470,9 @@ class CpuLoraPool:
             )
         result = out[: ticket.rows]
         self._settle(ticket, timeout, result)
-        own, products = ticket.own_rows, self._block.y(ticket.rows, ticket.out_total)
+        # The caller's own share is in `result` already; the workers' are in the region.
+        own = ticket.rows if ticket.local else 0
+        products = self._block.y(ticket.rows, ticket.out_total)
         if not ticket.gaps:
             np.copyto(result[own:], products[own:])
             return result

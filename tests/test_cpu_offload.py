@@ -342,7 +342,7 @@ def test_a_pool_of_local_threads_computes_straight_into_the_callers_buffer(arena
         x = _x(21, 64, seed=4)
         ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=threads)
         assert [share.worker for share in ticket.shares] == [-1]
-        assert (ticket.own_rows, ticket.threads) == (21, threads)
+        assert ticket.local and ticket.threads == threads
         region = pool._block.y(21, 200)
         region[:] = np.nan  # where workers would have put the products
         out = np.full((21, 200), 5.0, np.float32)
