@@ -13,14 +13,15 @@ CPU; `--quick` well under one).
    PyTorch's `x @ A @ B` (MKL) with one thread, at SmolLM2-135M shapes (in 576; out
    576 = q/o, 1536 = gate/up; ranks 8, 16 and 64; 128 and 512 rows).
 3. The pool against PyTorch on the same threads (CaraServe §4.2, Fig. 18-Right): a
-   submit split across n threads, everything the engine pays included (x copied into
-   shared memory, the hand-off, the result written into a caller's buffer), against
+   product split across n threads, called as the engine calls it, everything it pays
+   included (checks, the result written into a caller's buffer), against
    `x @ A @ B` with `torch.set_num_threads(n)`, for n = 1 and every core. Two pools:
    n threads of the calling process (`local_threads`: how the engine runs where the
-   device is the CPU) and n worker processes (how it runs beside an accelerator, and
-   how it ran on a CPU until 2026-11-27). Torch's n threads include its calling
-   thread. A and B live in a shared-memory arena laid out as the host store lays it
-   out; torch reads the same memory (`torch.from_numpy`, no copy).
+   device is the CPU; `run`, straight from x), and n worker processes (how it runs
+   beside an accelerator, and how it ran on a CPU until 2026-11-27; a submit, which
+   copies x into shared memory and hands off, and a collect). Torch's n threads
+   include its calling thread. A and B live in a shared-memory arena laid out as the
+   host store lays it out; torch reads the same memory (`torch.from_numpy`, no copy).
 4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
    an adapter on all 7 targets): a jitted scan in which each layer makes the four
    input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
@@ -29,6 +30,8 @@ CPU; `--quick` well under one).
    mechanism; bench/cold_start.py's method, 2.27 ms on 2026-11-22); `buffer_callback`
    pairs doing no work (the new mechanism's floor), and copying x out and a result in
    as the real callbacks do (the callback overhead proper: the comparable figure);
+   one `buffer_callback` a group doing no work (the floor of `CpuAssist.apply`, the
+   one callback a group makes where the products run on the engine's threads);
    and `CpuAssist`'s real ops over the real pool (this path), next to its products
    computed alone in this process on one thread, at rank 1 and 16, with the products
    on threads of this process and on worker processes. This path minus its products
@@ -207,6 +210,10 @@ def kernels(arena: Arena, iters: int) -> list[str]:
 
 
 def _pooled(pool: CpuLoraPool, x: np.ndarray, job: LoraJob, threads: int, y: np.ndarray) -> object:
+    """As the engine calls each pool: a pool of threads at once (`run`, nothing to
+    overlap), worker processes by a submit and a collect."""
+    if pool.local_threads:
+        return pool.run(x, [job], threads=threads, out=y)
     return pool.collect(pool.submit(x, [job], threads=threads), out=y)
 
 
@@ -310,9 +317,18 @@ def _overhead_scans(config: Any, tokens: int, cpu: Any) -> dict[str, Callable[[A
             has_side_effect=True,
         )(ticket)
 
+    def buffer_one(group: int, h: Any, layer: Any) -> Any:
+        """One no-op buffer_callback taking h and giving a [T, out] result (the floor
+        of `CpuAssist.apply`, the path where nothing overlaps the products)."""
+        result = jax.ShapeDtypeStruct((tokens, groups[group][1]), jnp.float32)
+        return buffer_callback(lambda ctx, out, h: None, result, has_side_effect=True)(h)
+
     def ours(group: int, h: Any, layer: Any) -> Any:
+        shape = (tokens, groups[group][1])
+        if not cpu.overlapped:
+            return cpu.apply(group, jnp.int32(0), layer, h, length, shape)
         ticket = cpu.submit(group, jnp.int32(0), layer, h, length)
-        return cpu.collect(group, jnp.int32(0), ticket, (tokens, groups[group][1]))
+        return cpu.collect(group, jnp.int32(0), ticket, shape)
 
     def scan(pair: Callable[[int, Any, Any], Any] | None) -> Callable[[Any], Any]:
         def layer_fn(x: Any, layer: Any) -> tuple[Any, None]:
@@ -330,6 +346,7 @@ def _overhead_scans(config: Any, tokens: int, cpu: Any) -> dict[str, Callable[[A
         "io_callback": scan(io_pair),
         "buffer_callback": scan(buffer_pair),
         "buffer_copies": scan(functools.partial(buffer_pair, copies=True)),
+        "buffer_one": scan(buffer_one),
         "ours": scan(ours),
     }
 
@@ -426,17 +443,18 @@ def callback_overhead(iters: int) -> list[str]:
         "",
         "| CPU LoRA on | rank | io_callback pairs, no work (previous) | buffer_callback "
         "pairs, no work | buffer_callback pairs + the copies (callback overhead) | "
-        "previous / callback overhead | this path | its products alone (one thread) | "
-        "overhead with the hand-off |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "previous / callback overhead | one buffer_callback a group, no work | this path | "
+        "its products alone (one thread) | overhead with the hand-off |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for where, rank, _, layer in rows:
         copies = layer["buffer_copies"]
         lines.append(
             f"| {where} | {rank} | {layer['io_callback']:.0f} | "
             f"{layer['buffer_callback']:.0f} | {copies:.0f} | "
-            f"{layer['io_callback'] / copies:.1f} | {layer['ours']:.0f} | "
-            f"{layer['products']:.0f} | {layer['ours'] - layer['products']:.0f} |"
+            f"{layer['io_callback'] / copies:.1f} | {layer['buffer_one']:.0f} | "
+            f"{layer['ours']:.0f} | {layer['products']:.0f} | "
+            f"{layer['ours'] - layer['products']:.0f} |"
         )
     lines.append(f"\nShares computed by the calling process: {'; '.join(notes)}.")
     return lines

@@ -21,13 +21,14 @@ the products have nothing to overlap (the device's base projections run on the s
 cores), and the processes' copies and hand-offs are pure cost. A pool made with
 `local_threads` has no worker processes: `collect` computes every submit in the calling
 process, on up to that many of its threads (`kernels.lora_task_threads`, Numba's
-OpenMP layer), straight into the caller's buffer. Measured on this project's 2-core
-EPYC against PyTorch's `x @ A @ B` on the same threads, copies included
-(bench/results/2026-11-27-cpu-offload-threads.md): level at the median (0.98-0.99x),
-where worker processes reached 0.76-0.84x. Beside an accelerator the processes stay:
-their products run while the device computes the base projections. No two parallel
-kernels run at once in a process (`_PARALLEL`), which Numba's workqueue layer (its
-fallback without OpenMP) would not allow.
+OpenMP layer), straight into the caller's buffer; `run`, for a caller with nothing to
+overlap, computes at once from x where it lies, without copying it. Measured on this
+project's 2-core EPYC against PyTorch's `x @ A @ B` on the same threads, everything
+the engine pays included (bench/results/2026-11-27-cpu-offload-apply.md): `run` on
+threads 1.16-1.34x at the median, where worker processes reached 0.75-0.81x. Beside
+an accelerator the processes stay: their products run while the device computes the
+base projections. No two parallel kernels run at once in a process (`_PARALLEL`),
+which Numba's workqueue layer (its fallback without OpenMP) would not allow.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -137,25 +138,26 @@ class Ticket:
         return self.shares[0].worker == LOCAL
 
 
+def _output(out: np.ndarray | None, rows: int, out_total: int) -> np.ndarray:
+    """out[:rows], checked (f32[>= rows, out_total]), or a new f32[rows, out_total]."""
+    if out is None:
+        return np.empty((rows, out_total), np.float32)
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] < rows or out.shape[1] != out_total:
+        raise ValueError(
+            f"out: {out.dtype}{list(out.shape)} must be float32 [>= {rows}, {out_total}]"
+        )
+    return out[:rows]
+
+
 def _arena_floats(arena: mmap.mmap) -> np.ndarray:
     """The arena as f32[bytes / 4], the view `lora_task` reads A and B from."""
     return np.frombuffer(arena, np.float32, count=len(arena) // 4)
 
 
-def _compute(
-    block: ControlBlock,
-    arena: np.ndarray,
-    task: Task,
-    into: np.ndarray | None = None,
-    threads: int = 1,
-) -> None:
-    """Step 4 of the protocol in the calling process (a share no worker serves), into
-    the output region, or into the rows of `into` (the caller's output) that it has, on
-    `threads` of its threads."""
-    x = block.x(task.row_end, task.in_features)[task.row_start :]
-    if into is None:
-        into = block.y(task.row_end, task.out_total)
-    y = into[task.row_start : task.row_end]
+def _compute(x: np.ndarray, arena: np.ndarray, task: Task, y: np.ndarray, threads: int) -> None:
+    """Step 4 of the protocol in the calling process: the task's rows of x (f32[>= its
+    last row, in]) through every job, into the same rows of y, on `threads` threads."""
+    x, y = x[task.row_start : task.row_end], y[task.row_start : task.row_end]
     if threads > 1:
         with _PARALLEL:  # one parallel kernel at a time in this process
             lora_task_threads(arena, x, y, task.job_rows(), threads)
@@ -408,19 +410,9 @@ class CpuLoraPool:
                    `local_threads`, else workers (default: `threads_for`); fewer where
                    fewer workers are ready. With none ready the caller computes all.
         """
-        rows, in_features = self._check_input(x)
-        jobs = tuple(jobs)
-        self._check_jobs(jobs, in_features)
-        columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads={threads!r} must be a positive int")
-        if not self._finalizer.alive:
-            raise RuntimeError("submit: the pool is closed")
-        if self._inflight is not None:
-            raise RuntimeError("submit: the previous ticket has not been collected")
-        flops = sum(2 * job.rank * (in_features + job.out_features) for job in jobs)
-        wanted = threads if threads is not None else self.threads_for_flops(rows, flops)
-        wanted = min(wanted, rows)
+        whole, gaps, wanted = self._checked("submit", x, jobs, columns, out_total, threads)
+        rows, in_features, out_total = whole.row_end, whole.in_features, whole.out_total
+        jobs, columns = whole.jobs, whole.columns
         self._block.x(rows, in_features)[...] = x
         shares = []
         with self._lock:
@@ -456,19 +448,7 @@ class CpuLoraPool:
         """
         if ticket is not self._inflight:
             raise ValueError("ticket is not the one in flight (collected already?)")
-        if out is None:
-            out = np.empty((ticket.rows, ticket.out_total), np.float32)
-        elif (
-            out.dtype != np.float32
-            or out.ndim != 2
-            or out.shape[0] < ticket.rows
-            or out.shape[1] != ticket.out_total
-        ):
-            raise ValueError(
-                f"out: {out.dtype}{list(out.shape)} must be float32 [>= {ticket.rows}, "
-                f"{ticket.out_total}]"
-            )
-        result = out[: ticket.rows]
+        result = _output(out, ticket.rows, ticket.out_total)
         self._settle(ticket, timeout, result)
         # The caller's own share is in `result` already; the workers' are in the region.
         own = ticket.rows if ticket.local else 0
@@ -481,6 +461,32 @@ class CpuLoraPool:
             np.copyto(result[own:, cursor:start], products[own:, cursor:start])
             result[:, start:stop] = 0.0
             cursor = stop
+        return result
+
+    def run(
+        self,
+        x: np.ndarray,
+        jobs: Sequence[LoraJob],
+        *,
+        columns: Sequence[int] | None = None,
+        out_total: int | None = None,
+        threads: int | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`submit` then `collect`, at once: for a caller with nothing to overlap the
+        products with. A pool of threads computes them straight from x, which is still
+        there, into `out`: no copy into shared memory, no ticket. Arguments as theirs."""
+        if not self.local_threads:
+            ticket = self.submit(x, jobs, columns=columns, out_total=out_total, threads=threads)
+            return self.collect(ticket, out=out)
+        task, gaps, wanted = self._checked("run", x, jobs, columns, out_total, threads)
+        result = _output(out, task.row_end, task.out_total)
+        # The kernel takes writable C-ordered rows: a no-op for a callback's buffer (an
+        # io_callback's read-only argument is copied).
+        x = np.require(x, requirements=["C", "W"])
+        _compute(x, self._floats, task, result, min(wanted, self.local_threads))
+        for start, stop in gaps:
+            result[:, start:stop] = 0.0
         return result
 
     def discard(self, ticket: Ticket, timeout: float | None = None) -> None:
@@ -497,7 +503,7 @@ class CpuLoraPool:
         pending = [share for share in ticket.shares if share.worker != LOCAL]
         for share in ticket.shares:
             if share.worker == LOCAL and out is not None:
-                _compute(self._block, self._floats, share.task, into=out, threads=ticket.threads)
+                self._compute(share.task, out, ticket.threads)
         backoff = Backoff(spin_s=COLLECT_SPIN_S)
         while pending:
             pending = [share for share in pending if not self._served(share, ticket.submitted)]
@@ -518,6 +524,32 @@ class CpuLoraPool:
         self.close()
 
     # -- internals -----------------------------------------------------------
+
+    def _checked(
+        self,
+        call: str,
+        x: object,
+        jobs: Sequence[LoraJob],
+        columns: Sequence[int] | None,
+        out_total: int | None,
+        threads: int | None,
+    ) -> tuple[Task, tuple[tuple[int, int], ...], int]:
+        """A submit's (or run's) arguments, checked: (every row as one Task, the column
+        gaps, the threads it gets, at most one per row)."""
+        rows, in_features = self._check_input(x)
+        jobs = tuple(jobs)
+        self._check_jobs(jobs, in_features)
+        columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r} must be a positive int")
+        if not self._finalizer.alive:
+            raise RuntimeError(f"{call}: the pool is closed")
+        if self._inflight is not None:
+            raise RuntimeError(f"{call}: the previous ticket has not been collected")
+        flops = sum(2 * job.rank * (in_features + job.out_features) for job in jobs)
+        wanted = threads if threads is not None else self.threads_for_flops(rows, flops)
+        task = Task(0, rows, in_features, out_total, jobs, columns)
+        return task, gaps, min(wanted, rows)
 
     def _check_input(self, x: object) -> tuple[int, int]:
         if not isinstance(x, np.ndarray) or x.dtype != np.float32:
@@ -584,6 +616,13 @@ class CpuLoraPool:
             gaps.append((cursor, out_total))
         return columns, out_total, tuple(gaps)
 
+    def _compute(self, task: Task, into: np.ndarray | None = None, threads: int = 1) -> None:
+        """A share of the submit in flight, here: from the input region into the output
+        region, or into `into` (the caller's output)."""
+        x = self._block.x(task.row_end, task.in_features)
+        y = self._block.y(task.row_end, task.out_total) if into is None else into
+        _compute(x, self._floats, task, y, threads)
+
     def _served(self, share: Share, submitted: float) -> bool:
         """True once a worker's share is in the output region (computing here those of a
         lost task, or of a late worker's: step 5 and 6 of the protocol)."""
@@ -593,10 +632,10 @@ class CpuLoraPool:
                 return True
             if not self._steal(share, worker, submitted):
                 return False
-            _compute(self._block, self._floats, share.task)
+            self._compute(share.task)
             self.steals += 1
             return True
-        _compute(self._block, self._floats, share.task)
+        self._compute(share.task)
         self.fallbacks += 1
         return True
 

@@ -113,26 +113,33 @@ def _route_switch(engine):
     engine.device.lora.install_landed = patched
 
 
+@pytest.mark.parametrize("threads", [False, True], ids=["submit-collect", "apply"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["buffer-callback", "io-callback"])
-def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_place):
-    """The two jitted ops alone, for every adapter, input group and a first and a last
+def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_place, threads):
+    """The jitted ops alone, for every adapter, input group and a first and a last
     layer: the real rows' x·A·B in the columns of the projections the adapter adapts,
     zeros in the others' columns and in the padding rows; a group the adapter leaves
     alone makes no hand-off (the collect is skipped on the device) and adds zeros. Both
-    kinds of callback: in place (the CPU's) and with host copies (an accelerator's)."""
+    kinds of callback: in place (the CPU's) and with host copies (an accelerator's);
+    both paths: a submit and a collect around the base projections (worker
+    processes), and one `apply` (threads of this process, where nothing overlaps)."""
     shapes = target_shapes(tiny.config)
     store = HostStore(tiny.config, 8 << 20)
     cpu = None
     try:
         for name, path in adapters.items():
             store.register(name, path)
-        cpu = CpuAssist(store.arena.name, shapes, workers=1, max_rows=32)
+        cpu = CpuAssist(store.arena.name, shapes, workers=1, threads=threads, max_rows=32)
         cpu.in_place = in_place
+        assert cpu.overlapped is not threads
 
         @functools.partial(jax.jit, static_argnums=0)
         def callbacks(group, layer, x, length):
+            shape = (x.shape[0], cpu.widths[group])
+            if threads:
+                return cpu.apply(group, jnp.int32(0), layer, x, length, shape)
             ticket = cpu.submit(group, jnp.int32(0), layer, x, length)
-            return cpu.collect(group, jnp.int32(0), ticket, (x.shape[0], cpu.widths[group]))
+            return cpu.collect(group, jnp.int32(0), ticket, shape)
 
         rng = np.random.default_rng(3)
         for name in ADAPTERS:
@@ -289,22 +296,25 @@ def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, d
     expected = device_only(prompts, rows)
     engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
     try:
-        pool, collect = engine.device.cpu.pool, engine.device.cpu.pool.collect
-        broken = []
+        pool, broken = engine.device.cpu.pool, []
 
-        def collect_once_broken(ticket, timeout=None, **kwargs):
-            if not broken:
-                broken.append(ticket)
-                raise OSError("the shared-memory control block is gone")
-            return collect(ticket, timeout, **kwargs)
+        def once_broken(method):  # the first product the prefill asks for fails
+            def call(*args, **kwargs):
+                if not broken:
+                    broken.append(method.__name__)
+                    raise OSError("the shared-memory control block is gone")
+                return method(*args, **kwargs)
 
-        pool.collect = collect_once_broken
+            return call
+
+        pool.collect, pool.run = once_broken(pool.collect), once_broken(pool.run)
         for i, (ids, adapter) in enumerate(zip(prompts, rows, strict=True)):
             engine.add_request(Request(f"r{i}", ids, GREEDY, adapter=adapter))
         events: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished:
             for event in engine.step():
                 events[event.request_id].append(event)
+        assert broken == ["run"]  # on a CPU the products run on the engine's threads
         [failed] = events["r0"]  # the first assisted prefill met the broken pool
         assert failed.finish_reason == "error" and failed.error.reason == "CPU_ASSIST_FAILED"
         assert "control block is gone" in failed.error.message

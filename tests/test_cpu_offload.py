@@ -355,6 +355,66 @@ def test_a_pool_of_local_threads_computes_straight_into_the_callers_buffer(arena
         assert (pool.steals, pool.fallbacks) == (0, 0)
 
 
+def _local_pool(arena) -> CpuLoraPool:
+    return CpuLoraPool(
+        arena.shm.name, workers=0, local_threads=3, max_rows=64, max_in=64, max_out=200
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_run_on_local_threads_reads_x_where_it_is(arena, threads):
+    """`run` on a pool of threads: a submit's products at once, straight from x (the
+    shared input region is never written) into the caller's buffer, zeros in the
+    columns no job covers, the rows after x's left to the caller; bit for bit what a
+    submit and its collect give."""
+    with _local_pool(arena) as pool:
+        (aq, bq, q), (av, bv, v) = arena.weights[1, "q"], arena.weights[1, "v"]
+        x = _x(21, 64, seed=5)
+        region = pool._block.x(21, 64)
+        region[:] = np.nan
+        out = np.full((24, 200), 5.0, np.float32)
+        result = pool.run(x, [q, v], columns=[64, 0], out_total=200, threads=threads, out=out)
+        assert result.base is out and result.shape == (21, 200)
+        np.testing.assert_allclose(out[:21, 64:128], _reference(x, aq, bq), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(out[:21, 0:32], _reference(x, av, bv), rtol=0, atol=ATOL)
+        assert (out[:21, 32:64] == 0).all() and (out[:21, 128:] == 0).all()
+        assert (out[21:] == 5).all()
+        assert np.isnan(region).all()
+        del region
+        ticket = pool.submit(x, [q, v], columns=[64, 0], out_total=200, threads=threads)
+        assert np.array_equal(pool.collect(ticket), result)
+
+
+def test_run_on_worker_processes_is_a_submit_and_its_collect(pool, arena):
+    a, b, job = arena.weights[0, "v"]
+    x = _x(9, 64, seed=8)
+    fallbacks = pool.fallbacks
+    np.testing.assert_allclose(pool.run(x, [job], threads=2), _reference(x, a, b), atol=ATOL)
+    assert pool.fallbacks == fallbacks  # the workers computed it
+
+
+@pytest.mark.parametrize(
+    "field, call",
+    [
+        ("x.dtype", lambda p, x, job: p.run(x.astype(np.float64), [job])),
+        ("rows", lambda p, x, job: p.run(np.zeros((65, 64), np.float32), [job])),
+        ("overlap", lambda p, x, job: p.run(x, [job, job], columns=[0, 63])),
+        ("threads", lambda p, x, job: p.run(x, [job], threads=0)),
+        ("out: float32", lambda p, x, job: p.run(x, [job], out=np.zeros((2, 64), np.float32))),
+        ("not been collected", lambda p, x, job: (p.submit(x, [job]), p.run(x, [job]))),
+    ],
+)
+def test_a_bad_run_names_the_field_and_changes_nothing(arena, field, call):
+    with _local_pool(arena) as pool:
+        a, b, job = arena.weights[0, "q"]
+        x = _x(3, 64)
+        with pytest.raises((ValueError, RuntimeError), match=field):
+            call(pool, x, job)
+        if pool._inflight is not None:
+            pool.collect(pool._inflight)
+        np.testing.assert_allclose(pool.run(x, [job]), _reference(x, a, b), atol=ATOL)
+
+
 def test_the_threaded_kernel_equals_the_one_thread_kernel_bit_for_bit(arena):
     floats = np.frombuffer(arena.shm.buf, np.float32)
     jobs = np.array(

@@ -29,8 +29,11 @@ Only the real rows of x are copied, once, into the workers' shared memory; the
 workers write each product straight into its projection's columns there, and
 `collect` copies those rows once into the output buffer. Where the device is the CPU,
 the products run on threads of the engine's process instead (`threads`, EngineConfig's
-`cpu_lora`), straight into the output buffer: nothing overlaps there, and the
-processes' copies and hand-offs only cost. The callbacks are unordered
+`cpu_lora`): nothing overlaps there, and the processes' copies and hand-offs only
+cost. On one device a group then makes one callback, `apply` (the model calls it
+when `overlapped` is false), which computes the products from x where it lies in the
+device's buffer straight into its output buffer (`CpuLoraPool.run`): no copy, half the
+callbacks. The callbacks are unordered
 (no token threaded through the scan): the data already orders them (the base
 projections take h from an optimization barrier with the ticket, the collect takes
 the ticket from one with their outputs, and the next group's input depends on this
@@ -38,7 +41,9 @@ group's output). Measured per CPU-routed layer at 128 tokens on SmolLM2, 2-core 
 (bench/results/2026-11-25-cpu-offload.md): the callback pairs with their copies cost
 0.38-0.51 ms, 3.5-4.7x less than io_callback pairs moving the same data (the 2.27 ms of
 2026-11-22); the whole path, hand-off to the workers included, 0.75-1.3 ms beyond the
-products, where the previous one paid about 5 ms.
+products, where the previous one paid about 5 ms. With one `apply` a group on the
+engine's threads (bench/results/2026-11-27-cpu-offload-apply.md): 0.22-0.28 ms beyond
+the products, everything included.
 
 On a mesh (tensor parallel) every shard makes both callbacks, in the same order, on
 threads of its own. Shard 0's submit hands the whole input to the workers (a
@@ -65,7 +70,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -83,6 +87,7 @@ from jlora.adapters.targets import INPUT_GROUPS
 log = logging.getLogger(__name__)
 
 NO_TICKET = 0  # submit's answer when the adapter adapts nothing in the group
+_PROBE_JOB = LoraJob(0, 0, 1, 1)  # measure_handoff_s's product: 8 floats of the arena
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +159,11 @@ class CpuAssist:
             max_out=max(self.widths),
             hang_after=hang_after,
         )
-        self.handoffs = 0  # submits that reached the pool
+        self.handoffs = 0  # submits (or runs) that reached the pool
         self.in_place = jax.default_backend() == "cpu"  # see _host_op
-        self.collect_wait_s: deque[float] = deque(maxlen=4096)  # time blocked in collect
+        # Threads of this process compute the products at the collect anyway, so on one
+        # device a group makes one callback (`apply`) instead of a submit and a collect.
+        self.overlapped = not threads or self.shards.size > 1
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []
         self._ticket: Ticket | None = None  # in flight (shard 0's last submit)
@@ -232,6 +239,22 @@ class CpuAssist:
             shard,
             ticket,
         )
+
+    def apply(
+        self,
+        group: int,
+        shard: jax.Array,
+        layer: jax.Array,
+        x: jax.Array,
+        length: jax.Array,
+        shape: tuple[int, int],
+    ) -> jax.Array:
+        """Steps 1 to 3 in one callback, traced, where nothing overlaps the products
+        (`overlapped` is false): `collect`'s result from `submit`'s arguments."""
+        call = self._host_op(
+            partial(self._apply_host, group), jax.ShapeDtypeStruct(shape, jnp.float32)
+        )
+        return call(shard, layer, x, length)
 
     def _host_op(self, host: Callable[..., None], result: jax.ShapeDtypeStruct) -> Callable:
         """`host(ctx, out, *args)`, which writes its result into `out`, as an op of the
@@ -321,7 +344,6 @@ class CpuAssist:
     def _products(self, ticket: Ticket, out: np.ndarray | None = None) -> Any:
         """The workers' x·A·B of a ticket: into out[:rows] (returns rows) or as a new
         array; None (or 0 rows) if the CPU path failed."""
-        start = time.perf_counter()
         try:
             products = self.pool.collect(ticket, out=out)
         except Exception as err:  # never into the compiled step: see the module docstring
@@ -329,8 +351,29 @@ class CpuAssist:
             return None if out is None else 0
         finally:
             self._ticket = None
-        self.collect_wait_s.append(time.perf_counter() - start)
         return products if out is None else products.shape[0]
+
+    def _apply_host(
+        self, group: int, ctx: Any, out: Any, shard: Any, layer: Any, x: Any, length: Any
+    ) -> None:
+        """The products of the real rows of x, computed here, straight from the device's
+        buffer into the callback's output buffer (one device: all the columns)."""
+        del ctx, shard
+        assert self._adapter is not None, "apply outside begin()/end()"
+        buffer, filled = np.asarray(out), 0
+        if self._plan[group] and self.failure is None:
+            rows = int(np.asarray(length))
+            jobs, columns = self.layer_jobs(group, int(np.asarray(layer)))
+            try:
+                self.pool.run(
+                    np.asarray(x)[:rows], jobs, columns=columns,
+                    out_total=self.widths[group], out=buffer,
+                )  # fmt: skip
+                filled = rows
+            except Exception as err:  # never into the compiled step: see the module docstring
+                self._failed("run", err)
+            self.handoffs += 1
+        buffer[filled:] = 0.0
 
     def _share(self, group: int, shard: int, rows: int, products: np.ndarray | None) -> np.ndarray:
         """A shard's columns of a group's products ([real rows, the group's columns]),
@@ -381,18 +424,19 @@ class CpuAssist:
         return total
 
     def measure_handoff_s(self, repeats: int = 20) -> float:
-        """Median seconds of one empty submit/collect pair made from a jitted function:
+        """Median seconds of the callbacks of one tiny CPU-routed input group made from a
+        jitted function (a submit/collect pair, or one apply where not `overlapped`):
         the callback and hand-off overhead a CPU-routed input group pays."""
         assert self.shapes, "no projections"
-        width = max(self.widths)
+        result = jax.ShapeDtypeStruct((1, max(self.widths)), jnp.float32)
 
-        def pair(x):
+        def group(x):
+            if not self.overlapped:
+                return self._host_op(self._probe_run, result)(x)
             ticket = self._host_op(self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32))(x)
-            return self._host_op(
-                self._probe_collect, jax.ShapeDtypeStruct((1, width), jnp.float32)
-            )(ticket)
+            return self._host_op(self._probe_collect, result)(ticket)
 
-        probe = jax.jit(pair)
+        probe = jax.jit(group)
         x = jnp.zeros((1, 8), jnp.float32)
         jax.block_until_ready(probe(x))
         samples = []
@@ -403,12 +447,16 @@ class CpuAssist:
         return float(np.median(samples))
 
     def _probe_submit(self, ctx: Any, flag: Any, x: Any) -> None:
-        self._probe = self.pool.submit(np.asarray(x), [LoraJob(0, 0, 1, 1)], threads=1)
+        self._probe = self.pool.submit(np.asarray(x), [_PROBE_JOB], threads=1)
         np.asarray(flag)[...] = 1
 
     def _probe_collect(self, ctx: Any, out: Any, ticket: Any) -> None:
         assert self._probe is not None
         self.pool.collect(self._probe, out=np.asarray(out)[:, :1])
+        np.asarray(out)[...] = 0.0
+
+    def _probe_run(self, ctx: Any, out: Any, x: Any) -> None:
+        self.pool.run(np.asarray(x), [_PROBE_JOB], threads=1, out=np.asarray(out)[:, :1])
         np.asarray(out)[...] = 0.0
 
     def close(self) -> None:

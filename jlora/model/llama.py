@@ -82,7 +82,12 @@ class CpuLora(Protocol):
     column-parallel group; for a row-parallel group the whole delta on shard 0, to be
     summed with the partial outputs, and zeros elsewhere). Every shard makes both
     calls; the workers compute once.
+
+    Where the products cannot overlap the base projections (`overlapped` is false: they
+    run on the threads that would compute those), `apply` is the pair in one callback.
     """
+
+    overlapped: bool
 
     def submit(
         self, group: int, shard: jax.Array, layer: jax.Array, x: jax.Array, length: jax.Array
@@ -90,6 +95,16 @@ class CpuLora(Protocol):
 
     def collect(
         self, group: int, shard: jax.Array, ticket: jax.Array, shape: tuple[int, int]
+    ) -> jax.Array: ...
+
+    def apply(
+        self,
+        group: int,
+        shard: jax.Array,
+        layer: jax.Array,
+        x: jax.Array,
+        length: jax.Array,
+        shape: tuple[int, int],
     ) -> jax.Array: ...
 
 
@@ -368,6 +383,8 @@ class Llama:
         The two optimization barriers order the three: the base projections take h only
         after the hand-off, and the collect waits for their outputs (CaraServe §4.2,
         the sync-free operator: the device never waits on the CPU before it must).
+        Where nothing could overlap them (not `cpu_lora.overlapped`), the products are
+        one callback, `apply`.
         """
         cpu, shapes = self.cpu_lora, target_shapes(self.config)
         assert cpu is not None
@@ -386,10 +403,14 @@ class Llama:
             if (reduce := row_reduce.get(names[0])) is not None:
                 # Row-parallel: h is split across the shards; the workers take it whole.
                 whole = jax.lax.all_gather(h, reduce, axis=h.ndim - 1, tiled=True)
-            ticket = cpu.submit(group, shard, layer, whole.astype(jnp.float32), length)
-            h, ticket = jax.lax.optimization_barrier((h, ticket))
-            ys, ticket = jax.lax.optimization_barrier((base(h), ticket))
-            deltas = cpu.collect(group, shard, ticket, (h.shape[0], width))
+            whole, shape = whole.astype(jnp.float32), (h.shape[0], width)
+            if cpu.overlapped:
+                ticket = cpu.submit(group, shard, layer, whole, length)
+                h, ticket = jax.lax.optimization_barrier((h, ticket))
+                ys, ticket = jax.lax.optimization_barrier((base(h), ticket))
+                deltas = cpu.collect(group, shard, ticket, shape)
+            else:
+                ys, deltas = base(h), cpu.apply(group, shard, layer, whole, length, shape)
             out, column = [], 0
             for name, y in zip(names, ys, strict=True):
                 if name in weights:
