@@ -1,16 +1,12 @@
-"""Cold starts: time to first token for cached, ondemand, cpu-assist and auto, the
-host-callback overhead a CPU-routed layer pays, and what one adapter load costs.
+"""Cold starts: time to first token for cached, ondemand, cpu-assist and auto, and what
+one adapter load costs.
 
 Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G]
-[--sections overhead,trace,loads]` (`make bench-cold-start`; a few minutes on a 2-core
-CPU).
+[--sections trace,loads]` (`make bench-cold-start`; a few minutes on a 2-core CPU).
+The host-callback overhead a CPU-routed layer pays is section 4 of `bench.cpu_offload`
+(the engine's own callbacks, next to the io_callback pairs this bench used to time).
 
-1. Callback overhead per layer: a jitted scan over the model's layers in which each
-   layer makes the four submit/collect pairs of a CPU-routed layer (one per input
-   group: q/k/v, o, gate/up, down; f32[T, in] out, f32[T, out] back) with no CPU work
-   behind them, against the same scan without callbacks. The difference divided by
-   the number of layers is what routing a layer to the CPU costs beyond its products.
-2. Time to first token on a trace: seeded Poisson arrivals, adapters drawn from a
+1. Time to first token on a trace: seeded Poisson arrivals, adapters drawn from a
    Zipf(1.2) popularity over `--adapters` demo adapters of mixed ranks, prompts of
    40-200 tokens, 8 new tokens each. `max_loras` device slots hold fewer adapters than
    the trace uses, so adapters are evicted and come back cold; transfers are throttled
@@ -19,7 +15,7 @@ CPU).
    TTFT runs from a request's arrival to its first token; "cold" requests are those
    whose adapter was not resident when they arrived. Every engine is warmed up first.
 
-3. Adapter loads: one adapter at a time copied to a slot of rank `max(--ranks)` over
+2. Adapter loads: one adapter at a time copied to a slot of rank `max(--ranks)` over
    the emulated link at `--link-gbps` and installed (`load_adapter`, then
    `install_adapter`, on one engine with no requests), for a small adapter (rank 8,
    q/v) and a large one (the slots' rank, every target), alternating, medians of
@@ -35,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import statistics
 import sys
@@ -47,19 +42,18 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from bench.report import machine_facts, write_report
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
-from jlora.adapters.targets import INPUT_GROUPS, TARGETS, rank_row_bytes, target_shapes
+from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import load_model
 
 MODES = ("cached", "ondemand", "cpu-assist", "auto")
-SECTIONS = ("overhead", "trace", "loads")
+SECTIONS = ("trace", "loads")
 LOAD_REPEATS = 7
 
 
@@ -76,66 +70,7 @@ class Plan:
     seed: int = 0
 
 
-# -- 1. callback overhead ------------------------------------------------------------
-
-
-def callback_overhead(model: str, tokens: int, iters: int) -> dict:
-    """Median seconds per layer of the four callback pairs of a CPU-routed layer."""
-    config = load_model(model).config
-    shapes = target_shapes(config)
-    groups = [(shapes[names[0]][0], sum(shapes[n][1] for n in names)) for names in INPUT_GROUPS]
-
-    def submit(h: np.ndarray) -> np.ndarray:
-        return np.int32(1)
-
-    def collect(width: int, ticket: np.ndarray) -> np.ndarray:
-        return np.zeros((tokens, width), np.float32)
-
-    def run(with_callbacks: bool):
-        def layer(x, _):
-            for fan_in, width in groups:
-                h = jnp.broadcast_to(x[:, :1], (tokens, fan_in))  # the group's input
-                if with_callbacks:
-                    ticket = io_callback(
-                        submit, jax.ShapeDtypeStruct((), jnp.int32), h, ordered=True
-                    )
-                    out = io_callback(
-                        functools.partial(collect, width),
-                        jax.ShapeDtypeStruct((tokens, width), jnp.float32),
-                        ticket,
-                        ordered=True,
-                    )
-                    x = x + out[:, :1]
-                else:
-                    x = x + 0 * h[:, :1]
-            return x, None
-
-        return jax.jit(lambda x: jax.lax.scan(layer, x, None, length=config.num_layers)[0])
-
-    x = jnp.ones((tokens, config.hidden_size), jnp.float32)
-    timings = {}
-    for flag in (False, True):
-        fn = run(flag)
-        jax.block_until_ready(fn(x))
-        samples = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            samples.append(time.perf_counter() - start)
-        timings[flag] = statistics.median(samples)
-    per_layer = (timings[True] - timings[False]) / config.num_layers
-    return {
-        "model": model,
-        "tokens": tokens,
-        "layers": config.num_layers,
-        "scan_without_callbacks_ms": 1e3 * timings[False],
-        "scan_with_callbacks_ms": 1e3 * timings[True],
-        "overhead_per_layer_us": 1e6 * per_layer,
-        "overhead_per_pair_us": 1e6 * per_layer / len(INPUT_GROUPS),
-    }
-
-
-# -- 2. time to first token on a trace ---------------------------------------------------
+# -- 1. time to first token on a trace ---------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +154,7 @@ def summarize(mode: str, results: list[dict], counters: dict) -> dict:
     }
 
 
-# -- 3. adapter loads over the emulated link ----------------------------------------------
+# -- 2. adapter loads over the emulated link ----------------------------------------------
 
 
 def load_times(loaded, plan: Plan, root: Path) -> list[dict]:
@@ -288,9 +223,7 @@ def render_loads(plan: Plan, loads: list[dict]) -> list[str]:
     return lines
 
 
-def render(
-    facts: dict, plan: Plan, overhead: dict | None, rows: list[dict], loads: list[dict]
-) -> str:
+def render(facts: dict, plan: Plan, rows: list[dict], loads: list[dict]) -> str:
     lines = [
         f"# Cold starts: {facts['cpu_count']} x {facts['cpu_model']}, device {facts['device']}",
         "",
@@ -298,17 +231,6 @@ def render(
         f"{facts['load_avg_1min_start']:.2f} at the start, {facts['load_avg_1min_end']:.2f} "
         "at the end",
     ]
-    if overhead is not None:
-        lines += [
-            "",
-            "## Host-callback overhead of a CPU-routed layer",
-            "",
-            f"{overhead['model']}, {overhead['tokens']} tokens, {overhead['layers']} layers: "
-            f"scan {overhead['scan_without_callbacks_ms']:.2f} ms without callbacks, "
-            f"{overhead['scan_with_callbacks_ms']:.2f} ms with 4 pairs per layer: "
-            f"**{overhead['overhead_per_layer_us']:.0f} µs per layer** "
-            f"({overhead['overhead_per_pair_us']:.0f} µs per submit/collect pair).",
-        ]
     if rows:
         lines += [
             "",
@@ -358,10 +280,6 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--sections: {sorted(unknown)} not in {list(SECTIONS)}")
     facts = machine_facts()
-    overhead = None
-    if "overhead" in sections:
-        print("callback overhead...", file=sys.stderr, flush=True)
-        overhead = callback_overhead(plan.model, 128, iters=5 if args.quick else 20)
     loaded = load_model(plan.model)
     rows, loads = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,12 +301,12 @@ def main(argv: list[str] | None = None) -> None:
             print("adapter loads...", file=sys.stderr, flush=True)
             loads = load_times(loaded, plan, Path(tmp) / "loads")
     facts["load_avg_1min_end"] = os.getloadavg()[0]
-    text = render(facts, plan, overhead, rows, loads)
+    text = render(facts, plan, rows, loads)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
     if args.json:
-        write_report(args.json, facts, plan, rows, callback_overhead=overhead, loads=loads)
+        write_report(args.json, facts, plan, rows, loads=loads)
 
 
 if __name__ == "__main__":
