@@ -411,9 +411,8 @@ class CpuLoraPool:
                    fewer workers are ready. With none ready the caller computes all.
         """
         whole, gaps, wanted = self._checked("submit", x, jobs, columns, out_total, threads)
-        rows, in_features, out_total = whole.row_end, whole.in_features, whole.out_total
-        jobs, columns = whole.jobs, whole.columns
-        self._block.x(rows, in_features)[...] = x
+        rows = whole.row_end
+        self._block.x(rows, whole.in_features)[...] = x
         shares = []
         with self._lock:
             ready = [LOCAL] if self.local_threads else self.ready_workers()[:wanted]
@@ -423,14 +422,14 @@ class CpuLoraPool:
             now = time.monotonic()
             for i, index in enumerate(ready):  # contiguous row ranges, sizes differing by <= 1
                 start, end = rows * i // len(ready), rows * (i + 1) // len(ready)
-                task = Task(start, end, in_features, out_total, jobs, columns)
+                task = dataclasses.replace(whole, row_start=start, row_end=end)
                 self._seq += 1
                 if index != LOCAL:
                     self._workers[index].task_since = now
                     self._block.write_task(index, task, self._seq)
                 shares.append(Share(index, self._seq, task))
         threads = min(wanted, self.local_threads) if self.local_threads else 1
-        self._inflight = Ticket(rows, out_total, tuple(shares), gaps, now, threads)
+        self._inflight = Ticket(rows, whole.out_total, tuple(shares), gaps, now, threads)
         return self._inflight
 
     def collect(
@@ -503,7 +502,7 @@ class CpuLoraPool:
         pending = [share for share in ticket.shares if share.worker != LOCAL]
         for share in ticket.shares:
             if share.worker == LOCAL and out is not None:
-                self._compute(share.task, out, ticket.threads)
+                self._compute_share(share.task, out, ticket.threads)
         backoff = Backoff(spin_s=COLLECT_SPIN_S)
         while pending:
             pending = [share for share in pending if not self._served(share, ticket.submitted)]
@@ -616,7 +615,7 @@ class CpuLoraPool:
             gaps.append((cursor, out_total))
         return columns, out_total, tuple(gaps)
 
-    def _compute(self, task: Task, into: np.ndarray | None = None, threads: int = 1) -> None:
+    def _compute_share(self, task: Task, into: np.ndarray | None = None, threads: int = 1) -> None:
         """A share of the submit in flight, here: from the input region into the output
         region, or into `into` (the caller's output)."""
         x = self._block.x(task.row_end, task.in_features)
@@ -632,10 +631,10 @@ class CpuLoraPool:
                 return True
             if not self._steal(share, worker, submitted):
                 return False
-            self._compute(share.task)
+            self._compute_share(share.task)
             self.steals += 1
             return True
-        self._compute(share.task)
+        self._compute_share(share.task)
         self.fallbacks += 1
         return True
 

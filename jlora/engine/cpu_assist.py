@@ -370,9 +370,9 @@ class CpuAssist:
                     out_total=self.widths[group], out=buffer,
                 )  # fmt: skip
                 filled = rows
+                self.handoffs += 1
             except Exception as err:  # never into the compiled step: see the module docstring
                 self._failed("run", err)
-            self.handoffs += 1
         buffer[filled:] = 0.0
 
     def _share(self, group: int, shard: int, rows: int, products: np.ndarray | None) -> np.ndarray:
