@@ -8,6 +8,7 @@ group lands while prefills run; every test builds its engines with real CPU work
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -375,6 +376,12 @@ def test_cost_model_walks_the_segments():
     # A CPU layer never beats the device's base projections it overlaps.
     fast_cpu = cost_model.ColdStart(100.0, 1.0, 0.0, 0.0, (2, 2))
     assert cost_model.assist_seconds(fast_cpu) == pytest.approx(1.0)
+    # Where nothing overlaps it (the device is the CPU), a CPU layer costs the device
+    # layer plus its products: 0.25 + 0.05 + 0.01, so a 1 ms load is worth waiting for.
+    same_cores = cost_model.ColdStart(0.001, 1.0, 0.05, 0.01, (1, 1, 1, 1), overlapped=False)
+    assert cost_model.assist_seconds(same_cores) == pytest.approx(1.0 + 0.06)
+    assert not cost_model.decide(same_cores).assist
+    assert cost_model.decide(dataclasses.replace(same_cores, overlapped=True)).assist
     with pytest.raises(ValueError, match="ColdStart.prefill_s=-1"):
         cost_model.ColdStart(1.0, -1, 0.0, 0.0, (1,))
     with pytest.raises(ValueError, match="ColdStart.group_layers"):

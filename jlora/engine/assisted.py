@@ -145,4 +145,5 @@ class AssistedPrefill:
             cpu_layer_s=self.cpu.layer_seconds(prompt_len, stored),
             callbacks_layer_s=adapted * self.handoff_s,
             group_layers=tuple(stop - start for start, stop in lora.groups),
+            overlapped=self.cpu.overlapped,
         )

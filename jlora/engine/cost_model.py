@@ -13,7 +13,9 @@ the callback round trip):
                  then (landed_g = load_left · layers up to g / L: every layer holds
                  the same bytes), else with
                  CPU LoRA, each layer taking max(prefill / L, cpu_layer + callbacks)
-                 since the device's base projections overlap the CPU work.
+                 since the device's base projections overlap the CPU work; where
+                 nothing overlaps it (`overlapped` false: the device is the CPU, whose
+                 threads run both), prefill / L + cpu_layer + callbacks.
 
 and picks the smaller. Each decision is logged with its estimates.
 """
@@ -32,6 +34,8 @@ class ColdStart:
     cpu_layer_s: CPU time of one layer's LoRA products for the prompt (workers split).
     callbacks_layer_s: host-callback and hand-off overhead of one CPU-routed layer.
     group_layers: layers per layer group, in order (they sum to the model's layers).
+    overlapped: the CPU work runs while the device computes the base projections
+      (`CpuAssist.overlapped`); false where the same cores compute both.
     """
 
     load_left_s: float
@@ -39,6 +43,7 @@ class ColdStart:
     cpu_layer_s: float
     callbacks_layer_s: float
     group_layers: tuple[int, ...]
+    overlapped: bool = True
 
     def __post_init__(self) -> None:
         for field in ("load_left_s", "prefill_s", "cpu_layer_s", "callbacks_layer_s"):
@@ -69,7 +74,8 @@ def wait_seconds(cold: ColdStart) -> float:
 def assist_seconds(cold: ColdStart) -> float:
     layers = sum(cold.group_layers)
     device_layer = cold.prefill_s / layers
-    cpu_layer = max(device_layer, cold.cpu_layer_s + cold.callbacks_layer_s)
+    cpu_work = cold.cpu_layer_s + cold.callbacks_layer_s
+    cpu_layer = max(device_layer, cpu_work) if cold.overlapped else device_layer + cpu_work
     elapsed, landed_layers = 0.0, 0
     for size in cold.group_layers:
         landed_layers += size
