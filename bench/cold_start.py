@@ -1,8 +1,10 @@
 """Cold starts: time to first token for cached, ondemand, cpu-assist and auto, and what
 one adapter load costs.
 
-Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--link-gbps G]
-[--sections trace,loads]` (`make bench-cold-start`; a few minutes on a 2-core CPU).
+Run: `python -m bench.cold_start [--quick] [--model smollm2-135m] [--dtype D] [--rate R]
+[--link-gbps G] [--sections trace,loads]` (`make bench-cold-start`; a few minutes on a
+2-core CPU). `--link-gbps 0` leaves transfers unthrottled: on a GPU, the real link. The
+tables are written after every mode, so a run cut short keeps the modes it finished.
 The host-callback overhead a CPU-routed layer pays is section 4 of `bench.cpu_offload`
 (the engine's own callbacks, next to the io_callback pairs this bench used to time).
 
@@ -45,7 +47,9 @@ import numpy as np
 
 from bench.report import machine_facts, write_report
 from configs import EngineConfig
+from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters
+from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import LlamaEngine, build_engine
@@ -60,6 +64,7 @@ LOAD_REPEATS = 7
 @dataclasses.dataclass(frozen=True)
 class Plan:
     model: str = "smollm2-135m"
+    dtype: str = "float32"
     requests: int = 24
     rate_per_s: float = 0.5
     adapters: int = 6
@@ -94,12 +99,14 @@ def make_trace(plan: Plan, names: list[str], vocab: int) -> list[Arrival]:
 
 def make_engine(loaded, plan: Plan, mode: str, adapters: dict[str, Path]) -> Orchestrator:
     config = EngineConfig(
+        dtype=plan.dtype,
         max_slots=4,
         max_seq_len=256,
         max_loras=len(adapters) if mode == "cached" else plan.max_loras,
         max_lora_rank=max(plan.ranks),
         lora_mode=mode,
         emulated_link_gbps=0.0 if mode == "cached" else plan.link_gbps,
+        host_store_mib=store_mib(loaded.config, [max(plan.ranks)] * len(adapters)),
     )
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
@@ -163,8 +170,8 @@ def load_times(loaded, plan: Plan, root: Path) -> list[dict]:
     max_rank = max(plan.ranks)
     cases = {"r8-qv": (8, ("q_proj", "v_proj")), f"r{max_rank}-all": (max_rank, TARGETS)}
     config = EngineConfig(
-        max_slots=1, max_seq_len=64, max_loras=1, max_lora_rank=max_rank,
-        emulated_link_gbps=plan.link_gbps,
+        dtype=plan.dtype, max_slots=1, max_seq_len=64, max_loras=1, max_lora_rank=max_rank,
+        emulated_link_gbps=plan.link_gbps, host_store_mib=store_mib(loaded.config, [8, max_rank]),
     )  # fmt: skip
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
@@ -185,7 +192,8 @@ def load_times(loaded, plan: Plan, root: Path) -> list[dict]:
                 jnp.dtype(config.dtype).itemsize,
             )  # fmt: skip
             rows[name] = {"adapter": name, "rank": rank, "targets": list(targets)}
-            rows[name] |= {"real_bytes": real, "link_floor_ms": real / plan.link_gbps / 1e6}
+            floor = real / plan.link_gbps / 1e6 if plan.link_gbps else None  # 0: the real link
+            rows[name] |= {"real_bytes": real, "link_floor_ms": floor}
         for _ in range(LOAD_REPEATS):
             for name, row in rows.items():  # alternating: the machine's drift hits both
                 start = time.perf_counter()
@@ -207,7 +215,7 @@ def load_times(loaded, plan: Plan, root: Path) -> list[dict]:
 def render_loads(plan: Plan, loads: list[dict]) -> list[str]:
     lines = [
         f"## Adapter loads, {plan.model}, slots of rank {max(plan.ranks)}, "
-        f"link {plan.link_gbps} GB/s (medians of {LOAD_REPEATS})",
+        f"{_link(plan)} (medians of {LOAD_REPEATS})",
         "",
         "| adapter | real MB | sent MB | link floor ms (real bytes) | load + install ms "
         "| of which install ms |",
@@ -217,10 +225,18 @@ def render_loads(plan: Plan, loads: list[dict]) -> list[str]:
         sent = "?" if row["sent_bytes"] is None else f"{row['sent_bytes'] / 1e6:.2f}"
         lines.append(
             f"| {row['adapter']} | {row['real_bytes'] / 1e6:.2f} | {sent} "
-            f"| {row['link_floor_ms']:.1f} | {row['load_median_ms']:.1f} "
+            f"| {_ms(row['link_floor_ms'])} | {row['load_median_ms']:.1f} "
             f"| {row['install_median_ms']:.1f} |"
         )
     return lines
+
+
+def _link(plan: Plan) -> str:
+    return f"link {plan.link_gbps} GB/s" if plan.link_gbps else "the real host-to-device link"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def render(facts: dict, plan: Plan, rows: list[dict], loads: list[dict]) -> str:
@@ -236,7 +252,7 @@ def render(facts: dict, plan: Plan, rows: list[dict], loads: list[dict]) -> str:
             "",
             f"## Time to first token, {plan.model}, {plan.requests} requests at "
             f"{plan.rate_per_s}/s, {plan.adapters} adapters (ranks {plan.ranks}), "
-            f"{plan.max_loras} device slots, link {plan.link_gbps} GB/s",
+            f"{plan.max_loras} device slots, {_link(plan)}",
             "",
             "| mode | cold n | cold median ms | cold p90 ms | all median ms | all p90 ms "
             "| vs cached (cold median) |",
@@ -264,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 requests, cpu-tiny")
     parser.add_argument("--model", default=Plan.model)
+    parser.add_argument("--dtype", default=Plan.dtype, choices=DTYPES)
+    parser.add_argument("--rate", type=float, default=Plan.rate_per_s, help="requests per second")
     parser.add_argument("--link-gbps", type=float, default=Plan.link_gbps)
     parser.add_argument("--requests", type=int, default=Plan.requests)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -271,7 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     args = parser.parse_args(argv)
-    plan = Plan(model=args.model, link_gbps=args.link_gbps, requests=args.requests)
+    plan = Plan(
+        model=args.model,
+        dtype=args.dtype,
+        link_gbps=args.link_gbps,
+        requests=args.requests,
+        rate_per_s=args.rate,
+    )
     if args.quick:
         plan = dataclasses.replace(plan, model="cpu-tiny", requests=8, link_gbps=0.0005)
     modes, sections = args.modes.split(","), args.sections.split(",")
@@ -280,8 +304,18 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--sections: {sorted(unknown)} not in {list(SECTIONS)}")
     facts = machine_facts()
-    loaded = load_model(plan.model)
-    rows, loads = [], []
+    loaded = load_model(plan.model, plan.dtype)
+    rows: list[dict] = []
+    loads: list[dict] = []
+
+    def report() -> None:  # after every mode, so a run cut short keeps what it measured
+        facts["load_avg_1min_end"] = os.getloadavg()[0]
+        text = render(facts, plan, rows, loads)
+        if args.markdown:
+            args.markdown.write_text(text + "\n")
+        if args.json:
+            write_report(args.json, facts, plan, rows, loads=loads)
+
     with tempfile.TemporaryDirectory() as tmp:
         if "trace" in sections:
             paths = make_demo_adapters(
@@ -291,22 +325,23 @@ def main(argv: list[str] | None = None) -> None:
             trace = make_trace(plan, list(adapters), loaded.config.vocab_size)
         for mode in modes if "trace" in sections else ():
             print(f"{mode}: warming up, then {len(trace)} requests", file=sys.stderr, flush=True)
+            start = time.perf_counter()
             engine = make_engine(loaded, plan, mode, adapters)
+            warm = time.perf_counter()
             try:
                 results = replay(engine, trace, plan.new_tokens)
                 rows.append(summarize(mode, results, dict(engine.counters)))
             finally:
                 engine.close()
+            rows[-1] |= {"warmup_s": warm - start, "replay_s": time.perf_counter() - warm}
+            print(f"  {mode}: warm-up {warm - start:.0f} s, replay {rows[-1]['replay_s']:.0f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            report()
         if "loads" in sections:
             print("adapter loads...", file=sys.stderr, flush=True)
             loads = load_times(loaded, plan, Path(tmp) / "loads")
-    facts["load_avg_1min_end"] = os.getloadavg()[0]
-    text = render(facts, plan, rows, loads)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        write_report(args.json, facts, plan, rows, loads=loads)
+    report()
+    print(render(facts, plan, rows, loads))
 
 
 if __name__ == "__main__":

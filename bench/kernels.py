@@ -1,7 +1,9 @@
 """Decode LoRA kernels (BGMV, MBGMV) against memory bandwidth, and the papers' linear models.
 
-Run: `python -m bench.kernels [--quick] [--json PATH] [--markdown PATH]` (on a GPU
-the full plan: a few minutes, mostly compilation; `--quick` is the CPU smoke run).
+Run: `python -m bench.kernels [--quick] [--batches 1,16,...] [--ranks 16,64,...] [--tune]
+[--json PATH] [--markdown PATH]` (on a GPU the full plan: a few minutes, mostly
+compilation; `--quick` is the CPU smoke run). `--tune` also times TUNE_VARIANTS' kernel
+settings (warps, pipelining stages, block sizes, expand's rank chunk) on a few batches.
 
 Shape: Llama-2-7B's q_proj (4096 -> 4096, bfloat16), one layer per kernel call.
 Each decode row has its own adapter (row s on slot s: nothing shared for a cache).
@@ -59,13 +61,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import pallas_kernels.bgmv.kernel as bgmv_kernel
+import pallas_kernels.mbgmv.kernel as mbgmv_kernel
 from bench import report
 from configs import load_preset
+from pallas_kernels import common
 from pallas_kernels.bgmv import bgmv
 from pallas_kernels.mbgmv import mbgmv
 from pallas_kernels.sgmv import sgmv
 
 MIXED_RANKS = ((128, 64, 32, 32), (128, 32, *[16] * 6), (128, 16, *[8] * 14))
+# `--tune`: kernel settings tried on a few decode batches, each a {module attribute: value}
+# applied to pallas_kernels.common and both decode kernels' modules (defaults first).
+TUNE_RANKS = ((16,), (64,), (128, 16, *[8] * 14))
+TUNE_VARIANTS: dict[str, dict[str, int]] = {
+    "default (4 warps, blocks 512)": {},
+    "8 warps": {"NUM_WARPS": 8},
+    "blocks 1024": {"IN_BLOCK_CAP": 1024, "OUT_BLOCK_CAP": 1024},
+    "blocks 256": {"IN_BLOCK_CAP": 256, "OUT_BLOCK_CAP": 256},
+    "expand chunk 16": {"EXPAND_CHUNK": 16},
+    "expand chunk 32": {"EXPAND_CHUNK": 32},
+    "3 stages": {"NUM_STAGES": 3},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,11 +236,14 @@ def decode_batches(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
     return batches
 
 
-def measure_decode(plan: Plan, fan: int, dtype: Any, key, rng) -> list[Measurement]:
-    """BGMV then MBGMV on every decode batch, on the same x, y, idx and ranks."""
+def measure_decode(
+    plan: Plan, fan: int, dtype: Any, key, rng, batches: list | None = None
+) -> list[Measurement]:
+    """BGMV then MBGMV on every decode batch (the plan's, or `batches`), on the same x,
+    y, idx and ranks."""
     itemsize = jnp.dtype(dtype).itemsize
     results = []
-    for label, ranks in decode_batches(plan):
+    for label, ranks in decode_batches(plan) if batches is None else batches:
         rows = len(ranks)
         print(f"  decode |S|={rows} ranks {label}", file=sys.stderr, flush=True)
         key, key_x, key_y, key_bgmv, key_mbgmv = jax.random.split(key, 5)
@@ -276,6 +296,45 @@ def measure_prefill(plan: Plan, fan: int, dtype: Any, key, rng) -> list[Measurem
             )
         )  # fmt: skip
     return results
+
+
+def tune(plan: Plan, fan: int, dtype: Any, key, rng) -> list[dict[str, Any]]:
+    """Every TUNE_VARIANTS setting on the TUNE_RANKS batches at the plan's largest |S|
+    (the defaults restored after); a row per variant, kernel and batch."""
+    size = max(plan.batch_sizes)
+    batches = [(rank_label(p), p * (size // len(p))) for p in TUNE_RANKS if size % len(p) == 0]
+    modules = (common, bgmv_kernel, mbgmv_kernel)
+    defaults = {(m, n): getattr(m, n) for m in modules for n in dir(m) if n.isupper()}
+    rows = []
+    try:
+        for variant, settings in TUNE_VARIANTS.items():
+            print(f"tuning: {variant}", file=sys.stderr, flush=True)
+            for module in modules:
+                for name, value in settings.items():
+                    if hasattr(module, name):
+                        setattr(module, name, value)
+            jax.clear_caches()
+            for m in measure_decode(plan, fan, dtype, key, rng, batches):
+                rows.append({"variant": variant, **dataclasses.asdict(m), "median_s": m.median_s})
+            for (module, name), value in defaults.items():
+                setattr(module, name, value)
+    finally:
+        for (module, name), value in defaults.items():
+            setattr(module, name, value)
+        jax.clear_caches()
+    return rows
+
+
+def render_tuning(rows: list[dict[str, Any]], copy_bps: float) -> str:
+    lines = table(
+        ["variant", "kernel", "batch", "ranks", "µs", "of copy"],
+        [
+            [r["variant"], r["kernel"], r["rows"], r["ranks"], f"{1e6 * r['median_s']:.1f}",
+             f"{r['bytes_moved'] / r['median_s'] / copy_bps:.0%}"]
+            for r in rows
+        ],
+    )  # fmt: skip
+    return "\n".join(["Tuning (decode kernels; each variant recompiles every kernel):", "", *lines])
 
 
 # -- fits and report ------------------------------------------------------------
@@ -366,12 +425,16 @@ def render(facts, copy_bps: float, measurements: list[Measurement], fitted) -> s
     return "\n".join(lines)
 
 
-def write_report(path: Path, facts, plan: Plan, copy_bps: float, measurements, fitted) -> None:
+def write_report(
+    path: Path, facts, plan: Plan, copy_bps: float, measurements, fitted, tuning
+) -> None:
     results = [
         {**dataclasses.asdict(m), "median_s": m.median_s, "bytes_per_s": m.bytes_per_s}
         for m in measurements
     ]
-    report.write_report(path, facts, plan, results, copy_bytes_per_s=copy_bps, fits=fitted)
+    report.write_report(
+        path, facts, plan, results, copy_bytes_per_s=copy_bps, fits=fitted, tuning=tuning
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -379,8 +442,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, fewer points")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     parser.add_argument("--markdown", type=Path, metavar="PATH", help="also write the tables here")
+    parser.add_argument(
+        "--batches", help="decode batch sizes, comma-separated (default: the plan's)"
+    )
+    parser.add_argument("--ranks", help="uniform ranks, comma-separated (default: the plan's)")
+    parser.add_argument(
+        "--tune", action="store_true", help="also time TUNE_VARIANTS' kernel settings"
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.batches:
+        plan = dataclasses.replace(plan, batch_sizes=tuple(int(n) for n in args.batches.split(",")))
+    if args.ranks:
+        plan = dataclasses.replace(plan, uniform_ranks=tuple(int(n) for n in args.ranks.split(",")))
     if interpret_mode() and not args.quick:
         print("no GPU: the full plan in interpret mode takes hours (try --quick)", file=sys.stderr)
 
@@ -393,13 +467,16 @@ def main(argv: list[str] | None = None) -> None:
     measurements = measure_decode(plan, fan, dtype, key, rng)
     measurements += measure_prefill(plan, fan, dtype, jax.random.fold_in(key, 1), rng)
     fitted = fits(measurements)
+    tuning = tune(plan, fan, dtype, jax.random.fold_in(key, 2), rng) if args.tune else []
 
     report = render(facts, copy_bps, measurements, fitted)
+    if tuning:
+        report += "\n\n" + render_tuning(tuning, copy_bps)
     print(report)
     if args.markdown:
         args.markdown.write_text(report + "\n")
     if args.json:
-        write_report(args.json, facts, plan, copy_bps, measurements, fitted)
+        write_report(args.json, facts, plan, copy_bps, measurements, fitted, tuning)
 
 
 if __name__ == "__main__":

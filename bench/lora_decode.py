@@ -32,8 +32,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.throughput import (
     Measurement,
     compare,
@@ -45,6 +43,7 @@ from bench.throughput import (
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS
 from jlora.adapters.peft import AdapterError, canonical_targets, make_demo_adapters
+from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS
 from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
@@ -74,6 +73,7 @@ def make_engine(
             "max_lora_rank": plan.rank,
             "lora_mode": "cached",
             "lora_backend": backend,
+            "host_store_mib": store_mib(loaded.config, [plan.rank] * len(adapters), plan.targets),
         }
         if adapters
         else {}
@@ -123,15 +123,6 @@ def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def prompts_for(loaded: LoadedModel, plan: Plan) -> list[list[int]]:
-    """Real text where the model has a tokenizer, seeded random ids where it has none."""
-    if loaded.tokenizer is not None:
-        return make_prompts(loaded, plan.batch, plan.prompt_len)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1, loaded.config.vocab_size, (plan.batch, plan.prompt_len))
-    return ids.tolist()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repetition")
@@ -173,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts()
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
     loaded = load_model(plan.model, plan.dtype)
-    prompts = prompts_for(loaded, plan)
+    prompts = make_prompts(loaded, plan.batch, plan.prompt_len)
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_demo_adapters(
             loaded.config,

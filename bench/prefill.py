@@ -1,7 +1,9 @@
 """Many short prompts: packed prefill (several per compiled call) next to one per call.
 
 Run: `python -m bench.prefill [--quick] [--json PATH]` (`make bench-prefill`; about 5
-minutes on two idle cores, compilation included).
+minutes on two idle cores, compilation included). On a GPU: `--model llama2-7b --dtype
+bfloat16 --lengths 128,512` (random weights: prompts of random token ids; a packed call
+then holds up to 8 x 512 tokens).
 
 One process, SmolLM2-135M-Instruct fp32, the device engine alone (`LlamaEngine`, no
 orchestrator, so only the prefill is timed): N = 64 prompts of 16-64 tokens (seeded
@@ -40,7 +42,9 @@ import numpy as np
 
 from bench.throughput import Measurement, compare, machine_facts, make_prompts, write_report
 from configs import EngineConfig, bucket
+from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters
+from jlora.adapters.store import store_mib
 from jlora.engine.device import PrefillJob, SamplingRow
 from jlora.engine.llama_engine import LlamaEngine
 from jlora.model.loading import LoadedModel, load_model
@@ -51,6 +55,7 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     model: str = "smollm2-135m"
+    dtype: str = "float32"
     prompts: int = 64
     min_len: int = 16
     max_len: int = 64
@@ -63,7 +68,11 @@ class Plan:
 
 def make_engine(loaded: LoadedModel, plan: Plan, adapters: list[Path]) -> LlamaEngine:
     lora: dict = (
-        {"max_loras": len(adapters), "max_lora_rank": plan.rank, "host_store_mib": 256}
+        {
+            "max_loras": len(adapters),
+            "max_lora_rank": plan.rank,
+            "host_store_mib": store_mib(loaded.config, [plan.rank] * len(adapters)),
+        }
         if adapters
         else {}
     )
@@ -72,6 +81,7 @@ def make_engine(loaded: LoadedModel, plan: Plan, adapters: list[Path]) -> LlamaE
         params=loaded.params,
         tokenizer=None,
         engine_config=EngineConfig(
+            dtype=plan.dtype,
             max_slots=plan.packed_prompts,
             max_seq_len=plan.packed_tokens,  # the packed buckets end at max_seq_len
             kv_cache_tokens=plan.prompts * plan.max_len,
@@ -134,7 +144,7 @@ def calls_and_computed(engine: LlamaEngine, jobs: list[PrefillJob]) -> dict[str,
 
 def render(facts: dict, plan: Plan, rows: list[dict]) -> str:
     lines = [
-        f"{plan.model} fp32 | {facts['device']} | {facts['cpu_count']} CPUs "
+        f"{plan.model} {plan.dtype} | {facts['device']} | {facts['cpu_count']} CPUs "
         f"({facts['cpu_model']}) | jax {facts['jax']} ({facts['jax_backend']}) | "
         f"{facts['date']} | 1-min load avg {facts['load_avg_1min_start']:.1f} at start, "
         f"{facts['load_avg_1min_end']:.1f} at end",
@@ -170,15 +180,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 prompts, 1 repetition")
     parser.add_argument("--adapters", type=int, default=Plan.adapters, help="0: base only")
+    parser.add_argument("--model", default=Plan.model, help="a preset (default %(default)s)")
+    parser.add_argument("--dtype", default=Plan.dtype, choices=DTYPES)
+    parser.add_argument(
+        "--lengths",
+        default=f"{Plan.min_len},{Plan.max_len}",
+        help="MIN,MAX prompt tokens (default %(default)s; a packed call holds MAX * 8 tokens)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
-    plan = Plan(adapters=args.adapters)
+    min_len, max_len = (int(n) for n in args.lengths.split(","))
+    plan = Plan(
+        model=args.model,
+        dtype=args.dtype,
+        adapters=args.adapters,
+        min_len=min_len,
+        max_len=max_len,
+        packed_tokens=max(Plan.packed_tokens, 8 * max_len),
+    )
     if args.quick:
         plan = dataclasses.replace(plan, prompts=16, repeats=1)
 
     facts = machine_facts()
     print("loading the model, compiling...", file=sys.stderr, flush=True)
-    loaded = load_model(plan.model)
+    loaded = load_model(plan.model, plan.dtype)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         scenarios = {"base": []}

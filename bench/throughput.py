@@ -52,6 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
@@ -116,9 +117,11 @@ class Measurement:
 
 
 def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
-    """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in."""
+    """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in; for
+    a model without a tokenizer (a random-weight preset), seeded random ids."""
     if loaded.tokenizer is None:
-        raise ValueError(f"{loaded.source} has no tokenizer to make text prompts with")
+        ids = np.random.default_rng(0).integers(1, loaded.config.vocab_size, (batch, length))
+        return ids.tolist()
     passage = loaded.tokenizer.encode(PASSAGE)
     stream = passage * ((length + 7 * batch) // len(passage) + 1)
     return [stream[7 * row : 7 * row + length] for row in range(batch)]

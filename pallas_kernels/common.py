@@ -46,9 +46,13 @@ def whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def triton_params(num_warps: int = 4, num_stages: int = 1) -> Any:
+NUM_WARPS = 4  # per Triton program; `bench.kernels --tune` compares others
+NUM_STAGES = 1
+
+
+def triton_params() -> Any:
     """Compiler parameters that select the Triton lowering on GPU."""
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def stacked_pages(num_slots: int, rank: int) -> jax.Array:

@@ -179,8 +179,24 @@ def triton_calls(kernel, shapes) -> int:
     import jax
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    traced = jax.jit(lambda *a: kernel(*a, interpret=False)).trace(*args)
-    return traced.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
+    with _abstract_gpu():
+        traced = jax.jit(lambda *a: kernel(*a, interpret=False)).trace(*args)
+        lowered = traced.lower(lowering_platforms=("cuda",))
+    return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+def _abstract_gpu():
+    """From JAX 0.11 a Triton lowering reads its target from the device, and off a GPU
+    from an abstract mesh's abstract device (an H100 here); before, it had a default."""
+    import contextlib
+
+    import jax
+
+    if not hasattr(jax.sharding, "AbstractDevice") or jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 # Argument errors of the pool kernels (MBGMV, SGMV), whose arguments start with

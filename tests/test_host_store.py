@@ -9,8 +9,9 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
+from configs import load_preset
 from jlora.adapters.peft import load_peft_adapter, make_demo_adapters
-from jlora.adapters.store import ALIGN, HostStore, SharedArena
+from jlora.adapters.store import ALIGN, HostStore, SharedArena, store_bytes, store_mib
 from jlora.contract.errors import Code, ResourceExhausted
 
 
@@ -118,6 +119,21 @@ def test_a_full_store_refuses_and_keeps_what_it_has(tiny, demo):
         store.register("b", demo[1])  # the freed region is reused
     finally:
         store.close()
+
+
+def test_store_bytes_is_exactly_what_the_adapters_take(tiny, demo):
+    targets = ("q_proj", "v_proj", "down_proj")
+    store = HostStore(tiny.config, store_bytes(tiny.config, [4, 12], targets))
+    try:
+        store.register("r4", demo[0])
+        store.register("r12", demo[1])
+        with pytest.raises(ResourceExhausted):
+            store.register("more", demo[0])
+    finally:
+        store.close()
+    assert store_mib(tiny.config, [4, 12], targets) == 1024  # never below the default
+    # a Llama-2-7B adapter of rank 16 on every target: 16 · 78080 · 32 layers · 4 B = 152.5 MiB
+    assert store_mib(load_preset("llama2-7b").config, [16] * 32) == 32 * 152.5
 
 
 def test_close_unlinks_the_segment(tiny, demo):

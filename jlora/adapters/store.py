@@ -32,11 +32,25 @@ import numpy as np
 
 from configs import ModelConfig
 from jlora.adapters.peft import LoraSpec, load_peft_adapter
-from jlora.adapters.targets import target_shapes
+from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
 from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
 from jlora.contract.errors import AlreadyExists, ResourceExhausted
 
 ALIGN = 64
+
+
+def store_bytes(config: ModelConfig, ranks: list[int], targets: tuple[str, ...] = TARGETS) -> int:
+    """The arena bytes that hold one adapter of each rank in `ranks` on `targets` (each
+    region float32 and aligned)."""
+    per_rank = rank_row_bytes(target_shapes(config), targets, config.num_layers, 4)
+    return sum(-(-rank * per_rank // ALIGN) * ALIGN for rank in ranks)
+
+
+def store_mib(config: ModelConfig, ranks: list[int], targets: tuple[str, ...] = TARGETS) -> int:
+    """`host_store_mib` for `store_bytes(config, ranks, targets)`, at least the default 1024
+    (benchmarks size their stores with it: a Llama-2-7B adapter of rank 16 on every target
+    takes 160 MB)."""
+    return max(1024, -(-store_bytes(config, ranks, targets) // 2**20))
 
 
 @dataclasses.dataclass(frozen=True)

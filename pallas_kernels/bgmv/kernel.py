@@ -5,8 +5,11 @@ every row is padded to the batch's largest rank R_batch: a row runs cdiv(R_batch
 steps of its rank loop, so the cost is proportional to |S| * R_batch. Rank rows at or
 beyond the row's own rank are masked to zero before they are multiplied.
 
-1. shrink, grid (S,): v[s] = x[s] @ A^T rank chunk by rank chunk, f32[S, R], as an
-   elementwise multiply and sum over `in` blocks (a vector, no dot);
+1. shrink, grid (S, R / chunk, in / block_in): each program multiplies one block of x[s]
+   by one chunk of rank rows of A^T (elementwise and a sum, no dot) into its part of
+   f32[S, in / block_in, R]; the parts are summed (XLA) into v = x @ A^T, f32[S, R].
+   One load per program, so thousands of them are in flight at once: a loop over rank
+   chunks and `in` blocks per row left the GPU waiting on each load in turn;
 2. v is rounded to x.dtype (common.py's arithmetic rule);
 3. expand, grid (S, out tiles): y[s, tile] += v[s] @ B[:, tile], written in place
    (y's buffer is the output), and only for rows with an adapter.
@@ -29,6 +32,7 @@ from pallas_kernels import common
 
 IN_BLOCK_CAP = 512  # `in` elements per step of the shrink's reduction
 OUT_BLOCK_CAP = 512  # `out` elements per expand program
+EXPAND_CHUNK = common.RANK_CHUNK  # rank rows per step of expand's loop (a power of two)
 
 
 def check_bgmv_args(y: Any, x: Any, a: Any, b: Any, idx: Any, ranks: Any) -> int:
@@ -72,35 +76,23 @@ def _shrink_kernel(
     batch_rank_ref,  # [1]
     x_ref,  # [S, in]
     a_ref,  # [L, N, R, in]
-    v_ref,  # [R]: row s of v f32[S, R]
+    v_ref,  # [chunk]: part k of chunk c of row s of v f32[S, K, R]
     *,
     chunk: int,
     block_in: int,
 ):
-    row = pl.program_id(0)
+    row, c, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[row]
     v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
-    @pl.when(slot >= 0)
+    @pl.when((slot >= 0) & (c * chunk < batch_rank_ref[0]))
     def _():
-        rank = ranks_ref[slot]
-        layer = layer_ref[0]
-
-        def rank_step(c, carry):
-            keep = (c * chunk + jnp.arange(chunk)) < rank  # [chunk]
-
-            def in_step(k, acc):
-                x = x_ref[row, pl.ds(k * block_in, block_in)]  # [block_in]
-                a = a_ref[layer, slot, pl.ds(c * chunk, chunk), pl.ds(k * block_in, block_in)]
-                a = jnp.where(keep[:, None], a, 0).astype(jnp.float32)  # [chunk, block_in]
-                return acc + jnp.sum(a * x.astype(jnp.float32)[None, :], axis=1)
-
-            steps = x_ref.shape[1] // block_in
-            acc = lax.fori_loop(0, steps, in_step, jnp.zeros(chunk, jnp.float32))
-            v_ref[pl.ds(c * chunk, chunk)] = acc
-            return carry
-
-        lax.fori_loop(0, pl.cdiv(batch_rank_ref[0], chunk), rank_step, jnp.int32(0))
+        keep = (c * chunk + jnp.arange(chunk)) < ranks_ref[slot]  # [chunk]
+        cols = pl.ds(k * block_in, block_in)
+        x = x_ref[row, cols].astype(jnp.float32)  # [block_in]
+        a = a_ref[layer_ref[0], slot, pl.ds(c * chunk, chunk), cols]  # [chunk, block_in]
+        a = jnp.where(keep[:, None], a, 0).astype(jnp.float32)
+        v_ref[...] = jnp.sum(a * x[None, :], axis=1)
 
 
 def _expand_kernel(
@@ -189,23 +181,23 @@ def bgmv_shrink(
     chunk = _check_shrink_args(x, a, idx, ranks)
     rows, fan_in = x.shape
     rank_dim = a.shape[2]
+    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
     routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
-    return pl.pallas_call(
-        functools.partial(
-            _shrink_kernel, chunk=chunk, block_in=common.pow2_block(fan_in, IN_BLOCK_CAP)
-        ),
-        grid=(rows,),
+    parts = pl.pallas_call(
+        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
+        grid=(rows, rank_dim // chunk, fan_in // block_in),
         in_specs=[
             *(common.whole(r.shape) for r in routing),
             common.whole(x.shape),
             common.whole(a.shape),
         ],
-        out_specs=pl.BlockSpec((None, rank_dim), lambda s: (s, 0)),
-        out_shape=jax.ShapeDtypeStruct((rows, rank_dim), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, chunk), lambda s, c, k: (s, k, c)),
+        out_shape=jax.ShapeDtypeStruct((rows, fan_in // block_in, rank_dim), jnp.float32),
         compiler_params=common.triton_params(),
         interpret=interpret,
         name="bgmv_shrink",
     )(*routing, x, a)
+    return jnp.sum(parts, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -224,7 +216,8 @@ def bgmv_expand(
 
     v: [S, R], y's dtype (the caller rounds `bgmv_shrink`'s f32 result, common.py).
     """
-    chunk = _check_expand_args(y, v, b, idx, ranks)
+    _check_expand_args(y, v, b, idx, ranks)
+    chunk = min(EXPAND_CHUNK, b.shape[2])
     rows, fan_out = y.shape
     block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
     routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))

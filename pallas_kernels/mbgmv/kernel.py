@@ -1,9 +1,12 @@
 """MBGMV (S-LoRA): each decode row applies its own adapter at its own rank, read from a page pool.
 
-Two pallas_calls, as in Punica and S-LoRA. Shrink: one program per row computes
-v[s] = x[s] @ A of its slot, one chunk of rank rows at a time, for only as many
-chunks as the slot's rank needs (never the batch's largest rank: the cost is
-proportional to the sum of the rows' ranks). Expand: one program per (row, out tile)
+Two pallas_calls, as in Punica and S-LoRA. Shrink: one program per (row, chunk of
+rank rows, block of `in`) multiplies its block of x[s] by that chunk of the slot's A,
+gathered through the page table, into its part of f32[S, in / block_in, R]; programs
+at or past the slot's rank only write zeros, so the loads are proportional to the sum
+of the rows' ranks (never the batch's largest rank). The parts are summed (XLA) into
+v = x @ A. One load per program keeps thousands in flight: a loop per row over its
+chunks and blocks left the GPU waiting on each load in turn. Expand: one program per (row, out tile)
 adds v[s] @ B to y in place. A chunk's rank rows are gathered from the pool through
 the slot's page table; rows of the last chunk at or beyond the rank are masked out
 before they are multiplied, so whatever their pages hold (NaN included) is ignored.
@@ -25,6 +28,7 @@ from pallas_kernels import common
 
 IN_BLOCK_CAP = 512  # `in` elements of a gathered chunk read per step of shrink's inner loop
 OUT_BLOCK_CAP = 512  # `out` elements per expand program
+EXPAND_CHUNK = common.RANK_CHUNK  # rank rows per step of expand's loop (a power of two)
 
 
 def check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks) -> int:
@@ -55,37 +59,25 @@ def _shrink_kernel(
     pages_ref,  # [N, R]
     x_ref,  # [S, in]
     a_ref,  # [L, P, in]
-    v_ref,  # [R]: this row's v, 0 past its rank and on a row without an adapter
+    v_ref,  # [chunk]: part k of chunk c of row s of v f32[S, K, R]; 0 past the rank
     *,
     chunk: int,
     block_in: int,
 ):
-    row = pl.program_id(0)
+    row, c, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[row]
     num_pages = a_ref.shape[1]
-    num_in_blocks = x_ref.shape[1] // block_in
     v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
-    @pl.when(slot >= 0)
+    @pl.when((slot >= 0) & (c * chunk < ranks_ref[jnp.maximum(slot, 0)]))
     def _():
-        layer = layer_ref[0]
         rank = ranks_ref[slot]
-
-        def rank_chunk(c, carry):
-            chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
-
-            def in_block(k, acc):
-                cols = pl.ds(k * block_in, block_in)
-                a = a_ref[layer, chunk_pages, cols]  # [chunk, block_in]
-                a = jnp.where(in_rank[:, None], a.astype(jnp.float32), 0.0)
-                x = x_ref[row, cols].astype(jnp.float32)  # [block_in]
-                return acc + jnp.sum(a * x[None, :], axis=1)
-
-            acc = lax.fori_loop(0, num_in_blocks, in_block, jnp.zeros((chunk,), jnp.float32))
-            v_ref[pl.ds(c * chunk, chunk)] = acc
-            return carry
-
-        lax.fori_loop(0, pl.cdiv(rank, chunk), rank_chunk, jnp.int32(0))
+        chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
+        cols = pl.ds(k * block_in, block_in)
+        a = a_ref[layer_ref[0], chunk_pages, cols]  # [chunk, block_in]
+        a = jnp.where(in_rank[:, None], a.astype(jnp.float32), 0.0)
+        x = x_ref[row, cols].astype(jnp.float32)  # [block_in]
+        v_ref[...] = jnp.sum(a * x[None, :], axis=1)
 
 
 def _expand_kernel(
@@ -166,20 +158,22 @@ def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False
     rows, fan_in = x.shape
     tables = (idx, common.as_layer(layer), ranks, pages)
     block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
-    return pl.pallas_call(
+    rank_dim, in_blocks = pages.shape[1], fan_in // block_in
+    parts = pl.pallas_call(
         functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
-        out_shape=jax.ShapeDtypeStruct((rows, pages.shape[1]), jnp.float32),
-        grid=(rows,),
+        out_shape=jax.ShapeDtypeStruct((rows, in_blocks, rank_dim), jnp.float32),
+        grid=(rows, rank_dim // chunk, in_blocks),
         in_specs=[
             *(common.whole(t.shape) for t in tables),
             common.whole(x.shape),
             common.whole(a_pool.shape),
         ],
-        out_specs=pl.BlockSpec((None, pages.shape[1]), lambda s: (s, 0)),
+        out_specs=pl.BlockSpec((None, None, chunk), lambda s, c, k: (s, k, c)),
         interpret=interpret,
         compiler_params=common.triton_params(),
         name="mbgmv_shrink",
     )(*tables, x, a_pool)
+    return jnp.sum(parts, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -188,7 +182,8 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
     pages[n, j]] in f32, n = idx[s], rounded to y.dtype once; rows without an adapter
     are not written. v: [S, R] in y's dtype (the caller rounds `mbgmv_shrink`'s)."""
     common.expect_expand_operands(y, v, "b_pool", b_pool, (None,), pages.shape[1])
-    chunk = _check_routing(idx, pages, ranks, y.shape[0])
+    _check_routing(idx, pages, ranks, y.shape[0])
+    chunk = min(EXPAND_CHUNK, pages.shape[1])
     rows, fan_out = y.shape
     tables = (idx, common.as_layer(layer), ranks, pages)
     block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
