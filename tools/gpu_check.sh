@@ -7,6 +7,9 @@
 #   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 9 min)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
 #
+# `profile` is in neither part: where a LoRA decode step's time goes (its optimized HLO
+# in OUT_DIR/hlo, and the step again with the layer loop captured as a CUDA graph).
+#
 # (from the repository root, on a GPU machine). Each stage runs under its own time limit
 # (seconds, below) and a failure does not stop the next; OUT_DIR gets STAGE.log, the
 # benches' .md and .json (cold starts write theirs after every mode), summary.txt (one
@@ -30,8 +33,9 @@ case "${1:-}" in
 esac
 for s in "${stages[@]}"; do
   case $s in
-    probe | tests | engine | kernels | prefill | decode | coldstart) ;;
-    *) echo "unknown stage $s (probe tests engine kernels prefill decode coldstart)" >&2; exit 2 ;;
+    probe | tests | engine | kernels | prefill | decode | coldstart | profile) ;;
+    *) echo "unknown stage $s (probe tests engine kernels prefill decode coldstart profile)" >&2
+       exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -98,6 +102,13 @@ for s in "${stages[@]}"; do
           --requests 12 --rate 3 --link-gbps "${link%:*}" --sections trace \
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
+    profile)  # BGMV with 32 adapters against no-lora: the HLO, then with CUDA graphs
+      decode=("$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 --quick
+        --targets q_proj,k_proj,v_proj,o_proj --backends bgmv)
+      XLA_FLAGS="--xla_dump_to=$out/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
+        stage profile-hlo 200 "${decode[@]}"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE" \
+        stage profile-graphs 200 "${decode[@]}" ;;
   esac
 done
 tar -czf /tmp/gpu-check.tar.gz -C "$out" --exclude gpu-check.tar.gz . && mv /tmp/gpu-check.tar.gz "$out/"
