@@ -1,9 +1,9 @@
 """BGMV (Punica's batched gather matrix-vector product) as two Triton Pallas kernels.
 
 Each decode row gathers its own adapter slot from a stacked layout and, as in Punica,
-every row is padded to the batch's largest rank R_batch: a row runs cdiv(R_batch, chunk)
-steps of its rank loop, so the cost is proportional to |S| * R_batch. Rank rows at or
-beyond the row's own rank are masked to zero before they are multiplied.
+every row is padded to the batch's largest rank R_batch: a row reads cdiv(R_batch, chunk)
+chunks of rank rows in each half, so the cost is proportional to |S| * R_batch. Rank rows
+at or beyond the row's own rank are masked to zero before they are multiplied.
 
 1. shrink, grid (S, R / chunk, in / block_in): each program multiplies one block of x[s]
    by one chunk of rank rows of A^T (elementwise and a sum, no dot) into its part of
@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 
-IN_BLOCK_CAP = 512  # `in` elements per step of the shrink's reduction
+IN_BLOCK_CAP = 512  # `in` elements per shrink program
 OUT_BLOCK_CAP = 512  # `out` elements per expand program
 EXPAND_CHUNK = common.RANK_CHUNK  # rank rows per step of expand's loop (a power of two)
 

@@ -6,10 +6,12 @@ gathered through the page table, into its part of f32[S, in / block_in, R]; prog
 at or past the slot's rank only write zeros, so the loads are proportional to the sum
 of the rows' ranks (never the batch's largest rank). The parts are summed (XLA) into
 v = x @ A. One load per program keeps thousands in flight: a loop per row over its
-chunks and blocks left the GPU waiting on each load in turn. Expand: one program per (row, out tile)
-adds v[s] @ B to y in place. A chunk's rank rows are gathered from the pool through
-the slot's page table; rows of the last chunk at or beyond the rank are masked out
-before they are multiplied, so whatever their pages hold (NaN included) is ignored.
+chunks and blocks left the GPU waiting on each load in turn (bench/results/
+2026-11-27-h200-kernels.md). Expand: one program per (row, out tile) adds v[s] @ B to
+y in place, looping over the slot's rank chunks. A chunk's rank rows are gathered from
+the pool through the slot's page table; rows of the last chunk at or beyond the rank are
+masked out before they are multiplied, so whatever their pages hold (NaN included) is
+ignored.
 
 `mbgmv_shrink` and `mbgmv_expand` are the two halves alone, for a LoRA split across devices
 (a collective runs on v between them).
@@ -26,7 +28,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 
-IN_BLOCK_CAP = 512  # `in` elements of a gathered chunk read per step of shrink's inner loop
+IN_BLOCK_CAP = 512  # `in` elements of a gathered chunk per shrink program
 OUT_BLOCK_CAP = 512  # `out` elements per expand program
 EXPAND_CHUNK = common.RANK_CHUNK  # rank rows per step of expand's loop (a power of two)
 
