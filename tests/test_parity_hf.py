@@ -48,6 +48,25 @@ def test_bf16_serving_stays_close_to_the_fp32_oracle(hf_smollm2):
         assert np.argmax(theirs) in np.argsort(-ours)[:3]
 
 
+def test_a_bf16_engine_decodes_what_its_prefills_pick():
+    """A bf16 engine on a CPU serves (XLA:CPU has no bf16 x bf16 -> f32 dot; dots.py): each
+    greedy token of its decode is the argmax, to within bf16 rounding, of a bf16 prefill
+    over the text so far (the two sum in different orders: at the third token here the
+    top two logits differ by 2e-4)."""
+    bf16 = load_model("smollm2-135m", jnp.bfloat16)
+    ids = bf16.tokenizer.encode(PROMPTS[1])
+    engine = make_engine(bf16, dtype="bfloat16", max_slots=2, max_seq_len=128)
+    try:
+        [result] = run_to_completion(engine, [ids], SamplingParams(max_tokens=6, ignore_eos=True))
+    finally:
+        engine.close()
+    generated = result["token_ids"]
+    assert len(generated) == 6
+    for n, token in enumerate(generated):
+        logits = jlora_last_logits(bf16, ids + generated[:n])
+        assert logits[token] >= logits.max() - 0.05, (n, token, int(np.argmax(logits)))
+
+
 def _hf_greedy(hf_model, ids: list[int], max_tokens: int) -> list[int]:
     """Greedy decoding with transformers' KV cache, not stopping at EOS (like ignore_eos)."""
     generated: list[int] = []

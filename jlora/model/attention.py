@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jlora.model.dots import einsum_f32
+
 CAUSAL_CHUNKS = 8  # query chunks of a prompt's causal attention, at most
 MIN_CHUNK = 16  # query rows per chunk, at least
 KEY_BLOCKS = 8  # blocks of keys per chunk of a prefix attention's loop
@@ -64,14 +66,11 @@ def _chunked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     for start in range(0, seq, size):
         end = min(start + size, seq)
         rows = _by_kv_head(q[start:end], k.shape[1])  # [kvh, group * rows, d]
-        scores = jnp.einsum(
-            "kmd,kdt->kmt", rows, keys[:, :, :end], preferred_element_type=jnp.float32
-        )
+        scores = einsum_f32("kmd,kdt->kmt", rows, keys[:, :, :end])
         visible = jnp.tile(index[None, :end] <= index[start:end, None], (heads // k.shape[1], 1))
         weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
-        out = jnp.einsum(
+        out = einsum_f32(
             "kmt,ktd->kmd", weights.astype(v.dtype), values[:, :end],
-            preferred_element_type=jnp.float32,
         )  # fmt: skip
         outs.append(_by_query(out, end - start).astype(q.dtype))
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
@@ -176,13 +175,11 @@ def paged_decode_attention(
     keys = keys.reshape(slots, -1, kv_heads, head_dim)  # [S, T, kvh, d]
     values = values.reshape(slots, -1, kv_heads, head_dim)
     grouped = q.reshape(slots, kv_heads, group, head_dim) * jnp.asarray(head_dim**-0.5, q.dtype)
-    scores = jnp.einsum(
-        "skgd,stkd->sktg", grouped, keys, preferred_element_type=jnp.float32
-    )  # [S, kvh, T, group]
+    scores = einsum_f32("skgd,stkd->sktg", grouped, keys)  # [S, kvh, T, group]
     visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [S, T]
     scores = jnp.where(visible[:, None, :, None], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=2).astype(values.dtype)
-    out = jnp.einsum("sktg,stkd->skgd", weights, values, preferred_element_type=jnp.float32)
+    out = einsum_f32("sktg,stkd->skgd", weights, values)
     return out.reshape(slots, heads * head_dim).astype(q.dtype)
 
 
@@ -258,9 +255,7 @@ def _chunked_prefix(
     def chunk(c, carry):
         most, total, out = carry  # [kvh, group * T] (x2), [kvh, group * T, d]
         blocks = jax.lax.dynamic_slice_in_dim(table, c * KEY_BLOCKS, KEY_BLOCKS)
-        scores = jnp.einsum(
-            "kmd,ktd->kmt", rows, gathered(k_cache, blocks), preferred_element_type=jnp.float32
-        )
+        scores = einsum_f32("kmd,ktd->kmt", rows, gathered(k_cache, blocks))
         key_positions = c * width + jnp.arange(width)
         visible = key_positions[None, :] <= query_positions[:, None]
         scores = jnp.where(visible[None], scores, -jnp.inf)

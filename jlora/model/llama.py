@@ -53,6 +53,7 @@ from jlora.model.attention import (
     paged_prefix_attention,
     write_kv,
 )
+from jlora.model.dots import einsum_f32
 from jlora.model.host_attention import paged_decode_attention_host
 from jlora.model.kv_cache import KVCache
 from jlora.model.sharding import TensorParallel
@@ -298,14 +299,10 @@ class Llama:
         h = cast(jax.Array, self.final_norm.apply({"params": params["final_norm"]}, x))
         if self.config.tie_embeddings:
             rows = h.reshape(-1, h.shape[-1])
-            columns = jnp.einsum(
-                "vd,nd->vn", params["embed"]["embedding"], rows, preferred_element_type=jnp.float32
-            )
+            columns = einsum_f32("vd,nd->vn", params["embed"]["embedding"], rows)
             logits = jax.lax.optimization_barrier(columns).T.reshape(*h.shape[:-1], -1)
         else:
-            logits = jnp.einsum(
-                "...d,dv->...v", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32
-            )
+            logits = einsum_f32("...d,dv->...v", h, params["lm_head"]["kernel"])
         if self.vocab_axis is not None:  # each shard has a slice of the vocabulary
             logits = jax.lax.all_gather(logits, self.vocab_axis, axis=logits.ndim - 1, tiled=True)
         return logits[..., : self.vocab_size]

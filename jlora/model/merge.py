@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jlora.adapters.backends import HostTensors
 from jlora.adapters.targets import TARGETS
+from jlora.model.dots import einsum_f32
 from jlora.model.llama import Params
 from jlora.model.sharding import TARGET_AXES, TensorParallel
 
@@ -74,12 +75,11 @@ class WeightMerger:
         for target, (lora_a, lora_b) in factors.items():
             if target in ("k_proj", "v_proj"):
                 lora_b = self._tp.expand_kv(lora_b)  # as wide as the replicated KV heads
-            delta = jnp.einsum(
+            delta = einsum_f32(
                 "lir,lro->lio",
                 lora_a,
                 lora_b,
                 precision=jax.lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32,
             )
             kernel = kernels[target]
             merged[target] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jlora.model.dots import einsum_f32
+
 LoraWeights = dict[str, dict[str, jax.Array]]  # target -> device arrays, layout by backend
 HostTensors = dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (A [L,in,r], B [L,r,out])
 Payload = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy or device)
@@ -212,7 +214,7 @@ class LoraBackend(abc.ABC):
         """lhs @ (A, B)[which] of each row's adapter; rows without one are zero."""
         if not isinstance(rows, Segments):  # decode: a gathered factor per row
             factor = self.factors(weights, target, layer, jnp.maximum(rows, 0))[which]
-            product = jnp.einsum("tk,tkn->tn", lhs, factor, preferred_element_type=jnp.float32)
+            product = einsum_f32("tk,tkn->tn", lhs, factor)
             return jnp.where((rows >= 0)[:, None], product, 0.0), rows >= 0
         index = jnp.arange(lhs.shape[0])
         slots, starts = jnp.asarray(rows.slot), jnp.asarray(rows.start)
@@ -222,9 +224,7 @@ class LoraBackend(abc.ABC):
 
         def segment(g, carry):  # prefill: one factor per segment
             out, adapted = carry
-            part = jnp.einsum(
-                "tk,kn->tn", lhs, factor_of(slots[g]), preferred_element_type=jnp.float32
-            )
+            part = einsum_f32("tk,kn->tn", lhs, factor_of(slots[g]))
             inside = (index >= starts[g]) & (index < starts[g + 1]) & (slots[g] >= 0)
             return jnp.where(inside[:, None], part, out), adapted | inside
 

@@ -31,13 +31,14 @@ from jlora.adapters.backends.base import (
     padded_factors,
     set_slot,
 )
+from jlora.model.dots import einsum_f32
 
 
 def _lora(x: jax.Array, a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
     """x @ a @ b in fp32, the intermediate rounded to x.dtype (base.py's arithmetic)."""
     xa_spec, ab_spec = spec.split("|")
-    xa = jnp.einsum(xa_spec, x, a, preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum(ab_spec, xa, b, preferred_element_type=jnp.float32)
+    xa = einsum_f32(xa_spec, x, a).astype(x.dtype)
+    return einsum_f32(ab_spec, xa, b)
 
 
 def _add_where(adapted: jax.Array, y: jax.Array, delta: jax.Array) -> jax.Array:
