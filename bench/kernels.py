@@ -304,24 +304,21 @@ def tune(plan: Plan, fan: int, dtype: Any, key, rng) -> list[dict[str, Any]]:
     size = max(plan.batch_sizes)
     batches = [(rank_label(p), p * (size // len(p))) for p in TUNE_RANKS if size % len(p) == 0]
     modules = (common, bgmv_kernel, mbgmv_kernel)
-    defaults = {(m, n): getattr(m, n) for m in modules for n in dir(m) if n.isupper()}
     rows = []
-    try:
-        for variant, settings in TUNE_VARIANTS.items():
-            print(f"tuning: {variant}", file=sys.stderr, flush=True)
-            for module in modules:
-                for name, value in settings.items():
-                    if hasattr(module, name):
-                        setattr(module, name, value)
-            jax.clear_caches()
+    for variant, settings in TUNE_VARIANTS.items():
+        print(f"tuning: {variant}", file=sys.stderr, flush=True)
+        changed = [(mod, name) for mod in modules for name in settings if hasattr(mod, name)]
+        defaults = {(mod, name): getattr(mod, name) for mod, name in changed}
+        try:
+            for mod, name in changed:
+                setattr(mod, name, settings[name])
+            jax.clear_caches()  # the kernels are traced again with the settings
             for m in measure_decode(plan, fan, dtype, key, rng, batches):
                 rows.append({"variant": variant, **dataclasses.asdict(m), "median_s": m.median_s})
-            for (module, name), value in defaults.items():
-                setattr(module, name, value)
-    finally:
-        for (module, name), value in defaults.items():
-            setattr(module, name, value)
-        jax.clear_caches()
+        finally:
+            for (mod, name), value in defaults.items():
+                setattr(mod, name, value)
+            jax.clear_caches()
     return rows
 
 

@@ -69,9 +69,7 @@ def _chunked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         scores = einsum_f32("kmd,kdt->kmt", rows, keys[:, :, :end])
         visible = jnp.tile(index[None, :end] <= index[start:end, None], (heads // k.shape[1], 1))
         weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
-        out = einsum_f32(
-            "kmt,ktd->kmd", weights.astype(v.dtype), values[:, :end],
-        )  # fmt: skip
+        out = einsum_f32("kmt,ktd->kmd", weights.astype(v.dtype), values[:, :end])
         outs.append(_by_query(out, end - start).astype(q.dtype))
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 

@@ -69,11 +69,11 @@ def _shrink_kernel(
     row, c, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[row]
     num_pages = a_ref.shape[1]
+    rank = ranks_ref[jnp.maximum(slot, 0)]
     v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
-    @pl.when((slot >= 0) & (c * chunk < ranks_ref[jnp.maximum(slot, 0)]))
+    @pl.when((slot >= 0) & (c * chunk < rank))
     def _():
-        rank = ranks_ref[slot]
         chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
         cols = pl.ds(k * block_in, block_in)
         a = a_ref[layer_ref[0], chunk_pages, cols]  # [chunk, block_in]
