@@ -167,9 +167,11 @@ def jlora_decode(
     prompts: list[list[int]],
     new_tokens: int,
     adapters: list[str | None] | None = None,
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> float:
     """Seconds for N decode steps of `prompts` (prompt i with adapters[i]), after an
-    untimed first step that prefills them all."""
+    untimed first step that prefills them all; `around()` is entered for the N steps
+    alone (a profiler's trace)."""
     # Each request yields one token at prefill, one at the untimed first decode, then N.
     sampling = SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
     for prompt, adapter in zip(prompts, adapters or [None] * len(prompts), strict=True):
@@ -181,10 +183,11 @@ def jlora_decode(
             f"in one step; raise prefill_token_budget or shorten the prompts"
         )
     generated = 0
-    start = time.perf_counter()
-    while engine.has_unfinished:
-        generated += len(engine.step())
-    elapsed = time.perf_counter() - start
+    with around():
+        start = time.perf_counter()
+        while engine.has_unfinished:
+            generated += len(engine.step())
+        elapsed = time.perf_counter() - start
     assert generated == len(prompts) * new_tokens, generated
     return elapsed
 

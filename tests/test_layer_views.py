@@ -126,3 +126,27 @@ def test_engine_tokens_do_not_depend_on_views(tiny, monkeypatch, temperature):
     assert run_to_completion(engine, prompts, sampling) == with_views
     executables = list(engine.device.steps._decode_exe.values())
     assert executables and not any(isinstance(e, WithLayerViews) for e in executables)
+
+
+def test_decode_with_the_scan_unrolled_equals_the_scan(tiny, monkeypatch):
+    """`Llama.scan_unroll`, which bench.step_profile's `unrolled` variant sets on a GPU:
+    the same logits and cache, with LoRA rows and a base row."""
+    backend = make_backend("reference")
+    model = Llama(tiny.config, lora=backend)
+    params = jax.device_put(tiny.params)
+    weights = backend.allocate(
+        num_layers=tiny.config.num_layers,
+        num_slots=2,
+        max_rank=4,
+        shapes=target_shapes(tiny.config),
+        dtype=jnp.float32,
+    )
+    rng = np.random.default_rng(2)
+    weights = jax.tree.map(lambda w: jnp.asarray(rng.normal(size=w.shape) * 0.1, w.dtype), weights)
+    idx = jnp.asarray([1, -1, 0], jnp.int32)
+    (logits, cache), _ = _decode_both_ways(model, params, weights, idx)
+    monkeypatch.setattr(Llama, "scan_unroll", True)
+    (unrolled, unrolled_cache), _ = _decode_both_ways(model, params, weights, idx)
+    np.testing.assert_allclose(unrolled, logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(unrolled_cache.k, cache.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(unrolled_cache.v, cache.v, rtol=1e-6, atol=1e-6)

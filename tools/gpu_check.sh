@@ -3,19 +3,20 @@
 # costs, prefill and cold starts, every table and log in one folder. In two runs, each
 # inside a device machine's 10-minute limit for one command:
 #
-#   tools/gpu_check.sh OUT_DIR part1     # probe tests engine kernels prefill (about 6 min)
-#   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 9 min)
+#   tools/gpu_check.sh OUT_DIR part1     # probe tests engine kernels prefill (6-8 min)
+#   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 8.5 min)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
 #
-# `profile` is in neither part: where a LoRA decode step's time goes (its optimized HLO
-# in OUT_DIR/hlo, and the step again with the layer loop captured as a CUDA graph).
+# `profile` is in neither part (about 6 min): where a LoRA decode step's time goes
+# (`bench.step_profile`: device busy and idle time, kernels and top ops per step, the
+# layers' weights read from the stack, from per-layer copies and by an unrolled loop).
 #
 # (from the repository root, on a GPU machine). Each stage runs under its own time limit
 # (seconds, below) and a failure does not stop the next; OUT_DIR gets STAGE.log, the
 # benches' .md and .json (cold starts write theirs after every mode), summary.txt (one
 # line per stage: exit code, seconds) and gpu-check.tar.gz holding all of it. Measured on
-# an H200 (2026-11-27): probe 16 s, tests 52 s, kernels 55 s, decode 230 s; the other
-# stages' limits are estimates (the cold starts of three modes took more than 215 s).
+# an H200 (2026-11-27): probe 16 s, tests 52 s, kernels 55 s, decode 230 s, cold starts
+# 156 s (real link) and 95 s (1 GB/s); prefill did not finish in 120 s; engine not yet run.
 #
 # Python: $PYTHON, else .venv/bin/python if the project is installed, else python3 with the
 # repository on PYTHONPATH (a GPU image with JAX, flax, numba, torch and pytest already in
@@ -94,7 +95,7 @@ for s in "${stages[@]}"; do
         --targets q_proj,k_proj,v_proj,o_proj --backends reference,bgmv,mbgmv \
         --json "$out/decode.json" ;;
     prefill)
-      stage prefill 180 "$PYTHON" -m bench.prefill "${LLAMA[@]}" --lengths 128,512 \
+      stage prefill 200 "$PYTHON" -m bench.prefill "${LLAMA[@]}" --lengths 128,512 \
         --json "$out/prefill.json" ;;
     coldstart)  # rank-64 slots, the real link, then an emulated slow one (cached compiles)
       for link in 0:240 1:120; do
@@ -102,13 +103,15 @@ for s in "${stages[@]}"; do
           --requests 12 --rate 3 --link-gbps "${link%:*}" --sections trace \
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
-    profile)  # BGMV with 32 adapters against no-lora: the HLO, then with CUDA graphs
-      decode=("$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 --quick
-        --targets q_proj,k_proj,v_proj,o_proj --backends bgmv)
-      XLA_FLAGS="--xla_dump_to=$out/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode.*" \
-        stage profile-hlo 200 "${decode[@]}"
-      XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE" \
-        stage profile-graphs 200 "${decode[@]}" ;;
+    profile)  # where a decode step's time goes (bench.step_profile): no-lora and BGMV with 32
+      # adapters, the layers' weights read three ways; then stacked, with XLA's dynamic-slice
+      # fusion (2026-11-27: 159 s for two ways, 78 s for one)
+      prof=("$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 32 --backend bgmv
+        --targets q_proj,k_proj,v_proj,o_proj)
+      stage profile 280 "${prof[@]}" --variants stacked,copies,unrolled \
+        --markdown "$out/profile.md" --json "$out/profile.json"
+      XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" stage profile-dsfusion 100 \
+        "${prof[@]}" --markdown "$out/profile-dsfusion.md" --json "$out/profile-dsfusion.json" ;;
   esac
 done
 tar -czf /tmp/gpu-check.tar.gz -C "$out" --exclude gpu-check.tar.gz . && mv /tmp/gpu-check.tar.gz "$out/"

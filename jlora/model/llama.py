@@ -230,6 +230,12 @@ class Llama:
     the engine.
     """
 
+    # Layers per iteration of the scan over the stack (True: the whole loop unrolled, so
+    # each layer's slices of the stack are static). 1 everywhere today; `bench.step_profile
+    # --variants unrolled` tries more on a GPU, whose scan copies each layer's weights out
+    # of the stack (bench/results/2026-11-27-h200-profile.md).
+    scan_unroll: int | bool = 1
+
     def __init__(
         self,
         config: ModelConfig,
@@ -433,7 +439,7 @@ class Llama:
             return layer_fn(layer_params, index, step, x, cache), None
 
         steps = jnp.arange(count, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), steps)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), steps, unroll=self.scan_unroll)
         return x, cache
 
     def _switch_dense(self, layers: list[Params] | None, index: jax.Array) -> DenseFn | None:

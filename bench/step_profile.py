@@ -1,0 +1,278 @@
+"""Where a decode step's time goes: `jax.profiler` traces of decode steps, summarised.
+
+Run: `python -m bench.step_profile [--model llama2-7b --dtype bfloat16] [--batch 32]
+[--adapters 32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 16]
+[--markdown PATH] [--json PATH] [--trace-dir DIR]`. On a GPU it answers what
+`bench.lora_decode` cannot: whether a step's time is the device computing, the device
+copying, or the device idle while the host launches and schedules.
+
+The decode of `bench.lora_decode` (B prompts of 64 tokens, greedy, EOS ignored, every
+adapter resident), for two systems in one process on the same loaded model: `no-lora`
+(an engine with no LoRA code) and `BACKEND k=K` (rows spread over K distinct rank-16
+adapters). Each runs once untimed, once timed, and once under the profiler. Reported
+per step, from the trace:
+
+- `wall`: the timed run's seconds per step (host scheduling included);
+- `busy`: the union of the device's kernel intervals (on a CPU, of XLA's thread-pool
+  events), so `wall - busy` is time the device waited for the host;
+- `kernels`: kernels launched (on a CPU, thunks run);
+- the ops (XLA's names) and the kernels (the GPU's) that took the most device time,
+  by name without their numeric suffixes (`fusion.12` and `fusion.40` are both
+  `fusion`), with their launches per step.
+
+`--variants` builds both systems once per way of reading each layer's weights:
+
+- `stacked`: the engine as it is, a `lax.scan` slicing layer i out of the stacked arrays;
+- `copies`: every layer's parameters copied into arrays of their own (on a GPU, 2x the
+  weights' memory), picked by a `lax.switch` on i: what the CPU does without a copy
+  (`jlora/model/layer_views.py`);
+- `unrolled`: the scan unrolled (`Llama.scan_unroll = True`), so each layer's slices of
+  the stack are static.
+
+XLA flags (`--xla_gpu_enable_command_buffer=...`, dynamic-slice fusion) are read once
+per process: run the bench once per setting, with XLA_FLAGS set
+(`tools/gpu_check.sh OUT profile` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import functools
+import glob
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import jax
+from jax.profiler import ProfileData
+
+from bench.lora_decode import Plan, make_engine
+from bench.report import machine_facts, write_report
+from bench.throughput import jlora_decode, make_prompts
+from jlora.adapters.peft import AdapterError, canonical_targets, make_demo_adapters
+from jlora.engine.steps import CompiledSteps
+from jlora.model import layer_views
+from jlora.model.llama import Llama
+from jlora.model.loading import load_model
+
+TOP = 12  # ops listed per system
+SUFFIX = re.compile(r"[._]\d+$")
+
+
+@dataclasses.dataclass
+class StepProfile:
+    system: str
+    steps: int
+    wall_ms: float  # per step, untraced
+    busy_ms: float  # per step: the union of device (or XLA thread) intervals
+    kernels: float  # per step
+    ops: list[tuple[str, float, float]]  # (name, ms per step, launches per step), by time
+    kernel_ops: list[tuple[str, float, float]]  # the same, by kernel name
+    lines: list[str]  # the trace's lines these came from
+
+
+def _device_lines(data: ProfileData) -> tuple[list, list]:
+    """(kernel lines, op lines): a GPU's stream lines and its `XLA Ops` line; on a CPU,
+    the XLA thread pools' lines for both."""
+    devices = [plane for plane in data.planes if plane.name.startswith("/device:")]
+    if devices:
+        lines = [line for plane in devices for line in plane.lines]
+        kernels = [line for line in lines if line.name.startswith("Stream")] or [
+            line for line in lines if not line.name.startswith(("XLA", "Launch", "Steps"))
+        ]
+        ops = [line for line in lines if line.name == "XLA Ops"]
+        return kernels, ops or kernels
+    host = [plane for plane in data.planes if plane.name == "/host:CPU"]
+    lines = [line for plane in host for line in plane.lines if line.name.startswith("tf_XLA")]
+    return lines, lines
+
+
+def _union_ns(intervals: Iterable[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def top(lines: list, steps: int) -> list[tuple[str, float, float]]:
+    """The TOP names by time on these lines: (name, ms per step, events per step)."""
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for line in lines:
+        for event in line.events:
+            if event.duration_ns > 0:
+                entry = by_name[SUFFIX.sub("", event.name)[:80]]
+                entry[0] += event.duration_ns
+                entry[1] += 1
+    ranked = sorted(
+        ((name, ns / 1e6 / steps, count / steps) for name, (ns, count) in by_name.items()),
+        key=lambda op: -op[1],
+    )
+    return ranked[:TOP]
+
+
+def summarise(data: ProfileData, steps: int) -> dict:
+    """busy ms, kernels, top ops and top kernels per step, from a trace of `steps` steps."""
+    kernel_lines, op_lines = _device_lines(data)
+    events = [e for line in kernel_lines for e in line.events if e.duration_ns > 0]
+    return {
+        "lines": sorted({line.name for line in kernel_lines + op_lines}),
+        "busy_ms": _union_ns((e.start_ns, e.end_ns) for e in events) / 1e6 / steps,
+        "kernels": len(events) / steps,
+        "ops": top(op_lines, steps),
+        "kernel_ops": top(kernel_lines, steps),
+    }
+
+
+def profile(system: str, run: Callable[..., float], steps: int, directory: Path) -> StepProfile:
+    """Run once untimed, once timed, once with the decode steps under the profiler."""
+    run()  # untimed: compiles anything the warmup left
+    wall = run() / steps
+    directory.mkdir(parents=True, exist_ok=True)
+    run(around=lambda: jax.profiler.trace(str(directory)))
+    (path,) = glob.glob(str(directory / "**" / "*.xplane.pb"), recursive=True)
+    summary = summarise(ProfileData.from_file(path), steps)
+    return StepProfile(system, steps, wall * 1e3, **summary)
+
+
+@contextlib.contextmanager
+def layer_copies() -> Iterator[None]:
+    """Engines made and run inside decode with every layer's parameters in arrays of
+    their own, copied where they cannot be views (a GPU's)."""
+    steps_init, split = CompiledSteps.__init__, layer_views.split_layers
+
+    def split_or_copy(stacked: jax.Array) -> list[jax.Array]:
+        return split(stacked) or [stacked[i] for i in range(stacked.shape[0])]
+
+    CompiledSteps.__init__ = functools.partialmethod(steps_init, layer_views=True)  # type: ignore[method-assign,assignment]
+    layer_views.split_layers = split_or_copy
+    try:
+        yield
+    finally:
+        CompiledSteps.__init__ = steps_init  # type: ignore[method-assign]
+        layer_views.split_layers = split
+
+
+@contextlib.contextmanager
+def unrolled() -> Iterator[None]:
+    """Engines made and run inside trace their layer scans unrolled."""
+    Llama.scan_unroll = True
+    try:
+        yield
+    finally:
+        Llama.scan_unroll = 1
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "stacked": contextlib.nullcontext,
+    "copies": layer_copies,
+    "unrolled": unrolled,
+}
+
+
+def render(facts: dict, plan: Plan, profiles: list[StepProfile]) -> str:
+    lines = [
+        f"{plan.model} {plan.dtype} | {facts['device']} | jax {facts['jax']} "
+        f"({facts['jax_backend']}) | {facts['date']} | "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        "",
+        f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, "
+        f"{plan.new_tokens} steps traced; adapters of rank {plan.rank} on "
+        f"{', '.join(plan.targets)}",
+        "",
+        "| system | wall ms/step | device busy ms/step | idle ms/step | kernels/step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for p in profiles:
+        lines.append(
+            f"| {p.system} | {p.wall_ms:.2f} | {p.busy_ms:.2f} | "
+            f"{p.wall_ms - p.busy_ms:.2f} | {p.kernels:.0f} |"
+        )
+    for p in profiles:
+        for what, ops in (("ops", p.ops), ("kernels", p.kernel_ops)):
+            lines += ["", f"{p.system}: top {what}", "", "| name | ms/step | launches/step |"]
+            lines.append("|---|---:|---:|")
+            lines += [f"| `{name}` | {ms:.3f} | {n:.0f} |" for name, ms, n in ops]
+    return "\n".join(lines)
+
+
+def write(args: argparse.Namespace, facts: dict, plan: Plan, profiles: list[StepProfile]) -> None:
+    if args.markdown:
+        args.markdown.write_text(render(facts, plan, profiles) + "\n")
+    if args.json:
+        report = [dataclasses.asdict(p) for p in profiles]
+        xla_flags = os.environ.get("XLA_FLAGS", "")
+        write_report(args.json, facts, plan, report, xla_flags=xla_flags)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama2-7b", help="a preset (default %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=32, help="distinct adapters, K")
+    parser.add_argument("--backend", default="bgmv")
+    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per run")
+    parser.add_argument("--markdown", type=Path, metavar="PATH")
+    parser.add_argument("--json", type=Path, metavar="PATH")
+    parser.add_argument("--trace-dir", type=Path, metavar="DIR", help="keep the traces here")
+    parser.add_argument(
+        "--variants", default="stacked", help=f"comma-separated, of {list(VARIANTS)}"
+    )
+    args = parser.parse_args(argv)
+    try:
+        targets = canonical_targets(args.targets.split(","))
+    except AdapterError as err:
+        parser.error(f"--targets: {err}")
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"--variants: {sorted(unknown)} not in {list(VARIANTS)}")
+    plan = Plan(
+        model=args.model,
+        dtype=args.dtype,
+        batch=args.batch,
+        new_tokens=args.steps,
+        adapter_counts=(args.adapters,),
+        targets=targets,
+        backends=(args.backend,),
+    )
+    facts = machine_facts()
+    print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
+    loaded = load_model(plan.model, plan.dtype)
+    prompts = make_prompts(loaded, plan.batch, plan.prompt_len)
+    lora = f"{args.backend} k={args.adapters}"
+    traces = args.trace_dir or Path(tempfile.mkdtemp(prefix="jlora-trace-"))
+    profiles: list[StepProfile] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_demo_adapters(
+            loaded.config, tmp, n=args.adapters, ranks=[plan.rank], targets=targets, seed=0
+        )
+        adapters = {path.name: path for path in paths}
+        spread: list[str | None] = [paths[i % len(paths)].name for i in range(plan.batch)]
+        for variant in variants:  # one engine at a time, the tables rewritten after each
+            for system, with_adapters in (("no-lora", False), (lora, True)):
+                name = system if variant == "stacked" else f"{system}, {variant}"
+                print(f"profiling {name}...", file=sys.stderr, flush=True)
+                with VARIANTS[variant]():
+                    engine = make_engine(
+                        loaded, plan, adapters if with_adapters else {}, args.backend
+                    )
+                    rows = spread if with_adapters else None
+                    run = functools.partial(jlora_decode, engine, prompts, plan.new_tokens, rows)
+                    trace_dir = traces / re.sub(r"\W+", "_", name)
+                    profiles.append(profile(name, run, plan.new_tokens, trace_dir))
+                    engine.close()
+                write(args, facts, plan, profiles)
+    print(render(facts, plan, profiles))
+
+
+if __name__ == "__main__":
+    main()
