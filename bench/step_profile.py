@@ -16,9 +16,10 @@ per step, from the trace:
 - `busy`: the union of the device's kernel intervals (on a CPU, of XLA's thread-pool
   events), so `wall - busy` is time the device waited for the host;
 - `kernels`: kernels launched (on a CPU, thunks run);
-- the ops (XLA's names) and the kernels (the GPU's) that took the most device time,
-  by name without their numeric suffixes (`fusion.12` and `fusion.40` are both
-  `fusion`), with their launches per step.
+- the ops (XLA's names, with the shape each produces where the trace says) and the
+  kernels (the GPU's) that took the most device time, by name without their numeric
+  suffixes (`fusion.12` and `fusion.40` are both `fusion`), with their launches per
+  step.
 
 `--variants` builds both systems once per way of reading each layer's weights:
 
@@ -48,6 +49,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.profiler import ProfileData
@@ -61,8 +63,9 @@ from jlora.model import layer_views
 from jlora.model.llama import Llama
 from jlora.model.loading import load_model
 
-TOP = 12  # ops listed per system
+TOP = 16  # ops listed per system
 SUFFIX = re.compile(r"[._]\d+$")
+OUTPUT_SHAPE = re.compile(r"= *(\w+\[[\d,]*\])")  # "%fusion.3 = bf16[4096,4096]{1,0} fusion(..."
 
 
 @dataclasses.dataclass
@@ -102,13 +105,24 @@ def _union_ns(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _key(event: Any) -> str:
+    """An event's name without its numeric suffix and, where the trace gives the HLO
+    instruction (a GPU's `XLA Ops`: the `long_name` stat), the shape it produces: the
+    same fusion over different arrays is told apart."""
+    name = SUFFIX.sub("", event.name)[:80]
+    for stat, value in event.stats:
+        if stat == "long_name" and (shape := OUTPUT_SHAPE.search(str(value))):
+            return f"{name} {shape.group(1)}"
+    return name
+
+
 def top(lines: list, steps: int) -> list[tuple[str, float, float]]:
     """The TOP names by time on these lines: (name, ms per step, events per step)."""
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for line in lines:
         for event in line.events:
             if event.duration_ns > 0:
-                entry = by_name[SUFFIX.sub("", event.name)[:80]]
+                entry = by_name[_key(event)]
                 entry[0] += event.duration_ns
                 entry[1] += 1
     ranked = sorted(

@@ -5,6 +5,7 @@ what it patched."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +61,22 @@ def test_an_unknown_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         step_profile.main(["--model", "cpu-tiny", "--variants", "stacked,fused"])
     assert "--variants: ['fused'] not in" in capsys.readouterr().err
+
+
+def test_ops_are_told_apart_by_the_shape_they_produce():
+    def event(name: str, long_name: str | None) -> SimpleNamespace:
+        stats = [("hlo_category", "copy")] + ([("long_name", long_name)] if long_name else [])
+        return SimpleNamespace(name=name, stats=stats, duration_ns=1000)
+
+    line = SimpleNamespace(events=[
+        event("loop_dynamic_slice_fusion.3", "%f.3 = bf16[4096,4096]{1,0} fusion(%p, %i)"),
+        event("loop_dynamic_slice_fusion.9", "%f.9 = bf16[4096,4096]{1,0} fusion(%q, %i)"),
+        event("loop_dynamic_slice_fusion.4", "%f.4 = f32[4096]{0} fusion(%n, %i)"),
+        event("wrapped_add.2", None),
+    ])  # fmt: skip
+    ops = {name: count for name, _, count in step_profile.top([line], steps=1)}
+    assert ops == {
+        "loop_dynamic_slice_fusion bf16[4096,4096]": 2,
+        "loop_dynamic_slice_fusion f32[4096]": 1,
+        "wrapped_add": 1,
+    }
