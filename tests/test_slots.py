@@ -305,6 +305,26 @@ def test_load_all_waits_for_a_load_that_holds_the_last_slot(make_slots):
     assert device.installs == [("x", 0), ("a", 0)]
 
 
+def test_a_pin_after_a_discard_mid_load_loads_the_adapter_anew(make_slots):
+    """The discarded load's payload (the old weights) is dropped; the new pin's own load
+    then starts at that poll, and only it can be held and installed."""
+    device, slots = make_slots(2)
+    device.gate.clear()
+    slots.pin("a")
+    slots.discard("a")  # unregistered while loading
+    slots.pin("a")  # registered again
+    assert slots.is_loading("a") and not slots.will_land("a")
+    with pytest.raises(ValueError, match="'a'"):
+        slots.acquire("a")
+    device.gate.set()
+    assert slots.wait(5.0)
+    assert slots.poll() == [] and slots.will_land("a")
+    slot = slots.acquire("a")
+    assert slots.wait(5.0) and slots.poll() == ["a"]
+    assert slots.slot_of("a") == slot and device.installs == [("a", slot)]
+    assert [name for name, _ in device.loads] == ["a", "a"]
+
+
 def test_load_all_over_capacity_is_refused(make_slots):
     _, slots = make_slots(2)
     with pytest.raises(ValueError, match="3 adapters into num_slots=2"):
@@ -443,7 +463,13 @@ class SlotMachine(RuleBasedStateMachine):
             for _ in range(self.holds.pop("bad", 0)):  # as the engine does: fail its users
                 self.slots.release("bad")
             self.held_slot.pop("bad", None)
-        self.discarded_loading = {n for n in self.discarded_loading if self.slots.is_loading(n)}
+        # A discarded load is dropped by the poll that finds it finished; a pin may then
+        # start a new load of the same name at once, which will land (`will_land`).
+        self.discarded_loading = {
+            n
+            for n in self.discarded_loading
+            if self.slots.is_loading(n) and not self.slots.will_land(n)
+        }
         for name in ready:
             slot = self.slots.slot_of(name)
             assert slot is not None and self.device.slots[slot] == name
