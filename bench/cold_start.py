@@ -15,7 +15,9 @@ The host-callback overhead a CPU-routed layer pays is section 4 of `bench.cpu_of
    to `--link-gbps` (`emulated_link_gbps`; a CPU has no host-to-device link). `cached`
    pins every adapter before the trace (as many slots as adapters): the lower bound.
    TTFT runs from a request's arrival to its first token; "cold" requests are those
-   whose adapter was not resident when they arrived. Every engine is warmed up first.
+   whose adapter was not resident when they arrived. Every engine is warmed up first;
+   a step shape compiled during the trace anyway (a stall) is counted in the mode's
+   counters as `compiles_in_trace`.
 
 2. Adapter loads: one adapter at a time copied to a slot of rank `max(--ranks)` over
    the emulated link at `--link-gbps` and installed (`load_adapter`, then
@@ -328,9 +330,14 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             engine = make_engine(loaded, plan, mode, adapters)
             warm = time.perf_counter()
+            steps = engine.device.steps  # type: ignore[attr-defined]
+            compiled = steps.num_compiles
             try:
                 results = replay(engine, trace, plan.new_tokens)
-                rows.append(summarize(mode, results, dict(engine.counters)))
+                counters = dict(engine.counters)
+                if late := steps.num_compiles - compiled:  # a stall no warm-up should leave
+                    counters["compiles_in_trace"] = late
+                rows.append(summarize(mode, results, counters))
             finally:
                 engine.close()
             rows[-1] |= {"warmup_s": warm - start, "replay_s": time.perf_counter() - warm}

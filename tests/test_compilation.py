@@ -7,6 +7,7 @@ import pytest
 from jax import monitoring
 
 from configs import bucket
+from configs.engine import CACHE_POLICIES
 from jlora.engine.api import Request, SamplingParams
 from tests.engine_helpers import make_engine
 
@@ -179,3 +180,29 @@ def test_warmup_compiles_no_prefill_above_the_budget_and_chunks_need_none(tiny):
         _COUNTING[0] = False
     assert _EVENTS == []
     assert engine.stats().prefill_chunks == 4
+
+
+@pytest.mark.parametrize("policy", CACHE_POLICIES)
+def test_warmup_for_given_prompts_leaves_no_compile_to_chunks_or_prefix_hits(tiny, policy):
+    """Warmed up for prompts of 100 and 29 tokens: run together under a 32-token budget,
+    they prefill in chunks of other buckets than their own, each chunk after the first
+    continuing a prefix; the 100-token prompt again then hits the prefix cache (but under
+    "none") and prefills only its tail. Nothing compiles."""
+    engine = make_engine(
+        tiny, max_slots=2, max_seq_len=256, min_bucket=16, prefill_token_budget=32,
+        cache_policy=policy,
+    )  # fmt: skip
+    long, short = list(range(1, 101)), list(range(200, 229))
+    engine.warmup(prompt_lengths=[len(long), len(short)], max_length=110)
+    _EVENTS.clear()
+    _COUNTING[0] = True
+    try:
+        for batch in ((("long", long), ("short", short)), (("again", long),)):
+            for rid, prompt in batch:
+                engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=4)))
+            while engine.has_unfinished:
+                engine.step()
+    finally:
+        _COUNTING[0] = False
+    assert _EVENTS == []
+    assert engine.stats().prefill_chunks >= 3

@@ -270,54 +270,58 @@ class LlamaEngine(DeviceEngine):
         *,
         on_demand: bool = False,
     ) -> None:
-        """Compile each prefill bucket (those `prompt_lengths` need, or all; with its
-        cached-prefix variant unless cache_policy is "none"; none above the bucket of
-        `prefill_token_budget` unless merging, which prefills whole, is on: chunked
-        prefill never runs one, and CPU assistance runs segments of its own), the packed
-        prefill's (those
-        from the shortest prompt's bucket up), and each decode bucket up to the one
-        holding `max_length` tokens (or all). With `on_demand`, only what CPU assistance
-        needs ahead (its segments, and in auto mode the device prefills its cost model
-        times); every other shape compiles when first met, and `warmed_up` stays false,
-        so that is not logged as a warning."""
+        """Compile each prefill bucket up to the one the longest of `prompt_lengths` needs
+        (or all; none above the bucket of `prefill_token_budget` unless merging, which
+        prefills whole, is on), plain and continuing a cached prefix; the packed
+        prefill's (those from the shortest prompt's bucket up), and each decode bucket up
+        to the one holding `max_length` tokens (or all). Every bucket below the longest
+        prompt's, because a step may prefill any part of a prompt: a chunk under the
+        token budget, or one ended early on a smaller bucket (`Orchestrator._chunk_end`),
+        the rest continuing after it as after a cached prefix (as a prefix cache hit
+        does). CPU assistance, which prefills prompts whole, compiles their buckets
+        alone. With `on_demand`, only what CPU assistance needs ahead (its segments, and
+        in auto mode the device prefills its cost model times); every other shape
+        compiles when first met, and `warmed_up` stays false, so that is not logged as a
+        warning."""
         cfg = self.config
-        prefill = (
-            cfg.prefill_buckets
+        buckets = cfg.prefill_buckets
+        prompts = (
+            buckets
             if prompt_lengths is None
-            else sorted({bucket(cfg.prefill_buckets, n) for n in prompt_lengths})
+            else sorted({bucket(buckets, n) for n in prompt_lengths})
         )
         if self.assisted is not None:
-            for size in prefill:
+            for size in prompts:
                 self.assisted.compile(self.params, self.cache, size)
             if cfg.lora_mode == "auto":
-                for size in prefill:  # the device prefills the cost model times
+                for size in prompts:  # the device prefills the cost model times
                     self.steps.compile_prefill(
                         self.params, self.cache, size, cfg.blocks_per_seq, self._weights
                     )
-                self.cache = self.assisted.measure(self.params, self.cache, prefill)
+                self.cache = self.assisted.measure(self.params, self.cache, prompts)
         if on_demand:
             return
+        top = prompts[-1] if prompts else 0
         if cfg.merge == "never":  # chunked: a step prefills at most the budget's tokens
-            limit = bucket(cfg.prefill_buckets, min(cfg.prefill_token_budget, cfg.max_seq_len))
-            prefill = sorted({min(size, limit) for size in prefill})
+            top = min(top, bucket(buckets, min(cfg.prefill_token_budget, cfg.max_seq_len)))
+        prefill = [size for size in buckets if size <= top]
         longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
-        history = cfg.cache_policy != "none"  # prefix hits run the cached variants
         # A packed call's bucket holds at least its shortest prompt.
-        smallest = prefill[0] if prefill else cfg.max_seq_len + 1
+        smallest = min(prompts[0], top) if prompts else cfg.max_seq_len + 1
         for size in prefill:
-            for cached in (False, True) if history else (False,):
+            for cached in (False, True):  # a prefix hit or a later chunk: the cached variant
                 self.steps.compile_prefill(
                     self.params, self.cache, size, cfg.blocks_per_seq, self._weights, cached=cached
                 )
         self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
         decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
         self._compile_decodes(self.steps, decode, self._weights)
-        if history and self.can_swap_kv:
+        if cfg.cache_policy != "none" and self.can_swap_kv:
             self.cache = self.kv_blocks.warm(self.cache)
         self.steps.warmed_up = True
         if cfg.merge != "never" and self.merged_steps is not None and self.merger is not None:
             for size in prefill:
-                for cached in (False, True) if history else (False,):
+                for cached in (False, True):
                     self.merged_steps.compile_prefill(
                         self.params, self.cache, size, cfg.blocks_per_seq, None, cached=cached
                     )

@@ -586,7 +586,7 @@ class Orchestrator:
         prefill bucket would compute `SPLIT_TOKENS` or more tokens than ending it on a
         smaller bucket (and, for the last chunk, padding the rest), it ends there: a
         384-token prompt runs as 256 + 128 tokens, not 512. Not under the "none" cache
-        policy, whose warm-up compiles no variant continuing a prefix."""
+        policy (S-LoRA's baseline: a prompt's chunks as long as the budget allows)."""
         cfg = self.config
         rest, bs = seq.length - start, cfg.block_size
         whole = rest if rest <= room else room // bs * bs
