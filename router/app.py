@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2
 from jlora.api import SERVICE_NAME
 from jlora.contract.grpc_server import start_server
 from jlora.contract.registry import Registry
-from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
+from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals, wait_awake
 from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
 from router.http_body import HttpLimits
@@ -223,7 +223,7 @@ class RouterHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the router has stopped (True) or `timeout` passed (False)."""
-        return self._stopped.wait(timeout)
+        return wait_awake(self._stopped, timeout)
 
     def stop_on_signals(self, grace: float = 30.0, signals: Iterable[int] = DRAIN_SIGNALS) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on

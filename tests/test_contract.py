@@ -5,6 +5,9 @@ rule, the path guard, the content hash, the error as a gRPC status and back, the
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
+import time
 
 import grpc
 import pytest
@@ -21,6 +24,7 @@ from jlora.contract.adapters import (
 )
 from jlora.contract.auth import authorized, call_metadata, resolve_api_key
 from jlora.contract.errors import Code, FailedPrecondition, InvalidRequest, NotFound, RequestError
+from jlora.contract.signals import WAKE_S, wait_awake
 
 # -- names --------------------------------------------------------------------------
 
@@ -214,3 +218,26 @@ def test_the_api_key_is_checked_in_constant_time_and_optional(monkeypatch):
     assert resolve_api_key(None) == "from-env" and resolve_api_key("given") == "given"
     monkeypatch.setenv("JLORA_API_KEY", "")
     assert resolve_api_key(None) is None
+
+
+# -- signals ----------------------------------------------------------------------------
+
+
+def test_a_signal_another_thread_catches_is_handled_while_the_main_thread_waits():
+    """A drain's handler runs on the main thread; a plain `Event.wait` there sleeps
+    through a signal the kernel handed to another thread (the router's and the worker's
+    `wait()` did: a likely cause of the one time-out of the SIGTERM drain test). `wait_awake`
+    does not."""
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda *_: stopped.set())
+    other = threading.Thread(target=time.sleep, args=(1.0,))
+    other.start()
+    try:
+        threading.Timer(0.05, signal.pthread_kill, (other.ident, signal.SIGUSR1)).start()
+        start = time.monotonic()
+        assert wait_awake(stopped, timeout=10.0)
+        assert time.monotonic() - start < 2 * WAKE_S + 0.5
+        assert not wait_awake(threading.Event(), timeout=0.1)
+    finally:
+        other.join()
+        signal.signal(signal.SIGUSR1, previous)

@@ -48,7 +48,7 @@ from grpc_health.v1 import health, health_pb2
 
 from jlora.api import SERVICE_NAME
 from jlora.contract.grpc_server import start_server
-from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals
+from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals, wait_awake
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server.convert import TextEncoder
 from jlora.server.metrics import Metrics
@@ -182,7 +182,7 @@ class WorkerServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped (True) or `timeout` passed (False)."""
-        return self._stopped.wait(timeout)
+        return wait_awake(self._stopped, timeout)
 
     def stop_on_signals(self, grace: float = 30.0, signals: Iterable[int] = DRAIN_SIGNALS) -> None:
         """On the first of `signals`, drain with `grace` on a helper thread (call this on
