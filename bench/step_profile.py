@@ -28,7 +28,8 @@ per step, from the trace:
   weights' memory), picked by a `lax.switch` on i: what the CPU does without a copy
   (`jlora/model/layer_views.py`);
 - `unrolled`: the scan unrolled (`Llama.scan_unroll = True`), so each layer's slices of
-  the stack are static.
+  the stack are static;
+- `copies-unrolled`: both, so each layer's switch has a constant index.
 
 XLA flags (`--xla_gpu_enable_command_buffer=...`, dynamic-slice fusion) are read once
 per process: run the bench once per setting, with XLA_FLAGS set
@@ -184,10 +185,19 @@ def unrolled() -> Iterator[None]:
         Llama.scan_unroll = 1
 
 
+@contextlib.contextmanager
+def copies_unrolled() -> Iterator[None]:
+    """Both: per-layer arrays, and the loop unrolled, where XLA folds each layer's
+    `lax.switch` on a now constant index into that layer's branch (no conditional)."""
+    with layer_copies(), unrolled():
+        yield
+
+
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "stacked": contextlib.nullcontext,
     "copies": layer_copies,
     "unrolled": unrolled,
+    "copies-unrolled": copies_unrolled,
 }
 
 

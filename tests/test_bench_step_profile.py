@@ -39,20 +39,20 @@ def test_summarise_names_the_ops_of_a_real_trace(tmp_path):
     assert times == sorted(times, reverse=True)
 
 
-def test_every_variant_runs_and_is_undone(tmp_path):
+def test_variants_run_and_are_undone(tmp_path):
+    """copies-unrolled applies both patches (per-layer copies, the unrolled scan)."""
     init, split = CompiledSteps.__init__, layer_views.split_layers
     out = tmp_path / "profile.json"
     step_profile.main(
         ["--model", "cpu-tiny", "--dtype", "float32", "--batch", "2", "--adapters", "2",
-         "--steps", "2", "--variants", "stacked,copies,unrolled", "--json", str(out),
-         "--markdown", str(tmp_path / "profile.md")]
+         "--steps", "2", "--variants", "stacked,copies-unrolled",
+         "--json", str(out), "--markdown", str(tmp_path / "profile.md")]
     )  # fmt: skip
     systems = [r["system"] for r in json.loads(out.read_text())["results"]]
     assert systems == [
-        "no-lora", "bgmv k=2", "no-lora, copies", "bgmv k=2, copies",
-        "no-lora, unrolled", "bgmv k=2, unrolled",
+        "no-lora", "bgmv k=2", "no-lora, copies-unrolled", "bgmv k=2, copies-unrolled",
     ]  # fmt: skip
-    assert "| bgmv k=2, unrolled |" in (tmp_path / "profile.md").read_text()
+    assert "| bgmv k=2, copies-unrolled |" in (tmp_path / "profile.md").read_text()
     assert (CompiledSteps.__init__, layer_views.split_layers) == (init, split)
     assert Llama.scan_unroll == 1
 

@@ -7,9 +7,10 @@
 #   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 8.5 min)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
 #
-# `profile` is in neither part (about 6 min): where a LoRA decode step's time goes
+# `profile` is in neither part (about 8 min): where a LoRA decode step's time goes
 # (`bench.step_profile`: device busy and idle time, kernels and top ops per step, the
-# layers' weights read from the stack, from per-layer copies and by an unrolled loop).
+# layers' weights read from the stack, from per-layer copies, by an unrolled loop, and
+# both), then the stack with XLA's dynamic-slice fusion.
 #
 # (from the repository root, on a GPU machine). Each stage runs under its own time limit
 # (seconds, below) and a failure does not stop the next; OUT_DIR gets STAGE.log, the
@@ -104,11 +105,11 @@ for s in "${stages[@]}"; do
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
     profile)  # where a decode step's time goes (bench.step_profile): no-lora and BGMV with 32
-      # adapters, the layers' weights read three ways; then stacked, with XLA's dynamic-slice
+      # adapters, the layers' weights read four ways; then stacked, with XLA's dynamic-slice
       # fusion (2026-11-27: 159 s for two ways, 78 s for one)
       prof=("$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 32 --backend bgmv
         --targets q_proj,k_proj,v_proj,o_proj)
-      stage profile 280 "${prof[@]}" --variants stacked,copies,unrolled \
+      stage profile 380 "${prof[@]}" --variants stacked,copies,unrolled,copies-unrolled \
         --markdown "$out/profile.md" --json "$out/profile.json"
       XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" stage profile-dsfusion 100 \
         "${prof[@]}" --markdown "$out/profile-dsfusion.md" --json "$out/profile-dsfusion.json" ;;
