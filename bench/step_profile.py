@@ -27,9 +27,9 @@ per step, from the trace:
 - `copies`: every layer's parameters copied into arrays of their own (on a GPU, 2x the
   weights' memory), picked by a `lax.switch` on i: what the CPU does without a copy
   (`jlora/model/layer_views.py`);
-- `unrolled`: the scan unrolled (`Llama.scan_unroll = True`), so each layer's slices of
-  the stack are static;
-- `copies-unrolled`: both, so each layer's switch has a constant index.
+- `unrolled`: the layer loop unrolled in Python (`Llama.unroll_layers`), so each
+  layer's slices of the stack are static;
+- `copies-unrolled`: both: each layer's own arrays, picked without a switch.
 
 XLA flags (`--xla_gpu_enable_command_buffer=...`, dynamic-slice fusion) are read once
 per process: run the bench once per setting, with XLA_FLAGS set
@@ -177,18 +177,18 @@ def layer_copies() -> Iterator[None]:
 
 @contextlib.contextmanager
 def unrolled() -> Iterator[None]:
-    """Engines made and run inside trace their layer scans unrolled."""
-    Llama.scan_unroll = True
+    """Engines made and run inside trace their layer loops unrolled."""
+    Llama.unroll_layers = True
     try:
         yield
     finally:
-        Llama.scan_unroll = 1
+        Llama.unroll_layers = False
 
 
 @contextlib.contextmanager
 def copies_unrolled() -> Iterator[None]:
-    """Both: per-layer arrays, and the loop unrolled, where XLA folds each layer's
-    `lax.switch` on a now constant index into that layer's branch (no conditional)."""
+    """Both: per-layer arrays, and the loop unrolled, so each layer's arrays are picked
+    by a constant index (no `lax.switch`, no conditional)."""
     with layer_copies(), unrolled():
         yield
 

@@ -54,7 +54,7 @@ def test_variants_run_and_are_undone(tmp_path):
     ]  # fmt: skip
     assert "| bgmv k=2, copies-unrolled |" in (tmp_path / "profile.md").read_text()
     assert (CompiledSteps.__init__, layer_views.split_layers) == (init, split)
-    assert Llama.scan_unroll == 1
+    assert Llama.unroll_layers is False
 
 
 def test_an_unknown_variant_is_refused(capsys):

@@ -230,11 +230,12 @@ class Llama:
     the engine.
     """
 
-    # Layers per iteration of the scan over the stack (True: the whole loop unrolled, so
-    # each layer's slices of the stack are static). 1 everywhere today; `bench.step_profile
-    # --variants unrolled` tries more on a GPU, whose scan copies each layer's weights out
-    # of the stack (bench/results/2026-11-27-h200-profile.md).
-    scan_unroll: int | bool = 1
+    # The layer loop as a Python loop instead of a `lax.scan` (each layer's index a
+    # constant: static slices of the stack, and the layer's own arrays picked without a
+    # `lax.switch`). False everywhere today; `bench.step_profile --variants unrolled` tries
+    # it on a GPU, whose scan copies each layer's weights out of the stack
+    # (bench/results/2026-11-27-h200-profile.md).
+    unroll_layers: bool = False
 
     def __init__(
         self,
@@ -438,15 +439,20 @@ class Llama:
             layer_params = jax.tree.map(lambda p: p[index], params["layers"])
             return layer_fn(layer_params, index, step, x, cache), None
 
+        if self.unroll_layers and isinstance(start, int):
+            for step in range(count):
+                (x, cache), _ = body((x, cache), step)
+            return x, cache
         steps = jnp.arange(count, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), steps, unroll=self.scan_unroll)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), steps)
         return x, cache
 
-    def _switch_dense(self, layers: list[Params] | None, index: jax.Array) -> DenseFn | None:
-        """The base projections of layer `index` (traced), from per-layer arrays: a
-        `lax.switch` on the index whose branch j multiplies by layer j's own kernels, so
-        no kernel is sliced out of a stack (the scan's other reads, the norms' scales,
-        still are: a few hundred bytes). None without `layers`: the layer's own kernels."""
+    def _switch_dense(self, layers: list[Params] | None, index: jax.Array | int) -> DenseFn | None:
+        """The base projections of layer `index` (traced, or an unrolled loop's int), from
+        per-layer arrays: a `lax.switch` on the index whose branch j multiplies by layer
+        j's own kernels (or, for an int, that branch alone), so no kernel is sliced out of
+        a stack (the scan's other reads, the norms' scales, still are: a few hundred
+        bytes). None without `layers`: the layer's own kernels."""
         if layers is None:
             return None
 
@@ -455,6 +461,8 @@ class Llama:
                 layer = self.layer.bind({"params": layer_params})
                 return lambda h: tuple(getattr(layer, name)(h) for name in names)
 
+            if isinstance(index, int):  # an unrolled loop's layer: no switch
+                return branch(layers[index])(h)
             return jax.lax.switch(index, [branch(p) for p in layers], h)
 
         return dense
