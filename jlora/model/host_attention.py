@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numba
 import numpy as np
 from jax.sharding import Mesh
@@ -137,12 +138,12 @@ def paged_decode_attention_host(
 ) -> jax.Array:
     """`paged_decode_attention(q, cache.k[layer], cache.v[layer], ...)` on the host.
 
-    q: [S, heads, head_dim] f32; layer: the layer's index (a traced scalar);
+    q: [S, heads, head_dim] f32; layer: the layer's index (a traced scalar, or an int);
     block_tables: i32[S, max_blocks]; positions: i32[S]. Returns [S, heads * head_dim].
     """
     from jax.experimental.buffer_callback import buffer_callback
 
     slots, heads, head_dim = q.shape
     call = buffer_callback(_callback, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    out = call(q, cache.k, cache.v, layer.astype(np.int32), block_tables, positions)
+    out = call(q, cache.k, cache.v, jnp.asarray(layer, np.int32), block_tables, positions)
     return out.reshape(slots, heads * head_dim)
