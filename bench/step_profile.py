@@ -2,19 +2,21 @@
 
 Run: `python -m bench.step_profile [--model llama2-7b --dtype bfloat16] [--batch 32]
 [--adapters 32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 16]
-[--markdown PATH] [--json PATH] [--trace-dir DIR]`. On a GPU it answers what
+[--variants stacked,...] [--markdown PATH] [--json PATH] [--trace-dir DIR]`
+(`tools/gpu_check.sh OUT profile` runs it on a GPU). On a GPU it answers what
 `bench.lora_decode` cannot: whether a step's time is the device computing, the device
 copying, or the device idle while the host launches and schedules.
 
 The decode of `bench.lora_decode` (B prompts of 64 tokens, greedy, EOS ignored, every
 adapter resident), for two systems in one process on the same loaded model: `no-lora`
 (an engine with no LoRA code) and `BACKEND k=K` (rows spread over K distinct rank-16
-adapters). Each runs once untimed, once timed, and once under the profiler. Reported
-per step, from the trace:
+adapters). Each runs once untimed, once timed, and once with its decode steps (not the
+step that prefills) under the profiler. Reported per step, from the trace:
 
 - `wall`: the timed run's seconds per step (host scheduling included);
-- `busy`: the union of the device's kernel intervals (on a CPU, of XLA's thread-pool
-  events), so `wall - busy` is time the device waited for the host;
+- `busy`: the union of the device's kernel intervals, so `wall - busy` is time the
+  device waited for the host (on a CPU, of the XLA thread pools' events, which miss
+  much of the work: read the CPU's columns as a smoke test, not a profile);
 - `kernels`: kernels launched (on a CPU, thunks run);
 - the ops (XLA's names, with the shape each produces where the trace says) and the
   kernels (the GPU's) that took the most device time, by name without their numeric
