@@ -65,8 +65,14 @@ class Plan:
 
 
 def make_engine(
-    loaded: LoadedModel, plan: Plan, adapters: dict[str, Path], backend: str = "reference"
+    loaded: LoadedModel,
+    plan: Plan,
+    adapters: dict[str, Path],
+    backend: str = "reference",
+    on_demand: bool = False,
 ) -> Orchestrator:
+    """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
+    shape compiles when first met: a run's untimed first pass compiles what it uses)."""
     lora: dict[str, Any] = (
         {
             "max_loras": len(adapters),
@@ -96,7 +102,9 @@ def make_engine(
     for name, path in adapters.items():
         engine.register_adapter(name, str(path))
     engine.warmup(
-        prompt_lengths=[plan.prompt_len], max_length=plan.prompt_len + plan.new_tokens + 2
+        prompt_lengths=[plan.prompt_len],
+        max_length=plan.prompt_len + plan.new_tokens + 2,
+        on_demand=on_demand,
     )
     return engine
 

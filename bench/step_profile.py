@@ -150,7 +150,7 @@ def summarise(data: ProfileData, steps: int) -> dict:
 
 def profile(system: str, run: Callable[..., float], steps: int, directory: Path) -> StepProfile:
     """Run once untimed, once timed, once with the decode steps under the profiler."""
-    run()  # untimed: compiles anything the warmup left
+    run()  # untimed: compiles the shapes the run meets (the engines warm up on demand)
     wall = run() / steps
     directory.mkdir(parents=True, exist_ok=True)
     run(around=lambda: jax.profiler.trace(str(directory)))
@@ -288,8 +288,12 @@ def main(argv: list[str] | None = None) -> None:
                 name = system if variant == "stacked" else f"{system}, {variant}"
                 print(f"profiling {name}...", file=sys.stderr, flush=True)
                 with VARIANTS[variant]():
-                    engine = make_engine(
-                        loaded, plan, adapters if with_adapters else {}, args.backend
+                    engine = make_engine(  # what the untimed run meets compiles then
+                        loaded,
+                        plan,
+                        adapters if with_adapters else {},
+                        args.backend,
+                        on_demand=True,
                     )
                     rows = spread if with_adapters else None
                     run = functools.partial(jlora_decode, engine, prompts, plan.new_tokens, rows)
