@@ -42,9 +42,10 @@ from bench.throughput import (
 )
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS
-from jlora.adapters.peft import AdapterError, canonical_targets, make_demo_adapters
+from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS
+from jlora.cli.common import target_list
 from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
@@ -146,15 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--targets",
+        type=target_list,
         default=",".join(TARGETS),
         help="the adapters' projections, comma-separated (default: all seven)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
-    try:
-        targets = canonical_targets(args.targets.split(","))
-    except AdapterError as err:
-        parser.error(f"--targets: {err}")
     plan = Plan(
         model=args.model,
         dtype=args.dtype,
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         rank=args.rank,
         adapter_counts=tuple(int(k) for k in args.counts.split(",")),
         backends=tuple(args.backends.split(",")),
-        targets=targets,
+        targets=args.targets,
     )
     if unknown := set(plan.backends) - set(LORA_BACKENDS):
         parser.error(f"--backends: {sorted(unknown)} not in {list(LORA_BACKENDS)}")

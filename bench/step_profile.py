@@ -60,7 +60,8 @@ from jax.profiler import ProfileData
 from bench.lora_decode import Plan, make_engine
 from bench.report import machine_facts, write_report
 from bench.throughput import jlora_decode, make_prompts
-from jlora.adapters.peft import AdapterError, canonical_targets, make_demo_adapters
+from jlora.adapters.peft import make_demo_adapters
+from jlora.cli.common import target_list
 from jlora.engine.steps import CompiledSteps
 from jlora.model import layer_views
 from jlora.model.llama import Llama
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=32, help="distinct adapters, K")
     parser.add_argument("--backend", default="bgmv")
-    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--targets", type=target_list, default="q_proj,k_proj,v_proj,o_proj")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per run")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH")
@@ -254,10 +255,6 @@ def main(argv: list[str] | None = None) -> None:
         "--variants", default="stacked", help=f"comma-separated, of {list(VARIANTS)}"
     )
     args = parser.parse_args(argv)
-    try:
-        targets = canonical_targets(args.targets.split(","))
-    except AdapterError as err:
-        parser.error(f"--targets: {err}")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"--variants: {sorted(unknown)} not in {list(VARIANTS)}")
@@ -267,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         batch=args.batch,
         new_tokens=args.steps,
         adapter_counts=(args.adapters,),
-        targets=targets,
+        targets=args.targets,
         backends=(args.backend,),
     )
     facts = machine_facts()
@@ -279,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     profiles: list[StepProfile] = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_demo_adapters(
-            loaded.config, tmp, n=args.adapters, ranks=[plan.rank], targets=targets, seed=0
+            loaded.config, tmp, n=args.adapters, ranks=[plan.rank], targets=plan.targets, seed=0
         )
         adapters = {path.name: path for path in paths}
         spread: list[str | None] = [paths[i % len(paths)].name for i in range(plan.batch)]

@@ -16,14 +16,13 @@ from jlora.adapters.peft import (
     AdapterError,
     AdapterSummary,
     PeftAdapter,
-    canonical_targets,
     check_ranks,
     inspect_peft_adapter,
     load_peft_adapter,
     make_demo_adapters,
 )
 from jlora.adapters.targets import TARGETS
-from jlora.cli.common import model_config
+from jlora.cli.common import model_config, target_list
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -46,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     make.add_argument(
         "--targets",
-        type=_targets,
+        type=target_list,
         default=TARGETS,
         metavar="T,T,...",
         help=f"comma-separated target projections (default: {','.join(TARGETS)})",
@@ -126,12 +125,5 @@ def _ranks(text: str) -> tuple[int, ...]:
         ) from None
     try:
         return check_ranks(ranks)
-    except AdapterError as err:
-        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
-
-
-def _targets(text: str) -> tuple[str, ...]:
-    try:
-        return canonical_targets(text.split(","))
     except AdapterError as err:
         raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None

@@ -8,6 +8,7 @@ import re
 from fractions import Fraction
 
 from configs.model import DEFAULT_MODEL
+from jlora.adapters.peft import AdapterError, canonical_targets
 
 # --pool-size units: decimal (SI) and binary (IEC) multiples of a byte, any case.
 SIZE_UNITS = {
@@ -87,6 +88,15 @@ def add_api_key_arg(group: argparse._ActionsContainer) -> None:
         help="require 'Authorization: Bearer KEY' of every client (default: $JLORA_API_KEY; "
         "health checks stay open)",
     )
+
+
+def target_list(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated projections (PEFT's names or their short forms),
+    in the canonical order (`canonical_targets`)."""
+    try:
+        return canonical_targets(text.split(","))
+    except AdapterError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
 
 
 def resolve_dtype(name: str) -> str:
