@@ -16,6 +16,9 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
   adapters (demo adapters, rank R = 16, all 7 targets; as many device slots as
   adapters, all loaded and pinned beforehand (`cached`), so no transfer is timed).
   `--targets q_proj,v_proj` gives them PEFT's default targets for Llama instead.
+- `reference[FORM] k=...`: with `--reference-forms auto,gather,over-slots`, the
+  reference backend once per decode form (`ReferenceBackend.decode_form`; plain
+  `reference` is "auto", the form the engine picks).
 
 Every system runs once untimed, then `repeats` times, alternating; the table shows
 the median, the min-max range and the ratio to `no-lora`.
@@ -62,7 +65,29 @@ class Plan:
     adapter_counts: tuple[int, ...] = (1, 4, 16)
     targets: tuple[str, ...] = TARGETS
     backends: tuple[str, ...] = ("reference",)
+    reference_forms: tuple[str, ...] = ("auto",)
     repeats: int = 3
+
+
+FORMS = ("auto", "gather", "over-slots")  # ReferenceBackend.decode_form
+
+
+def _forms(text: str) -> tuple[str, ...]:
+    """--reference-forms: a comma-separated subset of FORMS."""
+    forms = tuple(text.split(","))
+    if unknown := sorted(set(forms) - set(FORMS)):
+        raise argparse.ArgumentTypeError(f"{unknown} not in {list(FORMS)}")
+    return forms
+
+
+def _systems(plan: Plan) -> list[tuple[str, str, str]]:
+    """(system, backend, decode form) for each LoRA engine: the reference backend once
+    per form ("auto" named plainly), the others once."""
+    return [
+        (backend if form == "auto" else f"{backend}[{form}]", backend, form)
+        for backend in plan.backends
+        for form in (plan.reference_forms if backend == "reference" else ("auto",))
+    ]
 
 
 def make_engine(
@@ -71,9 +96,11 @@ def make_engine(
     adapters: dict[str, Path],
     backend: str = "reference",
     on_demand: bool = False,
+    decode_form: str = "auto",
 ) -> Orchestrator:
     """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
-    shape compiles when first met: a run's untimed first pass compiles what it uses)."""
+    shape compiles when first met: a run's untimed first pass compiles what it uses);
+    `decode_form` is the reference backend's (set before anything compiles)."""
     lora: dict[str, Any] = (
         {
             "max_loras": len(adapters),
@@ -100,6 +127,8 @@ def make_engine(
             **lora,
         ),
     )
+    if decode_form != "auto":
+        engine.device.model.lora.decode_form = decode_form  # its instance's alone
     for name, path in adapters.items():
         engine.register_adapter(name, str(path))
     engine.warmup(
@@ -146,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         "--backends", default="reference", help=f"comma-separated, of {list(LORA_BACKENDS)}"
     )
     parser.add_argument(
+        "--reference-forms",
+        type=_forms,
+        default="auto",
+        help=f"the reference backend's decode forms, comma-separated, of {list(FORMS)}",
+    )
+    parser.add_argument(
         "--targets",
         type=target_list,
         default=",".join(TARGETS),
@@ -160,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         rank=args.rank,
         adapter_counts=tuple(int(k) for k in args.counts.split(",")),
         backends=tuple(args.backends.split(",")),
+        reference_forms=args.reference_forms,
         targets=args.targets,
     )
     if unknown := set(plan.backends) - set(LORA_BACKENDS):
@@ -182,17 +218,17 @@ def main(argv: list[str] | None = None) -> None:
         )
         adapters = {path.name: path for path in paths}
         engines = {"no-lora": make_engine(loaded, plan, {})}
-        for backend in plan.backends:
-            engines[backend] = make_engine(loaded, plan, adapters, backend)
+        for system, backend, form in _systems(plan):
+            engines[system] = make_engine(loaded, plan, adapters, backend, decode_form=form)
     names = list(adapters)
     runs = {
         "no-lora": functools.partial(jlora_decode, engines["no-lora"], prompts, plan.new_tokens)
     }
-    for backend in plan.backends:
+    for system, _, _ in _systems(plan):
         for k in (0, *plan.adapter_counts):
             rows = [names[row % k] if k else None for row in range(plan.batch)]
-            runs[f"{backend} k={k}"] = functools.partial(
-                jlora_decode, engines[backend], prompts, plan.new_tokens, rows
+            runs[f"{system} k={k}"] = functools.partial(
+                jlora_decode, engines[system], prompts, plan.new_tokens, rows
             )
     shape = f"{plan.batch}x({plan.prompt_len}+{plan.new_tokens})"
     measurements = compare("decode", shape, plan.batch * plan.new_tokens, plan.repeats, **runs)

@@ -113,13 +113,36 @@ def test_the_registry_serves_every_configured_backend():
     ids=["one", "none", "identical", "distinct", "mixed", "all-base"],
 )
 def test_bgmv_matches_the_loop(slots, dtype, target, row_slots):
+    """Every decode form of the backend (the reference's gather and product over slots)."""
     (backend, weights), adapters = slots[0][dtype], slots[1]
     y, x = _activations(len(row_slots), target, len(row_slots), dtype)
-    for layer in range(LAYERS):
-        out = backend.bgmv(weights, target, jnp.int32(layer), x, y, jnp.array(row_slots))
-        expected = _naive(adapters, target, layer, y, x, row_slots, dtype)
-        assert_close(out, expected, dtype, dtype, scope="op")
-        assert_untouched(y, out, row_slots)
+    for _form in _decode_forms(backend):
+        for layer in range(LAYERS):
+            out = backend.bgmv(weights, target, jnp.int32(layer), x, y, jnp.array(row_slots))
+            expected = _naive(adapters, target, layer, y, x, row_slots, dtype)
+            assert_close(out, expected, dtype, dtype, scope="op")
+            assert_untouched(y, out, row_slots)
+
+
+def _decode_forms(backend):
+    """Yields each decode form the backend has, set on it while the caller runs it."""
+    if not hasattr(backend, "decode_form"):
+        yield "the backend's"
+        return
+    try:
+        for form in ("gather", "over-slots"):
+            backend.decode_form = form
+            yield form
+    finally:
+        del backend.decode_form  # the class's "auto" again
+
+
+def test_the_reference_decode_form_follows_rows_and_slots():
+    backend = make_backend("reference")
+    assert backend.over_slots(rows=32, slots=8) and backend.over_slots(rows=16, slots=4)
+    assert not backend.over_slots(rows=16, slots=16) and not backend.over_slots(8, 8)
+    backend.decode_form = "gather"
+    assert not backend.over_slots(rows=32, slots=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -7,11 +7,16 @@ An adapter crosses the host-to-device link rank-exact (base.py); `install` pads 
 into its slot on the device.
 
 Padding is exact: padded columns of x @ A are zeros, and the matching rows of B are
-zeros, so they add nothing. Cost ∝ rows × max_rank (like BGMV), whatever the ranks
-in the batch; in prefill, times the segments that have an adapter and rows (each is a
-masked product over every row, or over its `Segments.window` rows where the segments
-are bounded: a packed prefill's, whose LoRA then costs about its prompt rows' worth,
-not the segments' times the call's). When no row's adapter adapts a target (no row has an
+zeros, so they add nothing. A decode step's LoRA takes one of two forms, chosen by its
+row bucket and the slot count (both static, so each compiled step holds one form;
+`ReferenceBackend.over_slots`): a per-row gather of each row's slot (cost ∝ rows ×
+max_rank, like BGMV, but the gather copies each row's factors first), or one product
+over every slot, each row's other slots zeroed between the two halves (it reads each
+slot once, in place; cost ∝ rows × slots × max_rank in flops). A prefill's LoRA costs
+∝ rows × max_rank times the segments that have an adapter (each is a masked product
+over every row, or over its `Segments.window` rows where the segments are bounded: a
+packed prefill's, whose LoRA then costs about its prompt rows' worth, not the
+segments' times the call's). When no row's adapter adapts a target (no row has an
 adapter, or theirs leave that projection alone), a `lax.cond` skips that target's LoRA
 work entirely: slots hold every target the engine serves (EngineConfig.lora_targets),
 and q/v adapters in all-seven slots then cost what their two targets do.
@@ -59,13 +64,17 @@ def _unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
 
 
 class ReferenceBackend(LoraBackend):
-    """Plain jnp: a per-row gather for decode, one masked product per segment for prefill."""
+    """Plain jnp: a per-row gather or a product over every slot for decode, one masked
+    product per segment for prefill."""
 
     name = "reference"
     # A segment costs reading its adapter (2.6 MB a SmolLM2 layer at rank 64 on every
     # target) plus its window's products (about 13 us a row on 2 cores): 32 rows balance
     # the two.
     segment_rows = 32
+    # Decode's form: "auto" (`over_slots` decides), "gather" or "over-slots" (forced: the
+    # benchmark's, bench.lora_decode --reference-forms).
+    decode_form = "auto"
     layout = {
         "a": ("layers", "slot", "in", "rank"),
         "b": ("layers", "slot", "rank", "out"),
@@ -107,15 +116,35 @@ class ReferenceBackend(LoraBackend):
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         return weights[target]["a"][layer, slots], weights[target]["b"][layer, slots]
 
+    def over_slots(self, rows: int, slots: int) -> bool:
+        """Whether a decode of `rows` rows over `slots` slots takes the product over every
+        slot rather than the per-row gather. On XLA:CPU (SmolLM2's seven targets, 30
+        layers, 2 Zen 5 cores; bench/results/2026-11-28-cpu-reference-decode.md) the
+        gather's copy costs about 0.06 ms per row and rank unit whatever the slots, the
+        product about 0.008, 0.005 and 0.003 ms per row, slot and rank unit at 8, 16
+        and 32 rows (its GEMMs grow more efficient with rows): the product wins while
+        2 × slots < rows + 8, which held at each of the nine shapes measured."""
+        if self.decode_form != "auto":
+            return self.decode_form == "over-slots"
+        return 2 * slots < rows + 8
+
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         w = weights[target]
         adapting = _adapting(w["rank"], idx)
+        slots = w["a"].shape[1]
 
-        def compute() -> jax.Array:
+        def gather() -> jax.Array:
             safe = jnp.maximum(idx, 0)
             delta = _lora(x, w["a"][layer, safe], w["b"][layer, safe], "si,sir->sr|sr,sro->so")
             return _add_where(adapting, y, delta)
 
+        def over_slots() -> jax.Array:
+            xa = einsum_f32("si,nir->snr", x, w["a"][layer]).astype(x.dtype)  # every slot
+            mine = idx[:, None] == jnp.arange(slots)[None, :]  # [S, N]: the row's own
+            xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), x.dtype))
+            return _add_where(adapting, y, einsum_f32("snr,nro->so", xa, w["b"][layer]))
+
+        compute = over_slots if self.over_slots(x.shape[0], slots) else gather
         return _unless_none(adapting, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:

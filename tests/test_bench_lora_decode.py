@@ -1,0 +1,24 @@
+"""bench.lora_decode's systems: the reference backend once per decode form asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import lora_decode
+from bench.lora_decode import Plan
+
+
+def test_the_reference_backend_runs_once_per_form_and_the_others_once():
+    plan = Plan(backends=("reference", "mbgmv"), reference_forms=("auto", "over-slots"))
+    assert lora_decode._systems(plan) == [
+        ("reference", "reference", "auto"),
+        ("reference[over-slots]", "reference", "over-slots"),
+        ("mbgmv", "mbgmv", "auto"),
+    ]
+
+
+def test_an_unknown_form_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        lora_decode.main(["--reference-forms", "auto,dense"])
+    err = capsys.readouterr().err
+    assert "--reference-forms" in err and "['dense'] not in ['auto', 'gather', 'over-slots']" in err
