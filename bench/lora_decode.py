@@ -45,6 +45,7 @@ from bench.throughput import (
 )
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS
+from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS
@@ -69,14 +70,11 @@ class Plan:
     repeats: int = 3
 
 
-FORMS = ("auto", "gather", "over-slots")  # ReferenceBackend.decode_form
-
-
 def _forms(text: str) -> tuple[str, ...]:
-    """--reference-forms: a comma-separated subset of FORMS."""
+    """--reference-forms: a comma-separated subset of DECODE_FORMS."""
     forms = tuple(text.split(","))
-    if unknown := sorted(set(forms) - set(FORMS)):
-        raise argparse.ArgumentTypeError(f"{unknown} not in {list(FORMS)}")
+    if unknown := sorted(set(forms) - set(DECODE_FORMS)):
+        raise argparse.ArgumentTypeError(f"{unknown} not in {list(DECODE_FORMS)}")
     return forms
 
 
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         "--reference-forms",
         type=_forms,
         default="auto",
-        help=f"the reference backend's decode forms, comma-separated, of {list(FORMS)}",
+        help=f"the reference backend's decode forms, comma-separated, of {list(DECODE_FORMS)}",
     )
     parser.add_argument(
         "--targets",

@@ -63,6 +63,9 @@ def _unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.any(adapting), compute, lambda: y)
 
 
+DECODE_FORMS = ("auto", "gather", "over-slots")  # ReferenceBackend.decode_form's values
+
+
 class ReferenceBackend(LoraBackend):
     """Plain jnp: a per-row gather or a product over every slot for decode, one masked
     product per segment for prefill."""
