@@ -175,17 +175,22 @@ class ReferenceBackend(LoraBackend):
             return delta, jax.lax.dynamic_update_slice_in_dim(adapted, was | inside, low, 0)
 
         def skipping(g, carry):
-            """`segment`, at no cost for an empty or base-model segment (a packed prefill
-            pads with them) or one whose adapter leaves the target alone."""
-            inside = (rows >= starts[g]) & (rows < starts[g + 1]) & adapting[g]
-            return jax.lax.cond(jnp.any(inside), lambda: segment(g, carry), lambda: carry)
+            """`segment`, at no cost for an empty or base-model segment or one whose
+            adapter leaves the target alone."""
+            rows_there = (starts[g + 1] > starts[g]) & (starts[g] < x.shape[0])
+            return jax.lax.cond(rows_there & adapting[g], lambda: segment(g, carry), lambda: carry)
 
         def compute() -> jax.Array:
             carry = (jnp.zeros(y.shape, jnp.float32), jnp.zeros(x.shape[0], bool))
             if slots.shape[0] == 1:  # one prompt's prefill
                 delta, adapted = segment(0, carry)
-            else:  # a loop: the compiled step does not grow with the segments
-                delta, adapted = jax.lax.fori_loop(0, slots.shape[0], skipping, carry)
+            else:  # a loop: the compiled step does not grow with the segments; it stops
+                # after the last segment with rows (a packed prefill's empty ones, which
+                # pad it to its segment count, come last)
+                used = jnp.max(
+                    jnp.where(starts[1:] > starts[:-1], jnp.arange(1, len(slots) + 1), 0)
+                )
+                delta, adapted = jax.lax.fori_loop(0, used, skipping, carry)
             return _add_where(adapted, y, delta)
 
         return _unless_none(adapting, compute, y)
