@@ -53,6 +53,7 @@ from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
+from jlora.cli.common import names_from
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
@@ -286,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=Plan.rate_per_s, help="requests per second")
     parser.add_argument("--link-gbps", type=float, default=Plan.link_gbps)
     parser.add_argument("--requests", type=int, default=Plan.requests)
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--modes", type=names_from(MODES), default=",".join(MODES))
+    parser.add_argument("--sections", type=names_from(SECTIONS), default=",".join(SECTIONS))
     parser.add_argument("--json", type=Path, metavar="PATH")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     args = parser.parse_args(argv)
@@ -300,11 +301,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.quick:
         plan = dataclasses.replace(plan, model="cpu-tiny", requests=8, link_gbps=0.0005)
-    modes, sections = args.modes.split(","), args.sections.split(",")
-    if unknown := set(modes) - set(MODES):
-        parser.error(f"--modes: {sorted(unknown)} not in {list(MODES)}")
-    if unknown := set(sections) - set(SECTIONS):
-        parser.error(f"--sections: {sorted(unknown)} not in {list(SECTIONS)}")
     facts = machine_facts()
     loaded = load_model(plan.model, plan.dtype)
     rows: list[dict] = []
@@ -319,13 +315,13 @@ def main(argv: list[str] | None = None) -> None:
             write_report(args.json, facts, plan, rows, loads=loads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        if "trace" in sections:
+        if "trace" in args.sections:
             paths = make_demo_adapters(
                 loaded.config, tmp, n=plan.adapters, ranks=list(plan.ranks), seed=plan.seed
             )
             adapters = {path.name: path for path in paths}
             trace = make_trace(plan, list(adapters), loaded.config.vocab_size)
-        for mode in modes if "trace" in sections else ():
+        for mode in args.modes if "trace" in args.sections else ():
             print(f"{mode}: warming up, then {len(trace)} requests", file=sys.stderr, flush=True)
             start = time.perf_counter()
             engine = make_engine(loaded, plan, mode, adapters)
@@ -344,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {mode}: warm-up {warm - start:.0f} s, replay {rows[-1]['replay_s']:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             report()
-        if "loads" in sections:
+        if "loads" in args.sections:
             print("adapter loads...", file=sys.stderr, flush=True)
             loads = load_times(loaded, plan, Path(tmp) / "loads")
     report()

@@ -49,7 +49,7 @@ from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
 from jlora.adapters.targets import TARGETS
-from jlora.cli.common import target_list
+from jlora.cli.common import names_from, target_list
 from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
@@ -68,14 +68,6 @@ class Plan:
     backends: tuple[str, ...] = ("reference",)
     reference_forms: tuple[str, ...] = ("auto",)
     repeats: int = 3
-
-
-def _forms(text: str) -> tuple[str, ...]:
-    """--reference-forms: a comma-separated subset of DECODE_FORMS."""
-    forms = tuple(text.split(","))
-    if unknown := sorted(set(forms) - set(DECODE_FORMS)):
-        raise argparse.ArgumentTypeError(f"{unknown} not in {list(DECODE_FORMS)}")
-    return forms
 
 
 def _systems(plan: Plan) -> list[tuple[str, str, str]]:
@@ -170,11 +162,14 @@ def main(argv: list[str] | None = None) -> None:
         "--counts", default="1,4,16", help="distinct adapters per run, comma-separated"
     )
     parser.add_argument(
-        "--backends", default="reference", help=f"comma-separated, of {list(LORA_BACKENDS)}"
+        "--backends",
+        type=names_from(LORA_BACKENDS),
+        default="reference",
+        help=f"comma-separated, of {list(LORA_BACKENDS)}",
     )
     parser.add_argument(
         "--reference-forms",
-        type=_forms,
+        type=names_from(DECODE_FORMS),
         default="auto",
         help=f"the reference backend's decode forms, comma-separated, of {list(DECODE_FORMS)}",
     )
@@ -192,12 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         batch=args.batch,
         rank=args.rank,
         adapter_counts=tuple(int(k) for k in args.counts.split(",")),
-        backends=tuple(args.backends.split(",")),
+        backends=args.backends,
         reference_forms=args.reference_forms,
         targets=args.targets,
     )
-    if unknown := set(plan.backends) - set(LORA_BACKENDS):
-        parser.error(f"--backends: {sorted(unknown)} not in {list(LORA_BACKENDS)}")
     if args.quick:
         plan = dataclasses.replace(plan, new_tokens=8, repeats=1)
 

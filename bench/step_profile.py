@@ -61,7 +61,7 @@ from bench.lora_decode import Plan, make_engine
 from bench.report import machine_facts, write_report
 from bench.throughput import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
-from jlora.cli.common import target_list
+from jlora.cli.common import names_from, target_list
 from jlora.engine.steps import CompiledSteps
 from jlora.model import layer_views
 from jlora.model.llama import Llama
@@ -252,12 +252,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH")
     parser.add_argument("--trace-dir", type=Path, metavar="DIR", help="keep the traces here")
     parser.add_argument(
-        "--variants", default="stacked", help=f"comma-separated, of {list(VARIANTS)}"
+        "--variants",
+        type=names_from(VARIANTS),
+        default="stacked",
+        help=f"comma-separated, of {list(VARIANTS)}",
     )
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
-    if unknown := set(variants) - set(VARIANTS):
-        parser.error(f"--variants: {sorted(unknown)} not in {list(VARIANTS)}")
     plan = Plan(
         model=args.model,
         dtype=args.dtype,
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         adapters = {path.name: path for path in paths}
         spread: list[str | None] = [paths[i % len(paths)].name for i in range(plan.batch)]
-        for variant in variants:  # one engine at a time, the tables rewritten after each
+        for variant in args.variants:  # one engine at a time, the tables rewritten after each
             for system, with_adapters in (("no-lora", False), (lora, True)):
                 name = system if variant == "stacked" else f"{system}, {variant}"
                 print(f"profiling {name}...", file=sys.stderr, flush=True)

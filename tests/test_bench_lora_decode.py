@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from bench import lora_decode
@@ -22,3 +24,12 @@ def test_an_unknown_form_is_refused_naming_the_flag(capsys):
         lora_decode.main(["--reference-forms", "auto,dense"])
     err = capsys.readouterr().err
     assert "--reference-forms" in err and "['dense'] not in ['auto', 'gather', 'over-slots']" in err
+
+
+def test_names_from_keeps_the_order_given_and_lists_the_choices_when_one_is_unknown():
+    from jlora.cli.common import names_from
+
+    parse = names_from(("a", "b", "c"))
+    assert parse("c,a") == ("c", "a")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\['x', 'y'\] not in \['a', 'b', 'c'\]"):
+        parse("y,a,x")

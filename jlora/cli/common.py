@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from configs.model import DEFAULT_MODEL
@@ -88,6 +89,19 @@ def add_api_key_arg(group: argparse._ActionsContainer) -> None:
         help="require 'Authorization: Bearer KEY' of every client (default: $JLORA_API_KEY; "
         "health checks stay open)",
     )
+
+
+def names_from(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated list of some of `choices`, in the order given;
+    an unknown name is refused with the choices listed."""
+
+    def names(text: str) -> tuple[str, ...]:
+        given = tuple(text.split(","))
+        if unknown := sorted(set(given) - set(choices)):
+            raise argparse.ArgumentTypeError(f"{unknown} not in {list(choices)}")
+        return given
+
+    return names
 
 
 def target_list(text: str) -> tuple[str, ...]:

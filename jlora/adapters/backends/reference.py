@@ -136,18 +136,18 @@ class ReferenceBackend(LoraBackend):
         adapting = _adapting(w["rank"], idx)
         slots = w["a"].shape[1]
 
-        def gather() -> jax.Array:
+        def gathered() -> jax.Array:
             safe = jnp.maximum(idx, 0)
             delta = _lora(x, w["a"][layer, safe], w["b"][layer, safe], "si,sir->sr|sr,sro->so")
             return _add_where(adapting, y, delta)
 
-        def over_slots() -> jax.Array:
+        def through_every_slot() -> jax.Array:
             xa = einsum_f32("si,nir->snr", x, w["a"][layer]).astype(x.dtype)  # every slot
             mine = idx[:, None] == jnp.arange(slots)[None, :]  # [S, N]: the row's own
             xa = jnp.where(mine[:, :, None], xa, jnp.zeros((), x.dtype))
             return _add_where(adapting, y, einsum_f32("snr,nro->so", xa, w["b"][layer]))
 
-        compute = over_slots if self.over_slots(x.shape[0], slots) else gather
+        compute = through_every_slot if self.over_slots(x.shape[0], slots) else gathered
         return _unless_none(adapting, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
