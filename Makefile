@@ -88,7 +88,7 @@ bench-prefill: $(STAMP)
 	$(BIN)/python -m bench.prefill
 
 bench-lora: $(STAMP)
-	$(BIN)/python -m bench.lora_decode
+	$(BIN)/python -m bench.lora_decode --lora-pools kv,slots
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels

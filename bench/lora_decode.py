@@ -19,6 +19,9 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
 - `reference[FORM] k=...`: with `--reference-forms auto,gather,over-slots`, the
   reference backend once per decode form (`ReferenceBackend.decode_form`; plain
   `reference` is "auto", the form the engine picks).
+- `reference[slots] k=...`: with `--lora-pools kv,slots`, the reference backend once
+  per place its adapters live (EngineConfig.lora_pool; plain `reference` is "kv", in
+  the KV cache's pages).
 
 Every system runs once untimed, then `repeats` times, alternating; the table shows
 the median, the min-max range and the ratio to `no-lora`.
@@ -44,7 +47,7 @@ from bench.throughput import (
     write_report,
 )
 from configs import EngineConfig
-from configs.engine import DTYPES, LORA_BACKENDS
+from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS
 from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
@@ -67,17 +70,23 @@ class Plan:
     targets: tuple[str, ...] = TARGETS
     backends: tuple[str, ...] = ("reference",)
     reference_forms: tuple[str, ...] = ("auto",)
+    lora_pools: tuple[str, ...] = ("kv",)
     repeats: int = 3
 
 
-def _systems(plan: Plan) -> list[tuple[str, str, str]]:
-    """(system, backend, decode form) for each LoRA engine: the reference backend once
-    per form ("auto" named plainly), the others once."""
-    return [
-        (backend if form == "auto" else f"{backend}[{form}]", backend, form)
-        for backend in plan.backends
-        for form in (plan.reference_forms if backend == "reference" else ("auto",))
-    ]
+def _systems(plan: Plan) -> list[tuple[str, str, str, str]]:
+    """(system, backend, decode form, lora pool) for each LoRA engine: the reference
+    backend once per form and pool (the defaults, "auto" and "kv", named plainly; the
+    others in brackets), the other backends once."""
+    systems = []
+    for backend in plan.backends:
+        reference = backend == "reference"
+        for form in plan.reference_forms if reference else ("auto",):
+            for pool in plan.lora_pools if reference else ("kv",):
+                tags = [tag for tag in (form, pool) if tag not in ("auto", "kv")]
+                name = f"{backend}[{','.join(tags)}]" if tags else backend
+                systems.append((name, backend, form, pool))
+    return systems
 
 
 def make_engine(
@@ -87,6 +96,7 @@ def make_engine(
     backend: str = "reference",
     on_demand: bool = False,
     decode_form: str = "auto",
+    lora_pool: str = "kv",
 ) -> Orchestrator:
     """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
     shape compiles when first met: a run's untimed first pass compiles what it uses);
@@ -97,6 +107,7 @@ def make_engine(
             "max_lora_rank": plan.rank,
             "lora_mode": "cached",
             "lora_backend": backend,
+            "lora_pool": lora_pool,
             "host_store_mib": store_mib(loaded.config, [plan.rank] * len(adapters), plan.targets),
         }
         if adapters
@@ -174,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         help=f"the reference backend's decode forms, comma-separated, of {list(DECODE_FORMS)}",
     )
     parser.add_argument(
+        "--lora-pools",
+        type=names_from(LORA_POOLS),
+        default="kv",
+        help=f"where the reference backend keeps adapters, comma-separated, of {list(LORA_POOLS)}",
+    )
+    parser.add_argument(
         "--targets",
         type=target_list,
         default=",".join(TARGETS),
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         adapter_counts=tuple(int(k) for k in args.counts.split(",")),
         backends=args.backends,
         reference_forms=args.reference_forms,
+        lora_pools=args.lora_pools,
         targets=args.targets,
     )
     if args.quick:
@@ -209,13 +227,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         adapters = {path.name: path for path in paths}
         engines = {"no-lora": make_engine(loaded, plan, {})}
-        for system, backend, form in _systems(plan):
-            engines[system] = make_engine(loaded, plan, adapters, backend, decode_form=form)
+        for system, backend, form, pool in _systems(plan):
+            engines[system] = make_engine(
+                loaded, plan, adapters, backend, decode_form=form, lora_pool=pool
+            )
     names = list(adapters)
     runs = {
         "no-lora": functools.partial(jlora_decode, engines["no-lora"], prompts, plan.new_tokens)
     }
-    for system, _, _ in _systems(plan):
+    for system, *_ in _systems(plan):
         for k in (0, *plan.adapter_counts):
             rows = [names[row % k] if k else None for row in range(plan.batch)]
             runs[f"{system} k={k}"] = functools.partial(

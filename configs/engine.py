@@ -16,6 +16,7 @@ DTYPES = ("float32", "bfloat16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("ondemand", "cached", "cpu-assist", "auto")  # the first is the default
 LORA_BACKENDS = ("reference", "bgmv", "mbgmv")
+LORA_POOLS = ("kv", "slots")
 CPU_LORA = ("auto", "threads", "processes")  # the first is the default
 MERGE_MODES = ("never", "auto", "always")  # the first is the default
 CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
@@ -106,6 +107,12 @@ class EngineConfig:
     lora_backend: the batched-LoRA implementation:
       "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
       (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
+    lora_pool: where the reference backend keeps the adapters on one device: "kv" in
+      the KV cache's own pages (FastLibra's unified pool: memory goes to KV or to
+      adapters as the load asks, each adapter taking the pages of its own rank), or
+      "slots" in stacked slots of max_lora_rank beside the cache (its pages in the pool
+      then only stand for their bytes). The Pallas backends, and any backend on a
+      tensor-parallel mesh, keep their own slots whatever this says.
     merge: dLoRA's merged inference (§4.1-4.2), one adapter folded into the base weights
       (W + B·A) so that its rows run with no LoRA work: "never" always serves unmerged
       (adapters of any mix batched together, each row's delta added); "auto" switches
@@ -158,6 +165,7 @@ class EngineConfig:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     lora_mode: str = "ondemand"
     lora_backend: str = "reference"
+    lora_pool: str = "kv"
     merge: str = "never"
     cache_policy: str = "fastlibra"
     kv_allocation: str = "lazy"
@@ -232,6 +240,10 @@ class EngineConfig:
         if self.lora_backend not in LORA_BACKENDS:
             raise ConfigError(
                 f"EngineConfig.lora_backend={self.lora_backend!r} must be one of {LORA_BACKENDS}"
+            )
+        if self.lora_pool not in LORA_POOLS:
+            raise ConfigError(
+                f"EngineConfig.lora_pool={self.lora_pool!r} must be one of {LORA_POOLS}"
             )
         if self.merge not in MERGE_MODES:
             raise ConfigError(f"EngineConfig.merge={self.merge!r} must be one of {MERGE_MODES}")

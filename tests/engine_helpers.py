@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from configs import EngineConfig
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
+from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
 
 
@@ -53,3 +55,21 @@ def step_until(engine: Orchestrator, done, timeout: float = 5.0) -> list:
         assert time.monotonic() < deadline, "the condition never held"
         events += engine.step()
     return events
+
+
+def kv_blocks(engine: Orchestrator | LlamaEngine, count: int) -> np.ndarray:
+    """`count` blocks of the engine's KV cache that hold no adapter, for a model-level
+    call on its cache (`.cache`): where the adapters live in the KV cache's pages
+    (a pooled backend), a fresh cache would hold none of them. An orchestrator's pool
+    says which pages its adapters own; a bare LlamaEngine's adapters sit at the top
+    (`slot_pages`)."""
+    device = getattr(engine, "device", engine)
+    if isinstance(engine, Orchestrator):
+        owned = engine.memory.pool.owned()
+        free = [page for page in range(engine.config.num_blocks) if page not in owned]
+    elif device.lora is not None and device.lora.backend.pooled:
+        free = list(range(min(device.slot_pages(device.config.max_loras - 1))))
+    else:
+        free = list(range(device.config.num_blocks))
+    assert len(free) >= count, f"{count} KV blocks asked, {len(free)} hold no adapter"
+    return np.asarray(free[:count], np.int32)

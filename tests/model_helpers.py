@@ -14,6 +14,7 @@ import numpy as np
 from jlora.adapters.backends import Segments
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
+from tests.engine_helpers import kv_blocks
 
 
 def jlora_last_logits(
@@ -30,7 +31,8 @@ def jlora_last_logits(
 
     The cache and the computation take the dtype of the loaded parameters; `params`
     replaces them. With a LoRA `engine`, its model runs with its device adapter slots,
-    the prompt on `adapter`'s slot (None: no adapter).
+    the prompt on `adapter`'s slot (None: no adapter), on the engine's own cache (where
+    its adapters may live) in blocks no adapter holds, which it leaves as they were.
     """
     if not 0 < len(ids) <= bucket:
         raise ValueError(f"{len(ids)} tokens do not fit the bucket of {bucket}")
@@ -58,6 +60,7 @@ def jlora_last_logits(
     else:
         prefill = _jitted_prefill(engine.device.model)
         slot = -1 if adapter is None else engine.adapters.slots.slot_of(adapter)
+        args[1], args[4] = engine.device.cache, kv_blocks(engine, num_blocks)
         args += [engine.device.lora.weights, Segments.single(slot, bucket)]
     logits, _ = prefill(*args)
     return np.asarray(logits)

@@ -157,7 +157,8 @@ def transfer(model: str, preset: str, scheme: str, backend: str) -> dict:
         adapters = _adapters(loaded.config, Path(tmp))
         name = list(adapters)[1]
         for where, config in (("single", {}), ("sharded", {"sharding": _sharding(preset, scheme)})):
-            engine = _engine(loaded, adapters, lora_backend=backend, **config)
+            # Slots on one device too (a mesh keeps its own), so the two layouts compare.
+            engine = _engine(loaded, adapters, lora_backend=backend, lora_pool="slots", **config)
             try:
                 device = engine.device
                 landing = device.load_adapter(name, 0)

@@ -10,12 +10,18 @@ from bench import lora_decode
 from bench.lora_decode import Plan
 
 
-def test_the_reference_backend_runs_once_per_form_and_the_others_once():
-    plan = Plan(backends=("reference", "mbgmv"), reference_forms=("auto", "over-slots"))
+def test_the_reference_backend_runs_once_per_form_and_pool_and_the_others_once():
+    plan = Plan(
+        backends=("reference", "mbgmv"),
+        reference_forms=("auto", "over-slots"),
+        lora_pools=("kv", "slots"),
+    )
     assert lora_decode._systems(plan) == [
-        ("reference", "reference", "auto"),
-        ("reference[over-slots]", "reference", "over-slots"),
-        ("mbgmv", "mbgmv", "auto"),
+        ("reference", "reference", "auto", "kv"),
+        ("reference[slots]", "reference", "auto", "slots"),
+        ("reference[over-slots]", "reference", "over-slots", "kv"),
+        ("reference[over-slots,slots]", "reference", "over-slots", "slots"),
+        ("mbgmv", "mbgmv", "auto", "kv"),
     ]
 
 

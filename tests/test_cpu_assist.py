@@ -27,8 +27,7 @@ from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.engine import cost_model
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.cpu_assist import CpuAssist
-from jlora.model.kv_cache import KVCache
-from tests.engine_helpers import make_engine, run_to_completion
+from tests.engine_helpers import kv_blocks, make_engine, run_to_completion
 from tests.tolerances import assert_close
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -102,14 +101,16 @@ def _route_switch(engine):
     install_landed, groups = engine.device.lora.install_landed, len(engine.device.lora.groups)
     calls = []
 
-    def patched(name, slot):
+    def patched(name, slot, cache):
         calls.append(name)
         if len(calls) % groups == 0:  # the last segment of this prefill
             deadline = time.monotonic() + 30
-            while install_landed(name, slot) < groups:
+            landed, cache = install_landed(name, slot, cache)  # the cache is given back
+            while landed < groups:
                 assert time.monotonic() < deadline, "the adapter never landed"
                 time.sleep(0.005)
-        return install_landed(name, slot)
+                landed, cache = install_landed(name, slot, cache)
+        return install_landed(name, slot, cache)
 
     engine.device.lora.install_landed = patched
 
@@ -214,18 +215,11 @@ def test_cpu_routed_layers_give_the_device_logits(tiny, adapters, dtype):
         )
         tokens = np.zeros(32, np.int32)
         tokens[:21] = _prompts([21], seed=4)[0]
-        table = jnp.arange(8, dtype=jnp.int32)
+        table = jnp.asarray(kv_blocks(engine, 8))  # the engine's cache holds its adapters
         seg = Segments.single(slot, 32)
 
         def cache():
-            return KVCache.zeros(
-                num_layers=tiny.config.num_layers,
-                num_blocks=16,
-                block_size=16,
-                num_kv_heads=tiny.config.num_kv_heads,
-                head_dim=tiny.config.head_dim,
-                dtype=model.dtype,
-            )
+            return engine.device.cache  # not donated: left as it was
 
         device = jax.jit(model.prefill)(params, cache(), tokens, 21, table, weights, seg)[0]
 

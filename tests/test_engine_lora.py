@@ -16,7 +16,7 @@ from jlora.contract.errors import Code, RequestError
 from jlora.engine.api import Request, SamplingParams
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
-from tests.engine_helpers import make_engine, run_to_completion
+from tests.engine_helpers import kv_blocks, make_engine, run_to_completion
 from tests.model_helpers import jlora_last_logits
 from tests.tolerances import assert_close
 
@@ -123,10 +123,12 @@ def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     idx = np.array([slots[0], -1, slots[1], -1, slots[2], -1], np.int32)
     step_tokens = np.array(_prompts([slots_count])[0], np.int32)
     positions = np.arange(slots_count, dtype=np.int32) + 3
-    tables = np.arange(slots_count * 2, dtype=np.int32).reshape(slots_count, 2)
+    tables = kv_blocks(engine, slots_count * 2).reshape(slots_count, 2)
     mixed, _ = jax.jit(engine.device.model.decode)(
-        tiny.params, cache(), step_tokens, positions, tables, engine.device.lora.weights, idx
-    )
+        tiny.params, engine.device.cache, step_tokens, positions, tables,
+        engine.device.lora.weights, idx,
+    )  # fmt: skip
+    tables = np.arange(slots_count * 2, dtype=np.int32).reshape(slots_count, 2)
     plain, _ = jax.jit(base_model.decode)(tiny.params, cache(), step_tokens, positions, tables)
     np.testing.assert_array_equal(np.asarray(mixed)[idx < 0], np.asarray(plain)[idx < 0])
     assert not np.allclose(np.asarray(mixed)[idx >= 0], np.asarray(plain)[idx >= 0])

@@ -16,6 +16,8 @@ from configs import ConfigError
 from configs.engine import LORA_BACKENDS
 from jlora.adapters.backends import BACKENDS, Segments, layer_group, make_backend
 from jlora.adapters.backends.pallas import PagePool, kernel_rank_dim
+from jlora.adapters.backends.reference import PooledReferenceBackend
+from jlora.model.kv_cache import KVCache
 from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
 
@@ -36,16 +38,41 @@ def _adapter(rng, rank, targets=SHAPES):
     }
 
 
+# The pooled backend's KV cache: 200 pages of 2 × 4 tokens × 2 heads × 4 dims (64 values a
+# layer, 32 in each half); slot s's adapters get pages POOL_PAGES[s], scattered over the
+# pool between pages that KV keeps (which installs must leave alone).
+POOL_SHAPE = (LAYERS, 200, 4, 2, 4)
+POOL_PAGES = np.random.default_rng(1).permutation(200)[: SLOTS * 48].reshape(SLOTS, 48)
+
+
+def _pool(dtype):
+    """A KV cache full of values (KV that sits in the pages adapters do not take)."""
+    rng = np.random.default_rng(2)
+    return KVCache(
+        k=jnp.asarray(rng.standard_normal(POOL_SHAPE), dtype),
+        v=jnp.asarray(rng.standard_normal(POOL_SHAPE), dtype),
+    )
+
+
+def _backend(name):
+    if name == "reference-pooled":
+        return PooledReferenceBackend(page_width=2 * int(np.prod(POOL_SHAPE[2:])))
+    return make_backend(name)
+
+
 def _install(backend, weights, slot, tensors, dtype, groups=((0, LAYERS),)):
     """Pack an adapter and install it layer group by layer group (pipelined loading)."""
-    payload = backend.pack(tensors, slot=slot, shapes=SHAPES, max_rank=MAX_RANK, dtype=dtype)
+    pages = list(POOL_PAGES[slot]) if backend.pooled else None
+    payload = backend.pack(
+        tensors, slot=slot, shapes=SHAPES, max_rank=MAX_RANK, dtype=dtype, pages=pages
+    )
     for start, stop in groups:
         group = layer_group(payload, start, stop)
         weights = backend.install(weights, jnp.int32(slot), jnp.int32(start), group)
     return weights
 
 
-@pytest.fixture(scope="module", params=LORA_BACKENDS)
+@pytest.fixture(scope="module", params=(*LORA_BACKENDS, "reference-pooled"))
 def slots(request):
     """Per dtype, a backend and its device slots holding four adapters (slot 2 adapts
     only q_proj); and the adapters' tensors."""
@@ -56,10 +83,11 @@ def slots(request):
     ]
     by_dtype = {}
     for dtype in ("float32", "bfloat16"):
-        backend = make_backend(request.param)
+        backend = _backend(request.param)
         w = backend.allocate(
             num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype=dtype
         )
+        w = backend.with_pool(w, _pool(dtype))
         for slot, tensors in enumerate(adapters):
             # Slot 1 lands in two layer groups, slot 3 in three, the others whole.
             groups = {1: ((0, 1), (1, LAYERS)), 3: ((2, 3), (0, 1), (1, 2))}
@@ -254,8 +282,8 @@ def test_a_target_the_rows_adapters_leave_alone_reads_none_of_its_slots(slots):
     """Slot 2's adapter adapts q_proj only: rows on it (and base rows) keep y's bits in
     down_proj whatever that slot's down_proj factors hold (NaN here), in both forms."""
     (backend, weights), _ = slots[0]["float32"], slots[1]
-    if "slot" not in backend.layout["a"]:
-        pytest.skip("stacked layouts only: MBGMV's slot owns no down_proj pages to poison")
+    if "slot" not in backend.layout.get("a", ()):
+        pytest.skip("stacked layouts only: a paged slot owns no down_proj pages to poison")
     poisoned = {**weights, "down_proj": dict(weights["down_proj"])}
     for part in ("a", "b"):
         poisoned["down_proj"][part] = weights["down_proj"][part].at[:, 2].set(jnp.nan)
@@ -265,6 +293,33 @@ def test_a_target_the_rows_adapters_leave_alone_reads_none_of_its_slots(slots):
     segments = Segments(slot=jnp.array([2, -1]), start=jnp.array([0, 2, 3]))
     out = backend.sgmv(poisoned, "down_proj", jnp.int32(1), x, y, segments)
     np.testing.assert_array_equal(out, y)
+
+
+def test_a_pooled_install_writes_its_own_pages_alone():
+    """The pooled backend's adapters sit in the KV cache: installing them leaves every
+    other page's keys and values as they were, and a slot's table lists its pages."""
+    backend, rng = _backend("reference-pooled"), np.random.default_rng(4)
+    weights = backend.allocate(
+        num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype="float32"
+    )
+    before = _pool("float32")
+    weights = backend.with_pool(weights, before)
+    for slot, rank in enumerate(RANKS):
+        weights = _install(backend, weights, slot, _adapter(rng, rank), "float32")
+    taken = {int(p) for target in SHAPES for p in np.asarray(weights[target]["pages"]).flat}
+    kept = np.setdiff1d(np.arange(POOL_SHAPE[1]), sorted(taken))
+    assert len(kept) >= 200 - 4 * 48
+    for part in ("k", "v"):
+        np.testing.assert_array_equal(
+            np.asarray(weights["pool"][part])[:, kept], np.asarray(getattr(before, part))[:, kept]
+        )
+    # A^T's rows fill the pages' key halves (32 values a layer), B's their value halves:
+    # rank 16 takes max(16 × 24, 16 × 40) / 32 = 20 pages for q_proj and 16 × 56 / 32 = 28
+    # for down_proj; rank 1 (a bucket of 1 row) two of each; rank 5 (a bucket of 8 rows)
+    # 8 × 40 / 32 = 10 for q_proj.
+    assert backend.pool_pages(16, list(SHAPES)) == 48
+    assert backend.pool_pages(1, list(SHAPES)) == 4
+    assert backend.pool_pages(5, ["q_proj"]) == 10
 
 
 def test_the_page_pool_never_runs_out_and_never_shares_a_page():

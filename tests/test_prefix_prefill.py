@@ -207,16 +207,29 @@ def test_pool_fraction_takes_that_share_of_the_free_device_memory(tiny):
     assert engine.config.num_blocks >= 0.9 * fraction * free // block
 
 
-def test_device_bytes_is_the_adapters_rank_rows_in_the_serving_dtype(tiny, tmp_path):
-    """Every element of A [in, r] and B [r, out], each layer, at 4 bytes (float32)."""
-    engine = _engine(tiny, max_loras=1, max_lora_rank=16, host_store_mib=16)
+@pytest.mark.parametrize("pool", ["slots", "kv"])
+def test_device_bytes_is_the_adapters_rank_rows_in_the_serving_dtype(tiny, tmp_path, pool):
+    """Every element of A [in, r] and B [r, out], each layer, at 4 bytes (float32); in
+    whole KV pages where the adapters live in the KV cache (lora_pool "kv"): each
+    target's rank rows (rank 12's bucket, 16) of A fill the key halves of whole pages (a
+    block's keys at a layer), those of B the value halves."""
+    engine = _engine(tiny, max_loras=1, max_lora_rank=16, host_store_mib=16, lora_pool=pool)
     try:
         [path] = make_demo_adapters(
             tiny.config, tmp_path, n=1, ranks=[12], targets=("q_proj", "down_proj")
         )
         staged = engine.stage_adapter("a", str(path))
         weights = load_peft_adapter(path, tiny.config).weights
-        assert staged.device_bytes == 4 * sum(a.size + b.size for a, b in weights.values())
+        if pool == "slots":
+            assert staged.device_bytes == 4 * sum(a.size + b.size for a, b in weights.values())
+            return
+        block = engine.cache.nbytes() // engine.config.num_blocks
+        half = block // (2 * 4 * tiny.config.num_layers)  # a block's keys at a layer
+        pages = sum(
+            max(math.ceil(16 * a.shape[1] / half), math.ceil(16 * b.shape[2] / half))
+            for a, b in weights.values()
+        )
+        assert staged.device_bytes == pages * block
     finally:
         engine.close()
 

@@ -36,7 +36,7 @@ class FakeDevice:
         self.installs: list[tuple[str, int]] = []
         self._owner = threading.get_ident()
 
-    def load(self, name: str, slot: int) -> tuple[str, int]:
+    def load(self, name: str, slot: int, pages: object = None) -> tuple[str, int]:
         assert threading.get_ident() != self._owner, "load ran on the scheduler's thread"
         self.loads.append((name, slot))
         if not self.gate.wait(GATE_TIMEOUT_S):

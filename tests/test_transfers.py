@@ -21,11 +21,15 @@ QV = ("q_proj", "v_proj")
 GROUPS = 2  # cpu-tiny's 3 layers land as groups of 2 and 1: two install variants
 
 
-def _besides(backend: str, bucket: int, targets) -> int:
+def _besides(engine: LlamaEngine, bucket: int, targets) -> int:
     """The bytes a transfer sends besides the factors: per layer group and target, the
     reference and BGMV the rank (one i32), MBGMV the page of each rank row (`bucket`
-    i32)."""
-    return {"reference": 4, "bgmv": 4, "mbgmv": 4 * bucket}[backend] * len(targets) * GROUPS
+    i32); the reference on one device, whose adapters live in the KV cache's pages, the
+    rank and the pages its rows fill (an i32 each)."""
+    backend, shapes = engine.lora.backend, engine.lora.shapes
+    if backend.pooled:
+        return GROUPS * sum(4 + 4 * backend.pages_for(bucket, shapes[t]) for t in targets)
+    return {"reference": 4, "bgmv": 4, "mbgmv": 4 * bucket}[backend.name] * len(targets) * GROUPS
 
 
 def _engine(loaded, backend: str, **overrides) -> LlamaEngine:
@@ -62,9 +66,10 @@ def _assert_slot_holds(engine, slot: int, weights) -> None:
     adapter's A and B (in the serving dtype) padded with zeros to the slots' rank, and
     zeros for the targets it does not adapt."""
     lora = engine.lora
+    held = lora.backend.with_pool(lora.weights, engine.cache)  # pooled: the cache holds them
     for target in lora.shapes:
         for layer in range(engine.model_config.num_layers):
-            a, b = lora.backend.factors(lora.weights, target, jnp.int32(layer), jnp.array([slot]))
+            a, b = lora.backend.factors(held, target, jnp.int32(layer), jnp.array([slot]))
             expected_a, expected_b = np.zeros(a.shape[1:]), np.zeros(b.shape[1:])
             if target in weights:
                 lora_a, lora_b = weights[target]
@@ -106,7 +111,7 @@ def test_a_rank_8_qv_adapter_sends_its_a_and_b_alone(tiny, tmp_path, backend):
         transfer = _load(engine, "small", 0)
         seconds = time.perf_counter() - start
         factors = 4 * sum(a.size + b.size for a, b in weights.values())
-        assert transfer.nbytes == factors + _besides(backend, 8, QV)
+        assert transfer.nbytes == factors + _besides(engine, 8, QV)
         link_s = transfer.nbytes / 2e6
         padded_s = engine.memory().lora_slot_bytes / 2e6  # what a padded slot would take
         assert padded_s > 20 * link_s
@@ -135,7 +140,7 @@ def test_a_small_adapter_over_a_full_one_leaves_only_its_own_rows(tiny, tmp_path
         _assert_slot_holds(engine, 0, other)
         # Rank 5 crosses as its bucket, 8 rank rows.
         factors = 4 * sum(a.size + b.size for a, b in small.values())
-        assert transfer.nbytes == factors * 8 // 5 + _besides(backend, 8, QV)
+        assert transfer.nbytes == factors * 8 // 5 + _besides(engine, 8, QV)
     finally:
         engine.close()
 

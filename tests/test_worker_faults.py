@@ -119,10 +119,10 @@ def test_a_failed_load_fails_its_requests_only_real_engine(tiny, tiny_adapters):
     lora = engine.device.lora
     load = lora.load
 
-    def broken_for_bad(name, tensors, slot):
+    def broken_for_bad(name, tensors, slot, pages=None):
         if name == "bad":
             raise RuntimeError("the DMA engine fell over")
-        return load(name, tensors, slot)
+        return load(name, tensors, slot, pages)
 
     lora.load = broken_for_bad  # what the transfer thread runs for a device load
     worker = Worker(engine, max_queue=16)

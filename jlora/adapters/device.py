@@ -23,8 +23,13 @@ adapter lacks, are written on the device, by the compiled install.
    segments. `install(transfer)` writes the rest once the whole adapter has landed.
 
 `weights` is the device pytree the compiled steps take; only the scheduler thread
-replaces it. On a mesh, the slots are split as `specs` says (the sharding rules applied
-to the backend's layout, jlora/model/sharding.py), and each group lands already split,
+replaces it. A pooled backend (the reference on one device) keeps the adapters in the KV
+cache's pages instead: `weights` are then page tables, `load` is given the pages the
+memory manager reserved (backends/reference.py), and the installs write into the cache,
+which they take and give back (`attach_pool`).
+
+On a mesh, the slots are split as `specs` says (the sharding rules applied to the
+backend's layout, jlora/model/sharding.py), and each group lands already split,
 every device receiving only its part (fully-sharded A: an equal share of the
 adapter's rank rows, which the install moves to the devices whose part of the slot
 holds them, device to device). `link_bytes_per_s` is the host-to-device bandwidth:
@@ -39,6 +44,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -46,9 +52,10 @@ import numpy as np
 
 from configs import ModelConfig
 from jlora.adapters.backends import HostTensors, LoraBackend, LoraWeights, Payload, layer_group
-from jlora.adapters.backends.base import LAYER_PARTS
+from jlora.adapters.backends.base import LAYER_PARTS, POOL
 from jlora.adapters.targets import target_shapes
 from jlora.link import wait_for_link
+from jlora.model.kv_cache import KVCache
 from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -127,10 +134,7 @@ class DeviceSlots:
         self.specs = tp.lora_specs(weights, backend.layout, split_rank=self.rank_shards > 1)
         shardings = tp.named(self.specs)
         self.weights: LoraWeights = jax.device_put(weights, shardings)
-        self._abstract = jax.tree.map(
-            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding),
-            self.weights,
-        )
+        self._abstract = _abstract(self.weights)
         self._jitted_install = jax.jit(backend.install, donate_argnums=0, out_shardings=shardings)
         self._installs: dict[tuple, _Install] = {}  # payload shape -> its compiled install
         self._layer_bytes: dict[tuple[int, tuple[str, ...]], int] = {}
@@ -143,6 +147,18 @@ class DeviceSlots:
             else 0.0
         )
         self._transfers: dict[int, Transfer] = {}  # slot -> its latest load (transfer thread)
+
+    def attach_pool(self, cache: KVCache) -> None:
+        """The KV cache a pooled backend keeps the adapters in (before anything is
+        prepared): its installs then take and give back the cache with the slots."""
+        if not self.backend.pooled:
+            return
+        with_pool = self.backend.with_pool(self.weights, cache)
+        self._abstract = _abstract(with_pool)
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, with_pool)
+        self._jitted_install = jax.jit(
+            self.backend.install, donate_argnums=0, out_shardings=shardings
+        )
 
     # -- staging (any thread but the scheduler's) -------------------------------------
 
@@ -230,11 +246,14 @@ class DeviceSlots:
 
     # -- the transfer thread --------------------------------------------------------
 
-    def load(self, name: str, tensors: HostTensors, slot: int) -> Transfer:
-        """Host arrays -> rank-exact numpy -> device arrays, one layer group at a time."""
+    def load(
+        self, name: str, tensors: HostTensors, slot: int, pages: Sequence[int] | None = None
+    ) -> Transfer:
+        """Host arrays -> rank-exact numpy -> device arrays, one layer group at a time.
+        pages: a pooled backend's pool pages for the adapter (`pool_pages` of them)."""
         transfer = Transfer(name, slot)
         self._transfers[slot] = transfer
-        packed = self._pack(tensors, slot=slot)
+        packed = self._pack(tensors, slot=slot, pages=pages)
         groups = [layer_group(packed, first, stop) for first, stop in self.groups]
         installs = [self._install_for(group) for group in groups]
         transfer.installs = [install.run for install in installs]
@@ -262,44 +281,61 @@ class DeviceSlots:
 
     # -- the scheduler thread -------------------------------------------------------
 
-    def install_landed(self, name: str, slot: int) -> int:
+    def install_landed(self, name: str, slot: int, cache: KVCache) -> tuple[int, KVCache]:
         """Install the landed layer groups of `name`'s load into `slot` that are not yet;
-        returns how many groups (from the first) are resident."""
+        returns how many groups (from the first) are resident, and the KV cache (a
+        pooled backend writes the adapter into it; any other passes it through)."""
         transfer = self._transfers.get(slot)
         if transfer is None or transfer.name != name:  # its load has not started yet
-            return 0
-        self._install_groups(transfer)
-        return transfer.installed
+            return 0, cache
+        cache = self._install_groups(transfer, cache)
+        return transfer.installed, cache
 
-    def install(self, transfer: Transfer) -> None:
-        """Write the rest of a landed adapter into its slot."""
-        self._install_groups(transfer)
+    def install(self, transfer: Transfer, cache: KVCache) -> KVCache:
+        """Write the rest of a landed adapter into its slot; returns the KV cache."""
+        cache = self._install_groups(transfer, cache)
         if self._transfers.get(transfer.slot) is transfer:
             del self._transfers[transfer.slot]
+        return cache
 
     def layers_left(self, name: str, slot: int) -> int:
-        """Layers of `name` not yet installed into `slot` (all, before its load starts)."""
-        landed = self.install_landed(name, slot)
+        """Layers of `name` not yet landed in `slot` (all, before its load starts)."""
+        transfer = self._transfers.get(slot)
+        landed = 0 if transfer is None or transfer.name != name else len(transfer.landed)
         return sum(stop - start for start, stop in self.groups[landed:])
 
-    def _install_groups(self, transfer: Transfer) -> None:
+    def _install_groups(self, transfer: Transfer, cache: KVCache) -> KVCache:
         for index in range(transfer.installed, len(transfer.landed)):
             first = self.groups[index][0]
-            self.weights = transfer.installs[index](
-                self.weights, np.int32(transfer.slot), np.int32(first), transfer.landed[index]
+            weights = self.backend.with_pool(self.weights, cache)
+            weights = transfer.installs[index](
+                weights, np.int32(transfer.slot), np.int32(first), transfer.landed[index]
             )
+            if POOL in weights:
+                pool = weights.pop(POOL)
+                cache = KVCache(k=pool["k"], v=pool["v"])
+            self.weights = weights
             transfer.landed[index] = {}  # installed: let the device copy go
             transfer.installed = index + 1
+        return cache
 
-    def _pack(self, tensors: HostTensors, *, slot: int | None) -> Payload:
+    def _pack(
+        self, tensors: HostTensors, *, slot: int | None, pages: Sequence[int] | None = None
+    ) -> Payload:
         placed = {  # k/v's B as wide as the replicated KV heads
             target: (a, self._tp.expand_kv(b) if target in ("k_proj", "v_proj") else b)
             for target, (a, b) in tensors.items()
         }
         return self.backend.pack(
             placed, slot=slot, shapes=self.shapes, max_rank=self.max_rank, dtype=self.dtype,
-            rank_shards=self.rank_shards,
+            rank_shards=self.rank_shards, pages=pages,
         )  # fmt: skip
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding), tree
+    )
 
 
 def _measure_link_bytes_per_s() -> float:

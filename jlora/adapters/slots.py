@@ -30,10 +30,11 @@ The life of an adapter:
 6. `discard(name)` forgets an unregistered adapter; a load of it under way is let finish and
    its payload dropped by `poll()`.
 7. Device memory (optional, `memory`): a pool shared with the KV cache (jlora/memory) is
-   asked for an adapter's pages before its load starts (`reserve`; False: the load waits,
-   its slot stays free), told when an adapter leaves a slot (`released`: evicted, failed
-   or discarded), and orders the idle adapters for eviction (`evict_order`, given least
-   recently used first). It may evict idle adapters itself (`evict`) to make room.
+   asked for an adapter's pages before its load starts (`reserve`, which names them, and
+   the load is given them; None: the load waits, its slot stays free), told when an
+   adapter leaves a slot (`released`: evicted, failed or discarded), and orders the idle
+   adapters for eviction (`evict_order`, given least recently used first).
+   It may evict idle adapters itself (`evict`) to make room.
 
 Threads: only `load` runs off the caller's thread. All bookkeeping is read and written on the
 caller's (scheduler's) thread; the transfer thread sees nothing but its arguments and hands
@@ -48,7 +49,7 @@ import heapq
 import queue
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -73,7 +74,7 @@ class AdapterLoadError(RuntimeError):
 class SlotMemory(Protocol):
     """The device memory behind the slots (item 7 of the module docstring)."""
 
-    def reserve(self, name: str) -> bool: ...
+    def reserve(self, name: str) -> Sequence[int] | None: ...
 
     def released(self, name: str) -> None: ...
 
@@ -99,7 +100,7 @@ class SlotManager:
     def __init__(
         self,
         num_slots: int,
-        load: Callable[[str, int], Payload],
+        load: Callable[[str, int, Sequence[int] | None], Payload],
         install: Callable[[str, int, Payload], None],
         memory: SlotMemory | None = None,
     ) -> None:
@@ -382,10 +383,11 @@ class SlotManager:
         slot = self._take_slot(keep)
         if slot is None:
             return False
-        if self._memory is not None and not self._memory.reserve(name):
+        pages = None
+        if self._memory is not None and (pages := self._memory.reserve(name)) is None:
             heapq.heappush(self._free, slot)
             return False
-        load = _Load(name, slot, self._executor.submit(self._load, name, slot))
+        load = _Load(name, slot, self._executor.submit(self._load, name, slot, pages))
         self._loading[name] = load
         done = self._done
         load.future.add_done_callback(lambda _: done.put(load))

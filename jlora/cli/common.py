@@ -122,10 +122,10 @@ def resolve_dtype(name: str) -> str:
 
 
 def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
-    """How an engine serves adapters: --lora-mode, --lora-backend, --max-loras,
-    --emulated-link-gbps, --cpu-workers, --cpu-lora, --merge (read back with
-    `lora_engine_config`)."""
-    from configs.engine import CPU_LORA, LORA_BACKENDS, LORA_MODES
+    """How an engine serves adapters: --lora-mode, --lora-backend, --lora-pool,
+    --max-loras, --emulated-link-gbps, --cpu-workers, --cpu-lora, --merge (read back
+    with `lora_engine_config`)."""
+    from configs.engine import CPU_LORA, LORA_BACKENDS, LORA_MODES, LORA_POOLS
 
     group.add_argument(
         "--lora-mode",
@@ -142,6 +142,14 @@ def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
         default="reference",
         help="batched-LoRA kernels: plain jnp (default), BGMV (stacked slots) or MBGMV "
         "(a page pool); the Pallas ones run compiled on a GPU, interpreted elsewhere",
+    )
+    group.add_argument(
+        "--lora-pool",
+        choices=LORA_POOLS,
+        default=LORA_POOLS[0],
+        help="where the reference backend keeps adapters on one device: kv (default: in "
+        "the KV cache's pages, one pool for both, each adapter the pages of its rank) or "
+        "slots (stacked slots of --max-lora-rank beside the cache)",
     )
     group.add_argument("--max-loras", type=int, help="device adapter slots")
     group.add_argument(
@@ -183,6 +191,7 @@ def lora_engine_config(args: argparse.Namespace) -> dict:
     return {
         "lora_mode": args.lora_mode,
         "lora_backend": args.lora_backend,
+        "lora_pool": args.lora_pool,
         "emulated_link_gbps": args.emulated_link_gbps,
         "cpu_workers": args.cpu_workers,
         "cpu_lora": args.cpu_lora,

@@ -115,7 +115,8 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
         "--grace", str(args.grace),
         "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
         "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
-        "--lora-backend", args.lora_backend, "--cpu-workers", str(args.cpu_workers),
+        "--lora-backend", args.lora_backend, "--lora-pool", args.lora_pool,
+        "--cpu-workers", str(args.cpu_workers),
         "--cpu-lora", args.cpu_lora,
         "--emulated-link-gbps", str(args.emulated_link_gbps), "--merge", args.merge,
     ]  # fmt: skip

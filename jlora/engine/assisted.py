@@ -85,7 +85,8 @@ class AssistedPrefill:
         try:
             for index, (start, stop) in enumerate(lora.groups):
                 jax.block_until_ready(x)  # route by what has landed by now
-                on_device = index < lora.install_landed(adapter, slot)
+                landed, cache = lora.install_landed(adapter, slot, cache)
+                on_device = index < landed
                 routes += "D" if on_device else "C"
                 route = np.full(stop - start, 0 if on_device else 1, np.int32)
                 x, cache = self.steps.prefill_segment(

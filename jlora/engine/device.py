@@ -257,8 +257,10 @@ class DeviceEngine(abc.ABC):
         """Free a staged adapter's host memory (no load of it may be under way)."""
 
     @abc.abstractmethod
-    def load_adapter(self, name: str, slot: int) -> Payload:
-        """The transfer thread: copy a staged adapter towards device slot `slot`."""
+    def load_adapter(self, name: str, slot: int, pages: Sequence[int] | None = None) -> Payload:
+        """The transfer thread: copy a staged adapter towards device slot `slot`, into
+        the pool `pages` the memory manager reserved for it (an engine whose adapters
+        live in the KV cache writes them there; None: the engine's own choice)."""
 
     @abc.abstractmethod
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:

@@ -14,6 +14,14 @@ State, all of it explicit (device.py tells the calls):
   own targets and rank rows cross the link; the slot's padding is written on the
   device, by an install compiled for the adapter's shape when it is staged).
 
+On one device the reference backend keeps the adapters in the KV cache's own pages
+(FastLibra's unified pool, `PooledReferenceBackend`; lora_pool "slots" keeps stacked
+slots instead): an adapter is written into the pages the orchestrator's memory manager
+gives it (`load_adapter`'s `pages`; a caller that names none gets `slot_pages`, at the
+top of the pool), so device memory goes to KV or to adapters as the load asks, and the
+number of adapters resident follows from their ranks. The model reads them from the
+cache it is given (`Llama._with_pool`).
+
 The KV cache's size is the device pool's (`steps.size_pool`): `pool_bytes`, or
 `pool_fraction` of the device memory free once the weights and the adapter slots are
 placed, in KV blocks; else `kv_cache_tokens`. `config` carries the resolved size
@@ -67,6 +75,7 @@ from flax import struct
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
 from jlora.adapters.backends import LoraWeights, Segments, make_backend
+from jlora.adapters.backends.reference import PooledReferenceBackend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
@@ -145,7 +154,16 @@ class LlamaEngine(DeviceEngine):
         self.mesh = self.tp.mesh
         self.params = self.tp.place_params(params)  # what the steps run: merged or not
         self.base_params = self.params  # the pristine parameters, never modified
-        backend = make_backend(cfg.lora_backend) if cfg.max_loras else None
+        # On one device the reference backend keeps the adapters in the KV cache's pages
+        # (FastLibra's unified pool; backends/reference.py) unless lora_pool says "slots":
+        # a page holds a block's keys and values of every layer.
+        page_width = 2 * cfg.block_size * self.tp.kv_heads * model_config.head_dim
+        pooled = self.tp.size == 1 and cfg.lora_pool == "kv"
+        backend = (
+            make_backend(cfg.lora_backend, page_width if pooled else None)
+            if cfg.max_loras
+            else None
+        )
         self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend, tp=self.tp)
         self.store: HostStore | None = None
         self.lora: DeviceSlots | None = None
@@ -163,7 +181,12 @@ class LlamaEngine(DeviceEngine):
                 emulated_link_gbps=cfg.emulated_link_gbps,
                 measure_link=cfg.lora_mode == "auto",  # only auto's cost model needs it early
             )
-        cfg = self.config = size_pool(cfg, self.tp, model_config, self.model.dtype)
+        adapter_pages = None
+        if self.lora is not None and self.lora.backend.pooled:
+            adapter_pages = self._pool_pages(cfg.max_lora_rank, cfg.lora_targets)
+        cfg = self.config = size_pool(
+            cfg, self.tp, model_config, self.model.dtype, adapter_pages=adapter_pages
+        )
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(
@@ -177,6 +200,8 @@ class LlamaEngine(DeviceEngine):
             out_shardings=self.tp.named(cache_specs),
         )
         self.cache = zeros()  # created in place, each device its own heads
+        if self.lora is not None:
+            self.lora.attach_pool(self.cache)
         self.kv_blocks = KVBlocks(
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
@@ -554,21 +579,32 @@ class LlamaEngine(DeviceEngine):
             sha256=stored.sha256,
             size_bytes=stored.file_bytes,
             host_bytes=stored.nbytes,
-            device_bytes=spec.rank * self._rank_row_bytes(spec.targets),
+            device_bytes=self._adapter_bytes(spec.rank, spec.targets),
         )
 
     def drop_adapter(self, name: str) -> None:
         assert self.store is not None
         self.store.unregister(name)
 
-    def load_adapter(self, name: str, slot: int) -> Payload:
+    def load_adapter(self, name: str, slot: int, pages: Sequence[int] | None = None) -> Payload:
         assert self.store is not None and self.lora is not None
         self._slot_adapter[slot] = name  # its previous adapter is evicted: no row uses it
-        return self.lora.load(name, self.store.tensors(name), slot)
+        if self.lora.backend.pooled and pages is None:
+            pages = self.slot_pages(slot)
+        return self.lora.load(name, self.store.tensors(name), slot, pages)
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
         assert self.lora is not None
-        self.lora.install(cast(Transfer, payload))  # what load_adapter returned
+        self.cache = self.lora.install(cast(Transfer, payload), self.cache)  # load_adapter's
+
+    def slot_pages(self, slot: int) -> list[int]:
+        """The pool pages an adapter in `slot` takes when the caller names none: the top
+        of the pool, slot after slot, each an adapter of max_lora_rank's worth (the room
+        `size_pool` adds for max_loras adapters), for callers that take KV blocks from the
+        bottom themselves (the orchestrator names its own pool's)."""
+        count = self._pool_pages(self.config.max_lora_rank, self.config.lora_targets)
+        top = self.config.num_blocks - slot * count
+        return list(range(top - count, top))
 
     @property
     def can_assist(self) -> bool:
@@ -654,17 +690,25 @@ class LlamaEngine(DeviceEngine):
             device_limit=stats.get("bytes_limit", -1),
             kv_block_bytes=self.cache.nbytes() // self.config.num_blocks,
             lora_slot_bytes=(
-                self.config.max_lora_rank * self._rank_row_bytes(self.config.lora_targets)
+                self._adapter_bytes(self.config.max_lora_rank, self.config.lora_targets)
                 if self.lora is not None
                 else 0
             ),
             merged_weights=sum(merged),
         )
 
-    def _rank_row_bytes(self, targets: tuple[str, ...]) -> int:
+    def _adapter_bytes(self, rank: int, targets: tuple[str, ...]) -> int:
+        """The device bytes an adapter of `rank` on `targets` takes: its pool pages where
+        the adapters live in the KV cache, else its rank rows."""
         assert self.lora is not None
+        if self.lora.backend.pooled:
+            return self._pool_pages(rank, targets) * self.cache.nbytes() // self.config.num_blocks
         layers, itemsize = self.model_config.num_layers, self.model.dtype.itemsize
-        return rank_row_bytes(self.lora.shapes, targets, layers, itemsize)
+        return rank * rank_row_bytes(self.lora.shapes, targets, layers, itemsize)
+
+    def _pool_pages(self, rank: int, targets: Sequence[str]) -> int:
+        assert self.lora is not None
+        return cast(PooledReferenceBackend, self.lora.backend).pool_pages(rank, targets)
 
     def close(self) -> None:
         if self.cpu is not None:

@@ -303,7 +303,7 @@ class MockEngine(DeviceEngine):
     def drop_adapter(self, name: str) -> None:
         del self._staged[name]
 
-    def load_adapter(self, name: str, slot: int) -> Payload:
+    def load_adapter(self, name: str, slot: int, pages: Sequence[int] | None = None) -> Payload:
         if self.load_latency:
             time.sleep(self.load_latency)
         if name in self.fail_loads:

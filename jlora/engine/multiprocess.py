@@ -231,12 +231,13 @@ class Leader(DeviceEngine):
         self._send("drop_adapter", name)
         self.engine.drop_adapter(name)
 
-    def load_adapter(self, name: str, slot: int) -> Payload:
-        return None  # every process copies it at install (see the module docstring)
+    def load_adapter(self, name: str, slot: int, pages: Sequence[int] | None = None) -> Payload:
+        return pages  # every process copies it at install (see the module docstring)
 
     def install_adapter(self, name: str, slot: int, payload: Payload) -> None:
-        self._send("install_adapter", name, slot)
-        _load_and_install(self.engine, name, slot)
+        pages = None if payload is None else list(cast(Sequence[int], payload))
+        self._send("install_adapter", name, slot, pages)
+        _load_and_install(self.engine, name, slot, pages)
 
     @property
     def can_swap_kv(self) -> bool:
@@ -316,9 +317,12 @@ def follow(engine: LlamaEngine, coordinator: str, process_id: int) -> int:
                 getattr(engine, method)(*args)
 
 
-def _load_and_install(engine: LlamaEngine, name: str, slot: int) -> None:
-    """Copy an adapter to this process's devices and install it (every process in turn)."""
-    engine.install_adapter(name, slot, engine.load_adapter(name, slot))
+def _load_and_install(
+    engine: LlamaEngine, name: str, slot: int, pages: Sequence[int] | None
+) -> None:
+    """Copy an adapter to this process's devices, into `pages` where the engine keeps
+    adapters in its KV cache, and install it (every process in turn)."""
+    engine.install_adapter(name, slot, engine.load_adapter(name, slot, pages))
 
 
 class _Swaps:

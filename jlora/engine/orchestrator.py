@@ -164,7 +164,8 @@ class Orchestrator:
             page_bytes=sizes.kv_block_bytes or 1,
             block_size=cfg.block_size,
             host_bytes=cfg.host_pool_mib * 2**20 if device.can_swap_kv else 0,
-            lora_share_bytes=cfg.max_loras * sizes.lora_slot_bytes,
+            lora_slots=cfg.max_loras,
+            lora_slot_bytes=sizes.lora_slot_bytes,
             min_kv_pages=cfg.blocks_per_seq,
             link_bytes_per_s=cfg.emulated_link_gbps * 1e9,
         )

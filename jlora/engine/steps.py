@@ -614,7 +614,11 @@ class KVBlocks:
 
 
 def size_pool(
-    cfg: EngineConfig, tp: TensorParallel, model_config: ModelConfig, dtype: jnp.dtype
+    cfg: EngineConfig,
+    tp: TensorParallel,
+    model_config: ModelConfig,
+    dtype: jnp.dtype,
+    adapter_pages: int | None = None,
 ) -> EngineConfig:
     """`cfg` with the device pool's size resolved into KV blocks (kv_cache_tokens set,
     pool_bytes and pool_fraction cleared), as everyone reads it: `num_blocks`.
@@ -626,7 +630,8 @@ def size_pool(
     with least, in blocks of what each device holds of one; neither: kv_cache_tokens'
     blocks, and with adapters (max_loras) the pages of max_loras adapters at
     max_lora_rank on all lora_targets, so a configuration sized before the pool was
-    shared keeps its KV room. ConfigError, naming the field, for fewer than
+    shared keeps its KV room (`adapter_pages` each where given: the pages an adapter at
+    max_lora_rank takes where they live in the pool). ConfigError, naming the field, for fewer than
     blocks_per_seq blocks, or pool_fraction on a device that does not report its memory.
     """
     block = (model_config.num_layers, 1, cfg.block_size, tp.kv_heads, model_config.head_dim)
@@ -638,7 +643,9 @@ def size_pool(
         # max_lora_rank on every target, which they share.
         shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
         row = rank_row_bytes(shapes, cfg.lora_targets, model_config.num_layers, dtype.itemsize)
-        per_adapter = math.ceil(row * cfg.max_lora_rank / (math.prod(block) * pair))
+        per_adapter = adapter_pages or math.ceil(
+            row * cfg.max_lora_rank / (math.prod(block) * pair)
+        )
         blocks = cfg.num_blocks + cfg.max_loras * per_adapter
         return dataclasses.replace(cfg, kv_cache_tokens=blocks * cfg.block_size)
     field = "pool_bytes" if cfg.pool_bytes else "pool_fraction"

@@ -11,10 +11,11 @@ tells it when an adapter lands or leaves (`installed`, `released`). Policies
   by adapter content (tree.py), and swapped to and from the host pool by the cost model
   (swapper.py), on demand when pages run out and periodically between the marks. An
   adapter leaves the device only after its KV has (FastLibra §4.2: no invalid KV).
-- "lru": vLLM's: the adapters' share of the pool is fixed when the first one is
-  registered (max_loras slots at max_lora_rank); the prefix cache evicts its least
-  recently used leaf to the host pool when pages run out; adapters are evicted by the
-  slot manager's LRU, whatever KV depends on them (that KV is then invalid).
+- "lru": vLLM's: the adapters' share of the pool is fixed when the manager is made
+  (max_loras slots at max_lora_rank; each adapter takes its pages out of it); the prefix
+  cache evicts its least recently used leaf to the host pool when pages run out;
+  adapters are evicted by the slot manager's LRU, whatever KV depends on them (that KV
+  is then invalid).
 - "none": S-LoRA's: one pool for KV and adapters, no history: a request's blocks are
   freed when it leaves.
 
@@ -52,6 +53,7 @@ from jlora.memory.pool import KV, LORA, PagePool
 from jlora.memory.tree import BASE, DEVICE, GONE, HOST, TO_DEVICE, TO_HOST, Node, Tree
 
 SWAPPING, FULL = "swapping", "full"  # why `admit` gave no lease
+STATIC_SHARE = ("static share",)  # the owner of "lru"'s LoRA pages no adapter holds
 DEFAULT_LINK_BYTES_PER_S = 16e9  # until a swap has been timed (about PCIe 4.0 x16)
 
 
@@ -98,7 +100,8 @@ class MemoryManager:
         page_bytes: int,
         block_size: int,
         host_bytes: int,
-        lora_share_bytes: int = 0,
+        lora_slots: int = 0,
+        lora_slot_bytes: int = 0,
         min_kv_pages: int = 1,
         link_bytes_per_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
@@ -128,10 +131,12 @@ class MemoryManager:
         )
         self._slots: Slots | None = None  # `attach`ed
         self._prefill_s_per_token = 0.0  # measured (`observe_prefill`); 0: not yet
-        if policy == "lru" and lora_share_bytes:
+        self._share: list[int] = []  # "lru": the static share's pages no adapter holds
+        if policy == "lru" and lora_slots:
             # vLLM sizes every LoRA slot for the largest rank, once; KV keeps min_kv_pages.
-            share = min(self.pool.pages_for(lora_share_bytes), num_pages - min_kv_pages)
-            self.pool.allocate(share, LORA, ("static share",))
+            share = lora_slots * self.pool.pages_for(lora_slot_bytes)
+            share = min(share, num_pages - min_kv_pages)
+            self._share = self.pool.allocate(share, LORA, STATIC_SHARE)
 
     def attach(self, slots: Slots) -> None:
         """The adapter slots whose idle adapters the pool may evict to make room."""
@@ -149,19 +154,26 @@ class MemoryManager:
         adapter = self._adapters.pop(name, None)
         assert adapter is None or not adapter.resident, f"adapter {name!r} is on the device"
 
-    def reserve(self, name: str) -> bool:
-        """Pages for `name`'s load (it is about to start); False: not now."""
+    def reserve(self, name: str) -> list[int] | None:
+        """Pages for `name`'s load (it is about to start), which it is written into where
+        the adapters live in the pool; None: not now. Under "lru" they come out of the
+        static share (a slot's worth each, which max_loras adapters always find)."""
         adapter = self._adapters[name]
-        if self.policy != "lru":
-            need = self.pool.pages_for(adapter.device_bytes)
+        need = self.pool.pages_for(adapter.device_bytes)
+        if self.policy == "lru":
+            if len(self._share) < need:
+                return None
+            adapter.pages, self._share = self._share[:need], self._share[need:]
+            self.pool.transfer(adapter.pages, (LORA, name))
+        else:
             if self.pool.num_free < need:
                 self._make_room(need - self.pool.num_free, evict_adapters=True, keep=name)
             if self.pool.num_free < need:
-                return False
+                return None
             adapter.pages = self.pool.allocate(need, LORA, (LORA, name))
         adapter.resident = True
         self.tree.adapter(adapter.key).where = DEVICE
-        return True
+        return adapter.pages
 
     def released(self, name: str) -> None:
         """`name` left the device (evicted, failed or discarded)."""
@@ -169,7 +181,11 @@ class MemoryManager:
         if adapter is None or not adapter.resident:
             return
         adapter.resident = False
-        self.pool.free(adapter.pages)
+        if self.policy == "lru":  # back to the static share
+            self.pool.transfer(adapter.pages, STATIC_SHARE)
+            self._share.extend(adapter.pages)
+        else:
+            self.pool.free(adapter.pages)
         adapter.pages = []
         if any(a.resident and a.key == adapter.key for a in self._adapters.values()):
             return  # the same weights are still resident under another name

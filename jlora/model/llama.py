@@ -337,6 +337,28 @@ class Llama:
 
         return lora
 
+    def _with_pool(self, weights: LoraWeights | None, cache: KVCache) -> LoraWeights | None:
+        """The LoRA weights a layer reads, with the KV cache as it is at that point of the
+        layer where the backend keeps its adapters in the cache's pages (a pooled
+        backend): read before the layer's keys are written, and again after, never an
+        older cache than the one the layer writes (which would copy it)."""
+        if weights is None or self.lora is None:
+            return weights
+        return self.lora.with_pool(weights, cache)
+
+    def _read_before_write(self, qkv: Projections) -> Projections:
+        """q, k and v, the keys and values to write made to depend on all three: where
+        the adapters live in the cache (a pooled backend), each projection's LoRA reads
+        the cache as it was, and XLA copies the whole cache (every layer) unless every
+        such read is an operand, however remote, of both writes. The tie is a scalar
+        zero (each projection's first element times zero: an exact +0.0 where they are
+        finite; XLA never folds a float times zero), added to what is written."""
+        if self.lora is None or not self.lora.pooled:
+            return qkv
+        q, k, v = qkv
+        tie = sum((p.reshape(-1)[0].astype(jnp.float32) * 0.0 for p in qkv), jnp.float32(0))
+        return q, k + tie.astype(k.dtype), v + tie.astype(v.dtype)
+
     def _lora_apply(self, layer: jax.Array, rows: jax.Array | Segments | None):
         """`apply(weights, target, x, y)` for `_lora_fn`: the backend's fused BGMV (rows:
         i32[S] slots) or SGMV (rows: Segments), or the split product when the adapters
@@ -555,8 +577,9 @@ class Llama:
                 return causal_attention(q, k, v, length)
             return paged_prefix_attention(q, cache.k, cache.v, index, block_table, positions)
 
-        def lora_for(index, step):
-            device = self._lora_fn(lora_weights, self._lora_apply(index, segments))
+        def lora_for(index, step, cache):
+            weights = self._with_pool(lora_weights, cache)
+            device = self._lora_fn(weights, self._lora_apply(index, segments))
             if route is None:
                 return device
             assert lora_weights is not None and device is not None
@@ -611,8 +634,9 @@ class Llama:
         def attend(q, k, v, cache, index):
             return packed_causal_attention(q, k, v, prompt, longest)
 
-        def lora_for(index, step):
-            return self._lora_fn(lora_weights, self._lora_apply(index, segments))
+        def lora_for(index, step, cache):
+            weights = self._with_pool(lora_weights, cache)
+            return self._lora_fn(weights, self._lora_apply(index, segments))
 
         x = self.embed(params, tokens)
         x, cache = self._prefill_scan(params, cache, x, positions, blocks, attend, lora_for)
@@ -625,18 +649,19 @@ class Llama:
         (i32[T]): each layer writes token t's keys and values at offset positions[t] %
         block_size of blocks[t] (the sentinel drops them), then attends with
         `attend(q, k, v, cache, layer)` (the cache holding the layer's new keys);
-        `lora_for(layer, step)` gives the layer's LoRA hook."""
+        `lora_for(layer, step, cache)` gives the layer's LoRA hook, reading the cache as
+        it is (a pooled backend's adapters live in it: `_with_pool`)."""
         offsets = positions % cache.block_size
 
         def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            lora = lora_for(index, step)
-            q, k, v = layer.qkv(x, positions, lora)
+            q, k, v = self._read_before_write(layer.qkv(x, positions, lora_for(index, step, cache)))
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k),
                 v=write_kv(cache.v, index, blocks, offsets, v),
             )
-            return layer.finish(x, attend(q, k, v, cache, index), lora), cache
+            attn = attend(q, k, v, cache, index)
+            return layer.finish(x, attn, lora_for(index, step, cache)), cache
 
         return self._scan_layers(params, x, cache, layer_fn, start, count)
 
@@ -669,11 +694,16 @@ class Llama:
         offsets = positions % cache.block_size
         x = self.embed(params, tokens)  # [S, D]
 
+        def lora_for(index, cache):
+            weights = self._with_pool(lora_weights, cache)
+            return self._lora_fn(weights, self._lora_apply(index, lora_idx))
+
         def layer_fn(layer_params, index, step, x, cache):
             layer = self.layer.bind({"params": layer_params})
-            lora = self._lora_fn(lora_weights, self._lora_apply(index, lora_idx))
             dense = self._switch_dense(layers, index)
+            lora = lora_for(index, cache)
             q, k, v = layer.qkv(x[:, None], positions[:, None], lora, dense)  # [S, 1, ...]
+            q, k, v = self._read_before_write((q, k, v))
             cache = KVCache(
                 k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
                 v=write_kv(cache.v, index, blocks, offsets, v[:, 0]),
@@ -684,7 +714,7 @@ class Llama:
                 attn = paged_decode_attention(
                     q[:, 0], cache.k[index], cache.v[index], block_tables, positions
                 )
-            return layer.finish(x, attn, lora, dense), cache
+            return layer.finish(x, attn, lora_for(index, cache), dense), cache
 
         x, cache = self._scan_layers(params, x, cache, layer_fn)
         return self._logits(params, x), cache

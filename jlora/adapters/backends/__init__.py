@@ -12,7 +12,7 @@ from jlora.adapters.backends.base import (
     layer_group,
 )
 from jlora.adapters.backends.pallas import BgmvBackend, MbgmvBackend
-from jlora.adapters.backends.reference import ReferenceBackend
+from jlora.adapters.backends.reference import PooledReferenceBackend, ReferenceBackend
 
 __all__ = [
     "BACKENDS",
@@ -33,7 +33,12 @@ BACKENDS: dict[str, type[LoraBackend]] = {
 }
 
 
-def make_backend(name: str) -> LoraBackend:
+def make_backend(name: str, page_width: int | None = None) -> LoraBackend:
+    """The backend `name`; page_width: where the adapters may live in the KV cache (one
+    device), the values a page holds per layer: the reference backend then keeps them
+    there (`PooledReferenceBackend`)."""
     if name not in BACKENDS:
         raise ValueError(f"lora_backend={name!r} must be one of {list(BACKENDS)}")
+    if page_width and name == "reference":
+        return PooledReferenceBackend(page_width)
     return BACKENDS[name]()

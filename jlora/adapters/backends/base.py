@@ -13,8 +13,11 @@ Arithmetic, in every backend: x @ A accumulates in fp32 and is rounded to x.dtyp
 PEFT's two Linear layers do), @ B accumulates in fp32 and is added to y in fp32.
 
 The device layout (`allocate`) is the backend's choice: stacked slots padded to a
-rank (reference, BGMV) or a pool of rank-row pages (MBGMV). Every backend keeps one
-entry per target, so a target no slot holds is absent from the weights.
+rank (reference, BGMV), a pool of rank-row pages (MBGMV), or pages of the KV cache
+itself (`pooled`: the reference backend on one device, FastLibra's unified pool). Every
+backend keeps one entry per target, so a target no slot holds is absent from the
+weights. A pooled backend's weights are page tables; the model hands it the KV cache
+with them (`with_pool`, under the key POOL) wherever it computes or installs a LoRA.
 
 What crosses the host-to-device link is rank-exact, in every backend: `pack` keeps
 only the adapter's own targets and its rank rows (`exact_rows`: rank rounded up to a
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -42,6 +46,7 @@ Payload = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy 
 # The parts of a payload that hold one entry per layer (leading axis); every other part
 # (ranks, page tables) describes the whole slot.
 LAYER_PARTS = ("a", "b")
+POOL = "pool"  # a pooled backend's weights: the KV cache's {"k", "v"} under this key
 
 
 @struct.dataclass
@@ -81,6 +86,14 @@ class LoraBackend(abc.ABC):
     # The most rows a packed prefill's LoRA segment should hold (`Segments.window`), for
     # a backend whose SGMV costs a segment's window, not its rows; None: no bound.
     segment_rows: int | None = None
+    # Whether the adapters live in the KV cache's pages (`with_pool`).
+    pooled = False
+
+    def with_pool(self, weights: LoraWeights, pool: Any) -> LoraWeights:
+        """The weights a step or an install takes, given the KV cache `pool` (a
+        `KVCache`): a pooled backend's carry the cache's arrays under POOL; every other
+        backend's are the weights alone."""
+        return weights
 
     def rank_dim(self, max_rank: int, shards: int = 1) -> int:
         """The slots' rank dimension for adapters of rank <= max_rank, split over
@@ -115,6 +128,7 @@ class LoraBackend(abc.ABC):
         max_rank: int,
         dtype: Any,
         rank_shards: int = 1,
+        pages: Sequence[int] | None = None,
     ) -> Payload:
         """One adapter's host tensors as they cross the link to `slot` (numpy, `dtype`).
 
@@ -122,8 +136,10 @@ class LoraBackend(abc.ABC):
         rows (`exact_factors`, over `rank_dim(max_rank, rank_shards)` rows, split in
         `rank_shards`), plus the backend's few per-slot values; nothing for the other
         targets. slot None: a stand-in of the right shapes, for compiling
-        `install` (no slot state, such as pages, is touched). Called on the transfer
-        thread, one adapter at a time (and, with slot None, on any thread).
+        `install` (no slot state, such as pages, is touched). pages: a pooled backend's
+        pool pages for the adapter (`pool_pages` of them; None with slot None).
+        Called on the transfer thread, one adapter at a time (and, with slot None, on
+        any thread).
         """
 
     @abc.abstractmethod
@@ -135,8 +151,10 @@ class LoraBackend(abc.ABC):
         payload may hold all layers or a layer group (`layer_group`): its per-layer
         parts have G <= L entries, written to layers [layer_start, layer_start + G).
         The padding happens here: rank rows past the payload's are zeros, and so is
-        every target of `weights` the payload lacks (rank 0). Traceable; jit it with
-        donation (one compiled variant per payload shape).
+        every target of `weights` the payload lacks (rank 0). A pooled backend's
+        `weights` carry the KV cache (`with_pool`), which it writes the adapter into and
+        returns with them. Traceable; jit it with donation (one compiled variant per
+        payload shape).
         """
 
     @abc.abstractmethod

@@ -138,7 +138,7 @@ class BgmvBackend(_PallasBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
         """`exact_factors`, and each target's "rank": i32."""
         rdim = self.rank_dim(max_rank, rank_shards)
         payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=1)
@@ -237,7 +237,7 @@ class MbgmvBackend(_PallasBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1) -> Payload:
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
         """`exact_factors` (P rank rows each, no padding to R), and each target's
         "dest": i32[P], the pages of the adapter's rank rows (out of bounds past its
         rank: dropped). The pages are assigned here (slot None: none are)."""
