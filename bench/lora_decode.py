@@ -172,24 +172,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--counts", default="1,4,16", help="distinct adapters per run, comma-separated"
     )
-    parser.add_argument(
-        "--backends",
-        type=names_from(LORA_BACKENDS),
-        default="reference",
-        help=f"comma-separated, of {list(LORA_BACKENDS)}",
-    )
-    parser.add_argument(
-        "--reference-forms",
-        type=names_from(DECODE_FORMS),
-        default="auto",
-        help=f"the reference backend's decode forms, comma-separated, of {list(DECODE_FORMS)}",
-    )
-    parser.add_argument(
-        "--lora-pools",
-        type=names_from(LORA_POOLS),
-        default="kv",
-        help=f"where the reference backend keeps adapters, comma-separated, of {list(LORA_POOLS)}",
-    )
+    for flag, choices, what in (
+        ("--backends", LORA_BACKENDS, "the LoRA backends"),
+        ("--reference-forms", DECODE_FORMS, "the reference backend's decode forms"),
+        ("--lora-pools", LORA_POOLS, "where the reference backend keeps adapters"),
+    ):  # each defaults to its first choice, the engine's default
+        parser.add_argument(
+            flag,
+            type=names_from(choices),
+            default=choices[0],
+            help=f"{what}, comma-separated, of {list(choices)} (default %(default)s)",
+        )
     parser.add_argument(
         "--targets",
         type=target_list,

@@ -688,7 +688,7 @@ class LlamaEngine(DeviceEngine):
             host_store_capacity=store.arena.capacity if store is not None else 0,
             device_in_use=stats.get("bytes_in_use", -1),
             device_limit=stats.get("bytes_limit", -1),
-            kv_block_bytes=self.cache.nbytes() // self.config.num_blocks,
+            kv_block_bytes=self._block_bytes,
             lora_slot_bytes=(
                 self._adapter_bytes(self.config.max_lora_rank, self.config.lora_targets)
                 if self.lora is not None
@@ -702,9 +702,14 @@ class LlamaEngine(DeviceEngine):
         the adapters live in the KV cache, else its rank rows."""
         assert self.lora is not None
         if self.lora.backend.pooled:
-            return self._pool_pages(rank, targets) * self.cache.nbytes() // self.config.num_blocks
+            return self._pool_pages(rank, targets) * self._block_bytes
         layers, itemsize = self.model_config.num_layers, self.model.dtype.itemsize
         return rank * rank_row_bytes(self.lora.shapes, targets, layers, itemsize)
+
+    @property
+    def _block_bytes(self) -> int:
+        """One KV block (a pool page): keys and values of every layer."""
+        return self.cache.nbytes() // self.config.num_blocks
 
     def _pool_pages(self, rank: int, targets: Sequence[str]) -> int:
         assert self.lora is not None
