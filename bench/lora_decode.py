@@ -97,6 +97,7 @@ def make_engine(
     on_demand: bool = False,
     decode_form: str = "auto",
     lora_pool: str = "kv",
+    layer_loop: str = "auto",
 ) -> Orchestrator:
     """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
     shape compiles when first met: a run's untimed first pass compiles what it uses);
@@ -125,6 +126,7 @@ def make_engine(
             # No prefix cache: every repetition prefills its prompts again, so the cached
             # blocks of the runs before never fill the pool and delay the next admissions.
             cache_policy="none",
+            layer_loop=layer_loop,
             **lora,
         ),
     )

@@ -25,12 +25,12 @@ step that prefills) under the profiler. Reported per step, from the trace:
 
 `--variants` builds both systems once per way of reading each layer's weights:
 
-- `stacked`: the engine as it is, a `lax.scan` slicing layer i out of the stacked arrays;
+- `stacked`: a `lax.scan` slicing layer i out of the stacked arrays (`--layer-loop scan`);
 - `copies`: every layer's parameters copied into arrays of their own (on a GPU, 2x the
   weights' memory), picked by a `lax.switch` on i: what the CPU does without a copy
   (`jlora/model/layer_views.py`);
-- `unrolled`: the layer loop unrolled in Python (`Llama.unroll_layers`), so each
-  layer's slices of the stack are static;
+- `unrolled`: the layer loop unrolled in Python (`--layer-loop unrolled`, the GPU's
+  default), so each layer's slices of the stack are static;
 - `copies-unrolled`: both: each layer's own arrays, picked without a switch.
 
 XLA flags (`--xla_gpu_enable_command_buffer=...`, dynamic-slice fusion) are read once
@@ -64,7 +64,6 @@ from jlora.adapters.peft import make_demo_adapters
 from jlora.cli.common import names_from, target_list
 from jlora.engine.steps import CompiledSteps
 from jlora.model import layer_views
-from jlora.model.llama import Llama
 from jlora.model.loading import load_model
 
 TOP = 16  # ops listed per system
@@ -178,29 +177,13 @@ def layer_copies() -> Iterator[None]:
         layer_views.split_layers = split
 
 
-@contextlib.contextmanager
-def unrolled() -> Iterator[None]:
-    """Engines made and run inside trace their layer loops unrolled."""
-    Llama.unroll_layers = True
-    try:
-        yield
-    finally:
-        Llama.unroll_layers = False
-
-
-@contextlib.contextmanager
-def copies_unrolled() -> Iterator[None]:
-    """Both: per-layer arrays, and the loop unrolled, so each layer's arrays are picked
-    by a constant index (no `lax.switch`, no conditional)."""
-    with layer_copies(), unrolled():
-        yield
-
-
-VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    "stacked": contextlib.nullcontext,
-    "copies": layer_copies,
-    "unrolled": unrolled,
-    "copies-unrolled": copies_unrolled,
+# Each variant: the engines' EngineConfig.layer_loop, and whether they decode with
+# per-layer copies of the parameters.
+VARIANTS: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager]]] = {
+    "stacked": ("scan", contextlib.nullcontext),
+    "copies": ("scan", layer_copies),
+    "unrolled": ("unrolled", contextlib.nullcontext),
+    "copies-unrolled": ("unrolled", layer_copies),
 }
 
 
@@ -284,13 +267,15 @@ def main(argv: list[str] | None = None) -> None:
             for system, with_adapters in (("no-lora", False), (lora, True)):
                 name = system if variant == "stacked" else f"{system}, {variant}"
                 print(f"profiling {name}...", file=sys.stderr, flush=True)
-                with VARIANTS[variant]():
+                layer_loop, copies = VARIANTS[variant]
+                with copies():
                     engine = make_engine(  # what the untimed run meets compiles then
                         loaded,
                         plan,
                         adapters if with_adapters else {},
                         args.backend,
                         on_demand=True,
+                        layer_loop=layer_loop,
                     )
                     rows = spread if with_adapters else None
                     run = functools.partial(jlora_decode, engine, prompts, plan.new_tokens, rows)

@@ -14,7 +14,6 @@ import pytest
 from bench import step_profile
 from jlora.engine.steps import CompiledSteps
 from jlora.model import layer_views
-from jlora.model.llama import Llama
 
 
 def test_busy_time_is_the_union_of_intervals():
@@ -40,8 +39,9 @@ def test_summarise_names_the_ops_of_a_real_trace(tmp_path):
 
 
 def test_variants_run_and_are_undone(tmp_path):
-    """copies-unrolled applies both patches (per-layer copies, the unrolled loop); the
-    reference backend, as interpreted Pallas kernels would take minutes to compile cold."""
+    """copies-unrolled decodes with per-layer copies and the loop unrolled, and undoes the
+    copies' patch; the reference backend, as interpreted Pallas kernels would take
+    minutes to compile cold."""
     init, split = CompiledSteps.__init__, layer_views.split_layers
     out = tmp_path / "profile.json"
     step_profile.main(
@@ -55,7 +55,6 @@ def test_variants_run_and_are_undone(tmp_path):
     ]  # fmt: skip
     assert "| reference k=2, copies-unrolled |" in (tmp_path / "profile.md").read_text()
     assert (CompiledSteps.__init__, layer_views.split_layers) == (init, split)
-    assert Llama.unroll_layers is False
 
 
 def test_an_unknown_variant_is_refused(capsys):

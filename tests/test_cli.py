@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jlora.cli import generate
+from jlora.cli import generate, up
 from jlora.cli.common import UsageError
 from jlora.cli.main import build_parser
 from jlora.engine.api import SamplingParams
@@ -228,6 +228,26 @@ def test_serve_refuses_bad_sharding_flags(tmp_path, cli_env, args, fragments):
     _assert_usage_error(
         _jlora(cli_env, "serve", "--model", "cpu-tiny", *args, cwd=tmp_path), fragments
     )
+
+
+@pytest.mark.parametrize(
+    "command", [["generate"], ["serve"], ["up"], ["profile", "--out", "p.json"]]
+)
+def test_the_layer_loop_flag_parses_and_refuses_a_bad_value(command, capsys):
+    parser = build_parser()
+    assert parser.parse_args(command).layer_loop == "auto"
+    assert parser.parse_args([*command, "--layer-loop", "unrolled"]).layer_loop == "unrolled"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([*command, "--layer-loop", "rolled"])
+    assert exited.value.code == 2
+    assert "--layer-loop: invalid choice: 'rolled'" in capsys.readouterr().err
+
+
+def test_up_passes_the_layer_loop_to_its_workers(tmp_path):
+    parser = build_parser()
+    args = parser.parse_args(["up", "--state-dir", str(tmp_path), "--layer-loop", "scan"])
+    worker = parser.parse_args(up._worker_command(args, None, 50099)[3:])
+    assert worker.layer_loop == "scan"
 
 
 # -- per-line settings in a prompts file (in this process) ----------------------------

@@ -116,6 +116,7 @@ def test_decode_row_buckets_default_to_quarters_of_max_slots_down_to_eight(slots
         ({"decode_row_buckets": (0, 8)}, "decode_row_buckets=.* must be positive"),
         ({"cpu_lora": "fibers"}, r"EngineConfig.cpu_lora='fibers' must be one of \('auto'"),
         ({"lora_pool": "heap"}, r"EngineConfig.lora_pool='heap' must be one of \('kv'"),
+        ({"layer_loop": "rolled"}, r"EngineConfig.layer_loop='rolled' must be one of \('auto'"),
     ],
 )
 def test_engine_config_names_the_bad_field(change, message):

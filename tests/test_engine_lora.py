@@ -106,6 +106,33 @@ def test_tokens_do_not_depend_on_the_decode_row_bucket(tiny, demo):
     engine.close()
 
 
+@pytest.mark.parametrize("backend", ["reference", "bgmv"])
+def test_tokens_do_not_depend_on_the_layer_loop(tiny, demo, backend):
+    """EngineConfig.layer_loop "unrolled" (a GPU's default) against "scan" (a CPU's), with
+    adapters of three ranks and base rows mixed: packed prefills, one prompt prefilled
+    in chunks under a small token budget continuing its cached prefix, a second turn
+    hitting the prefix cache, then decode. The same tokens; and "auto" is the scan here."""
+    a, b, c = _names(demo)
+    prompts = _prompts([5, 9, 70, 3, 20, 11], seed=6)
+    rows = [a, None, b, c, a, None]
+    sampling = [
+        SamplingParams(max_tokens=n, temperature=t, seed=i, ignore_eos=True)
+        for i, (n, t) in enumerate([(4, 0.0), (9, 0.8), (6, 0.0), (12, 0.0), (7, 0.9), (2, 0.0)])
+    ]
+    turns = [prompts, [p + [7, 8, 9] for p in prompts]]
+    tokens = {}
+    for loop in ("scan", "unrolled"):
+        engine = _engine(tiny, demo, lora_backend=backend, layer_loop=loop, prefill_token_budget=32)
+        assert engine.device.model.unroll_layers == (loop == "unrolled")
+        tokens[loop] = [run_to_completion(engine, turn, sampling, rows) for turn in turns]
+        assert engine.stats().cache.hit_tokens > 0, "the second turn never hit the cache"
+        engine.close()
+    assert tokens["unrolled"] == tokens["scan"]
+    auto = _engine(tiny, layer_loop="auto")
+    assert not auto.device.model.unroll_layers  # a CPU
+    auto.close()
+
+
 def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     """Logits of rows without an adapter, next to adapted rows, equal the base model's."""
     engine = _engine(tiny, demo, max_loras=3, lora_mode="cached")

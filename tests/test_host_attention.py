@@ -17,7 +17,6 @@ from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
 from jlora.model.host_attention import MIN_ROWS, paged_decode_attention_host, pays, usable
 from jlora.model.kv_cache import KVCache
-from jlora.model.llama import Llama
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.test_attention import naive, random
 from tests.tolerances import assert_close
@@ -116,14 +115,14 @@ def test_two_threads_may_decode_at_once():
         np.testing.assert_array_equal(result, expected)
 
 
-def test_engine_tokens_with_the_layer_loop_unrolled_equal_the_scans(tiny, monkeypatch):
-    """`Llama.unroll_layers` (a GPU experiment, bench.step_profile) passes the host kernel
-    an int layer; the tokens are the scan's."""
+def test_engine_tokens_with_the_layer_loop_unrolled_equal_the_scans(tiny):
+    """EngineConfig.layer_loop "unrolled" (a GPU's default) passes the host kernel an int
+    layer; the tokens are the scan's."""
     prompts = [[1, 2, 3], list(range(40, 75)), [9] * 17]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     config = {"max_slots": MIN_ROWS, "max_seq_len": 128, "min_bucket": 16}
-    scanned = run_to_completion(make_engine(tiny, **config), prompts, sampling)
-    monkeypatch.setattr(Llama, "unroll_layers", True)
-    engine = make_engine(tiny, **config)
+    scanned = run_to_completion(make_engine(tiny, **config, layer_loop="scan"), prompts, sampling)
+    engine = make_engine(tiny, **config, layer_loop="unrolled")
+    assert engine.device.model.unroll_layers
     assert engine.device.steps.host_attention_for(MIN_ROWS)
     assert run_to_completion(engine, prompts, sampling) == scanned

@@ -128,10 +128,10 @@ def test_engine_tokens_do_not_depend_on_views(tiny, monkeypatch, temperature):
     assert executables and not any(isinstance(e, WithLayerViews) for e in executables)
 
 
-def test_decode_with_the_layer_loop_unrolled_equals_the_scan(tiny, monkeypatch):
-    """`Llama.unroll_layers`, which bench.step_profile's `unrolled` variants set on a GPU:
-    the same logits and cache, from the stack and from the layers' views, with LoRA rows
-    and a base row."""
+def test_decode_with_the_layer_loop_unrolled_equals_the_scan(tiny):
+    """`Llama(..., unroll_layers=True)`, a GPU's default (EngineConfig.layer_loop): the
+    same logits and cache, from the stack and from the layers' views, with LoRA rows and
+    a base row."""
     backend = make_backend("reference")
     model = Llama(tiny.config, lora=backend)
     params = jax.device_put(tiny.params)
@@ -146,7 +146,7 @@ def test_decode_with_the_layer_loop_unrolled_equals_the_scan(tiny, monkeypatch):
     weights = jax.tree.map(lambda w: jnp.asarray(rng.normal(size=w.shape) * 0.1, w.dtype), weights)
     idx = jnp.asarray([1, -1, 0], jnp.int32)
     (logits, cache), _ = _decode_both_ways(model, params, weights, idx)
-    monkeypatch.setattr(Llama, "unroll_layers", True)
+    model = Llama(tiny.config, lora=backend, unroll_layers=True)
     for unrolled, unrolled_cache in _decode_both_ways(model, params, weights, idx):
         np.testing.assert_allclose(unrolled, logits, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(unrolled_cache.k, cache.k, rtol=1e-6, atol=1e-6)

@@ -7,17 +7,18 @@
 #   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 8.5 min)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
 #
-# `profile` is in neither part (about 8 min): where a LoRA decode step's time goes
-# (`bench.step_profile`: device busy and idle time, kernels and top ops per step, the
-# layers' weights read from the stack, from per-layer copies, by an unrolled loop, and
-# both), then the stack with XLA's dynamic-slice fusion.
+# `profile` is in neither part (about 4 min): where a LoRA decode step's time goes
+# (`bench.step_profile`: device busy and idle time, kernels and top ops per step, with the
+# layer loop scanned and unrolled; the compiled steps' HLO beside it).
 #
 # (from the repository root, on a GPU machine). Each stage runs under its own time limit
 # (seconds, below) and a failure does not stop the next; OUT_DIR gets STAGE.log, the
 # benches' .md and .json (cold starts write theirs after every mode), summary.txt (one
 # line per stage: exit code, seconds) and gpu-check.tar.gz holding all of it. Measured on
-# an H200 (2026-11-27): probe 16 s, tests 52 s, kernels 55 s, decode 230 s, cold starts
-# 156 s (real link) and 95 s (1 GB/s); prefill did not finish in 120 s; engine not yet run.
+# an H200 (2026-11-27, the layers scanned): probe 16 s, tests 52 s, kernels 55 s, decode
+# 230 s, cold starts 156 s (real link) and 95 s (1 GB/s); prefill did not finish in 120 s;
+# engine not yet run. A GPU engine now unrolls its layers (EngineConfig.layer_loop), which
+# compiles each step for longer (about 50 s against 40 s for a 7B engine's first steps).
 #
 # Python: $PYTHON, else .venv/bin/python if the project is installed, else python3 with the
 # repository on PYTHONPATH (a GPU image with JAX, flax, numba, torch and pytest already in
@@ -105,14 +106,16 @@ for s in "${stages[@]}"; do
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
     profile)  # where a decode step's time goes (bench.step_profile): no-lora and BGMV with 32
-      # adapters, the layers' weights read four ways; then stacked, with XLA's dynamic-slice
-      # fusion (2026-11-27: 159 s for two ways, 78 s for one)
-      prof=("$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 32 --backend bgmv
-        --targets q_proj,k_proj,v_proj,o_proj)
-      stage profile 380 "${prof[@]}" --variants stacked,copies,unrolled,copies-unrolled \
+      # adapters, the layers scanned and unrolled (2026-11-28: 280 s for three ways, unrolled
+      # over the stack or copies), with the compiled decode steps' HLO kept (decode-hlo.tar.gz):
+      # the trace names a fusion but not what it reads
+      hlo=/tmp/jlora-decode-hlo
+      rm -rf "$hlo"
+      XLA_FLAGS="--xla_dump_to=$hlo --xla_dump_hlo_module_re=jit__decode --xla_dump_hlo_as_text" \
+        stage profile 300 "$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 32 \
+        --backend bgmv --targets q_proj,k_proj,v_proj,o_proj --variants stacked,unrolled \
         --markdown "$out/profile.md" --json "$out/profile.json"
-      XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" stage profile-dsfusion 100 \
-        "${prof[@]}" --markdown "$out/profile-dsfusion.md" --json "$out/profile-dsfusion.json" ;;
+      (cd "$hlo" && tar -czf "$out/decode-hlo.tar.gz" ./*after_optimizations.txt) ;;
   esac
 done
 tar -czf /tmp/gpu-check.tar.gz -C "$out" --exclude gpu-check.tar.gz . && mv /tmp/gpu-check.tar.gz "$out/"

@@ -46,10 +46,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sharding_args(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --lora-sharding (read back with `sharding_config`)."""
+    """--sharding, --lora-sharding (read back with `sharding_config`), --layer-loop (the
+    EngineConfig field of its name)."""
+    from configs.engine import LAYER_LOOPS
     from configs.sharding import LORA_SHARDINGS
 
-    group = parser.add_argument_group("sharding")
+    group = parser.add_argument_group("sharding and layer loop")
     group.add_argument(
         "--sharding",
         metavar="NAME_OR_PATH",
@@ -64,6 +66,14 @@ def add_sharding_args(parser: argparse.ArgumentParser) -> None:
         "collective; the presets' default) or fully-sharded (1/tp of every adapter weight "
         "per device, one small collective per projection)",
     )
+    group.add_argument(
+        "--layer-loop",
+        choices=LAYER_LOOPS,
+        default=LAYER_LOOPS[0],
+        help="how a compiled step walks the layers: scan (compiled once for every layer), "
+        "unrolled (each layer's code of its own: no copy of its weights out of the stack, "
+        "longer compiles) or auto (default: unrolled on a GPU, scan elsewhere)",
+    )
 
 
 def sharding_config(args: argparse.Namespace):
@@ -77,7 +87,8 @@ def sharding_config(args: argparse.Namespace):
 
 def sharding_flags(args: argparse.Namespace) -> list[str]:
     """The flags that pass `add_sharding_args`' values on to a child `jlora serve`."""
-    flags = ["--sharding", args.sharding] if args.sharding else []
+    flags = ["--layer-loop", args.layer_loop]
+    flags += ["--sharding", args.sharding] if args.sharding else []
     return flags + (["--lora-sharding", args.lora_sharding] if args.lora_sharding else [])
 
 

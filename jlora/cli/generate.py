@@ -287,6 +287,7 @@ def _load(
             max_slots=slots,
             max_seq_len=max_seq_len - max_seq_len % 16,
             sharding=sharding,
+            layer_loop=args.layer_loop,
             **cache_config(args),
             **lora,
         )

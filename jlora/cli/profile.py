@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         lora_mode="cached",
         lora_backend=args.lora_backend,
         sharding=sharding,
+        layer_loop=args.layer_loop,
     )
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config

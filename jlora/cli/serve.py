@@ -291,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         max_loras=args.max_loras or 8,
         max_lora_rank=args.max_lora_rank,
         sharding=sharding,
+        layer_loop=args.layer_loop,
         **lora_engine_config(args),
         **cache_config(args),
     )

@@ -164,7 +164,13 @@ class LlamaEngine(DeviceEngine):
             if cfg.max_loras
             else None
         )
-        self.model = Llama(model_config, jnp.dtype(cfg.dtype), backend, tp=self.tp)
+        self.model = Llama(
+            model_config,
+            jnp.dtype(cfg.dtype),
+            backend,
+            tp=self.tp,
+            unroll_layers=unrolled_layer_loop(cfg.layer_loop, self.mesh),
+        )
         self.store: HostStore | None = None
         self.lora: DeviceSlots | None = None
         if backend is not None:
@@ -720,6 +726,14 @@ class LlamaEngine(DeviceEngine):
             self.cpu.close()
         if self.store is not None:
             self.store.close()
+
+
+def unrolled_layer_loop(layer_loop: str, mesh: jax.sharding.Mesh) -> bool:
+    """Whether EngineConfig.layer_loop unrolls the layers on this mesh ("auto": on a GPU,
+    whose scan copies each layer's weights out of the stack)."""
+    if layer_loop == "auto":
+        return mesh.devices.flat[0].platform == "gpu"
+    return layer_loop == "unrolled"
 
 
 def _decode_rows(live: np.ndarray, count: int) -> np.ndarray:

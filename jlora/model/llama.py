@@ -1,4 +1,4 @@
-"""A Llama-2 family decoder in Flax, run as a `lax.scan` over stacked layers.
+"""A Llama-2 family decoder in Flax over stacked layers, run as a `lax.scan` or unrolled.
 
 Parameters are an explicit pytree (`Params`) passed into jitted step functions:
 
@@ -20,6 +20,13 @@ and each matmul reads its kernel in place. Decode, which reads every weight for 
 rows, gains 9-16% on SmolLM2 (2 cores, batch 1-32); the switch doubles its compile
 time (one branch per layer and input group). Prefill gains 5-8% at 32-64 tokens and
 nothing measurable past them, so it keeps the plain scan.
+
+XLA:GPU copies them too (on an H200, a Llama-2-7B decode step of 32 rows spent 6.2 of
+its 12.2 device-busy ms in those copies), and switching between per-layer copies there
+costs a host round trip per conditional. There the engine unrolls the layer loop
+instead (`unroll_layers`, EngineConfig.layer_loop): every layer's index is a constant,
+its kernels static slices of the stack, which the matmuls read in place (14.3 -> 7.5 ms
+a step; bench/results/2026-11-28-h200-profile.md), for a compile that grows with depth.
 
 The attention itself is not part of the Flax layer: `DecoderLayer.qkv` projects and
 rotates, the caller attends over the paged KV cache (`attention.py`), and
@@ -230,13 +237,6 @@ class Llama:
     the engine.
     """
 
-    # The layer loop as a Python loop instead of a `lax.scan` (each layer's index a
-    # constant: static slices of the stack, and the layer's own arrays picked without a
-    # `lax.switch`). False everywhere today; `bench.step_profile --variants unrolled` tries
-    # it on a GPU, whose scan copies each layer's weights out of the stack
-    # (bench/results/2026-11-27-h200-profile.md).
-    unroll_layers: bool = False
-
     def __init__(
         self,
         config: ModelConfig,
@@ -244,6 +244,7 @@ class Llama:
         lora: LoraBackend | None = None,
         cpu_lora: CpuLora | None = None,
         tp: TensorParallel | None = None,
+        unroll_layers: bool = False,
     ) -> None:
         self.vocab_size = config.vocab_size  # the real one: logits past it are padding
         self.config = config if tp is None else tp.local  # the shapes a shard computes
@@ -252,6 +253,11 @@ class Llama:
         self.cpu_lora = cpu_lora  # the host side of CPU-assisted prefill, if any
         self.tp = tp
         self.vocab_axis = None if tp is None else tp.vocab_axis
+        # The layer loop as a Python loop instead of a `lax.scan` (the module docstring):
+        # each layer's index a constant, its kernels static slices of the stack, or its
+        # own arrays picked without a `lax.switch`. A segment whose first layer is traced
+        # (`prefill_layers` with an array `layer_start`) is scanned all the same.
+        self.unroll_layers = unroll_layers
         self.layer = DecoderLayer(
             self.config,
             self.dtype,
