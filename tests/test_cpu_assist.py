@@ -174,16 +174,23 @@ def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_plac
         store.close()
 
 
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefill(
-    tiny, adapters, device_only
+    tiny, adapters, device_only, layer_loop
 ):
     """A mixed batch of cold adapters (and base rows): CPU-assisted prefills give the
-    tokens of the device-only (ondemand) engine, and some of them ran CPU then device."""
+    tokens of the device-only (ondemand, scanned) engine, and some of them ran CPU then
+    device. With the layers unrolled (a GPU's default), each segment is compiled for its
+    own first layer."""
     names = list(ADAPTERS)
     prompts = _prompts([5, 17, 9, 30, 12, 3])
     rows = [names[0], names[1], None, names[2], names[1], names[0]]
     expected = device_only(prompts, rows)
-    engine = _engine(tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS)
+    engine = _engine(
+        tiny, adapters, "cpu-assist", emulated_link_gbps=SLOW_LINK_GBPS, layer_loop=layer_loop
+    )
+    starts = {start for _, _, start in engine.device.steps._segment_exe}
+    assert starts == ({0, 1, 2} if layer_loop == "unrolled" else {0})
     segments = _segments(engine)
     assert all(path.exists() for path in segments)
     try:

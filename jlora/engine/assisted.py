@@ -53,14 +53,13 @@ class AssistedPrefill:
         config: EngineConfig,
     ) -> None:
         self.steps, self.lora, self.store, self.cpu, self.config = steps, lora, store, cpu, config
-        self.group_sizes = sorted({stop - start for start, stop in lora.groups})
         self.prefill_s: dict[int, float] = {}  # device prefill seconds per bucket
         self.handoff_s = 0.0  # one CPU-routed input group's callback round trip
 
     def compile(self, params: Params, cache: KVCache, bucket: int) -> None:
         """The calls of a CPU-assisted prefill of `bucket` tokens."""
         self.steps.compile_segmented(
-            params, cache, bucket, self.config.blocks_per_seq, self.lora.weights, self.group_sizes
+            params, cache, bucket, self.config.blocks_per_seq, self.lora.weights, self.lora.groups
         )
 
     def run(

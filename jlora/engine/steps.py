@@ -36,6 +36,7 @@ replicated): the model computes one shard and its collectives are explicit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -146,13 +147,19 @@ class CompiledSteps:
             donate_argnums=(1,),
         )
         self._embed_jit = jax.jit(sharded(model.embed, (params, rep), rep))
+        # A CPU-assisted prefill's layer-group segment, its first layer an argument: traced
+        # under a scan (one executable per segment size), static where the model unrolls
+        # its layers (one per segment), so that each layer's index is a constant there too.
+        segment_specs = (params, cache, rep, rep, rep, rep, lora, rep)
+
+        def segment(layer_start, *args):
+            body = functools.partial(self._prefill_segment, layer_start)
+            return sharded(body, segment_specs, (rep, cache))(*args)
+
         self._segment_jit = jax.jit(
-            sharded(
-                self._prefill_segment,
-                (params, cache, rep, rep, rep, rep, rep, lora, rep),
-                (rep, cache),
-            ),
-            donate_argnums=(1,),
+            segment,
+            static_argnums=(0,) if model.unroll_layers else (),
+            donate_argnums=(2,),
         )
         self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), rep))
         self._prefill_exe: dict[int, Any] = {}
@@ -160,7 +167,7 @@ class CompiledSteps:
         self._prefill_packed_exe: dict[tuple[int, int], Any] = {}  # (bucket, prompts)
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self._embed_exe: dict[int, Any] = {}
-        self._segment_exe: dict[tuple[int, int], Any] = {}  # (bucket, layers)
+        self._segment_exe: dict[tuple[int, int, int], Any] = {}  # _segment_key
         self._head_exe: dict[int, Any] = {}
         self.num_compiles = 0
         self.warmed_up = False  # set by the engine once warm-up is done
@@ -203,12 +210,12 @@ class CompiledSteps:
 
     def _prefill_segment(
         self,
+        layer_start: jax.Array | int,
         params: Params,
         cache: KVCache,
         x: jax.Array,
         length: jax.Array,
         block_table: jax.Array,
-        layer_start: jax.Array,
         route: jax.Array,
         lora_weights: LoraWeights,
         segments: Segments,
@@ -345,28 +352,29 @@ class CompiledSteps:
         bucket: int,
         blocks_per_seq: int,
         lora_weights: LoraWeights,
-        group_sizes: list[int],
+        groups: Sequence[tuple[int, int]],
     ) -> None:
-        """The calls of a CPU-assisted prefill of `bucket` tokens, for layer groups of
-        `group_sizes` layers."""
+        """The calls of a CPU-assisted prefill of `bucket` tokens, for the layer groups
+        [start, stop) of `groups`."""
         tokens = np.zeros(bucket, np.int32)
         if bucket not in self._embed_exe:
             self._embed_exe[bucket] = self._compile(
                 self._embed_jit, f"embed[{bucket}]", params, tokens
             )
         x = jax.eval_shape(self._embed_jit, params, tokens)
-        for size in group_sizes:
-            if (bucket, size) not in self._segment_exe:
-                self._segment_exe[(bucket, size)] = self._compile(
+        for start, stop in groups:
+            key = self._segment_key(bucket, start, stop - start)
+            if key not in self._segment_exe:
+                self._segment_exe[key] = self._compile(
                     self._segment_jit,
-                    f"prefill segment[{bucket} tokens x {size} layers]",
+                    f"prefill segment[{bucket} tokens x {stop - start} layers]",
+                    start if self.model.unroll_layers else np.int32(start),  # static, or not
                     params,
                     cache,
                     x,
                     np.int32(1),
                     np.zeros(blocks_per_seq, np.int32),
-                    np.int32(0),
-                    np.zeros(size, np.int32),
+                    np.zeros(stop - start, np.int32),
                     lora_weights,
                     Segments.single(-1, bucket),
                 )
@@ -476,18 +484,23 @@ class CompiledSteps:
     ) -> tuple[jax.Array, KVCache]:
         """Layers [layer_start, layer_start + len(route)); route[i] = 1 puts layer
         layer_start + i's LoRA on the CPU workers, 0 on the device slots."""
-        executable = self._segment_exe[(x.shape[0], route.shape[0])]
+        executable = self._segment_exe[self._segment_key(x.shape[0], layer_start, route.shape[0])]
         return executable(
+            *(() if self.model.unroll_layers else (np.int32(layer_start),)),  # compiled in
             params,
             cache,
             x,
             np.int32(length),
             block_table,
-            np.int32(layer_start),
             route,
             lora_weights,
             segments,
         )
+
+    def _segment_key(self, bucket: int, start: int, layers: int) -> tuple[int, int, int]:
+        """A segment's executable: one per (bucket, layers) under a scan, one per (bucket,
+        layers, first layer) where the layers are unrolled."""
+        return bucket, layers, start if self.model.unroll_layers else 0
 
     def prefill_head(
         self, params: Params, x: jax.Array, length: int, sampling: SamplingArrays
