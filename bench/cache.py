@@ -21,9 +21,10 @@ for what is swapped out. Three engines are built in turn on the same weights, on
   swap-out);
 - `none`: one pool, no history KV (S-LoRA).
 
-The two unified policies get a device slot for every adapter: in them the pool, not a
-slot count, decides how many adapters are resident (FastLibra §5.1), and jlora's slots
-hold none of the pool's pages (only `lru` sets a share of the pool aside for slots).
+In the two unified policies the pool, not a slot count, decides how many adapters are
+resident (FastLibra §5.1): the adapters live in the pool's pages, and the engine has as
+many slots as the pool has pages (EngineConfig.max_loras). Only `lru` sets a share of
+the pool aside for its `max_loras` slots.
 
 Each replays the same `multiturn_workload` (bench/workloads.py), closed loop within a
 session: turn k is sent at max(its trace arrival, turn k-1's finish + think_s), its
@@ -345,7 +346,7 @@ def engine_config(plan: Plan, policy: str, block_bytes: int) -> EngineConfig:
         max_slots=plan.slots,
         max_seq_len=plan.max_seq_len,
         prefill_buckets=plan.prefill_buckets,
-        max_loras=plan.max_loras if policy == "lru" else plan.adapters,
+        max_loras=plan.max_loras,  # lru's slots; the pool's pages bind the others
         max_lora_rank=max(plan.ranks),
         lora_mode="ondemand",
         cache_policy=policy,
@@ -493,9 +494,10 @@ def render(
         f"{plan.base_fraction:.0%}).",
         "",
         f"Engine: {plan.slots} decode rows, max_seq_len {plan.max_seq_len}, adapters "
-        f"loaded on demand into {plan.max_loras} slots (lru's static share) or one slot "
-        f"each (fastlibra, none: the pool decides), a device pool of {plan.pool_blocks} KV blocks "
-        f"({rows[0]['pool_pages'] if rows else plan.pool_blocks} pages), a host pool of "
+        f"loaded on demand into {plan.max_loras} slots (lru's static share) or into the "
+        f"pool's pages (fastlibra, none: the pool decides), a device pool of "
+        f"{plan.pool_blocks} KV blocks ({rows[0]['pool_pages'] if rows else plan.pool_blocks} "
+        "pages), a host pool of "
         f"{plan.host_pool_mib} MiB, an emulated link of {plan.link_gbps:g} GB/s.",
         "",
         "Pool use is the mean share of the device pool's pages over the engine's steps: "

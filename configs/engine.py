@@ -90,6 +90,10 @@ class EngineConfig:
     max_loras: device adapter slots (0: serve the base model only, no LoRA code in the
       compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
       they hold. Adapters of higher rank or other targets are refused at registration.
+      Where the adapters live in the KV cache's pages (lora_pool "kv" on one device)
+      under cache_policy "fastlibra" or "none", the pool, not max_loras, sets how many
+      stay resident (as many as their ranks' pages fit); max_loras then sizes the
+      default pool (room for that many adapters at max_lora_rank).
     lora_mode: "ondemand" loads an adapter into a slot when a request needs it (the
       running batch keeps decoding meanwhile) and prefills once it has landed;
       "cached" loads and pins every adapter when it is registered; "cpu-assist"

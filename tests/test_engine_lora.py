@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jlora.adapters.peft import make_demo_adapters
 from jlora.contract.errors import Code, RequestError
-from jlora.engine.api import Request, SamplingParams
+from jlora.engine.api import DEVICE, Request, SamplingParams
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
 from tests.engine_helpers import kv_blocks, make_engine, run_to_completion
@@ -179,6 +179,34 @@ def test_cached_and_ondemand_give_identical_tokens(tiny, demo):
         engine.close()
 
 
+@pytest.mark.parametrize("policy", ["fastlibra", "lru"])
+def test_the_pool_not_max_loras_sets_the_adapters_resident(tiny, demo, policy):
+    """FastLibra §4.3: with the adapters in the KV cache's pages (the default), the pool
+    holds as many as their ranks' pages fit, whatever max_loras says: in a pool with room
+    to spare, an engine of one max_loras keeps all three demo adapters (ranks 4, 12, 32)
+    resident, evicting none, and gives the tokens of an engine with a stacked slot for
+    each. Under "lru" (vLLM's static share) max_loras binds: one slot, loads and
+    evictions. (In the default pool, KV and one rank-32 adapter's room, the three do not
+    fit: fastlibra evicts adapters for pages there.)"""
+    a, b, c = _names(demo)
+    prompts = _prompts([4, 30, 8, 15, 2, 22], seed=3)
+    rows = [c, a, None, b, c, a]
+    stacked = _engine(tiny, demo, max_loras=3, lora_pool="slots")
+    expected = run_to_completion(stacked, prompts, GREEDY, rows)
+    stacked.close()
+    engine = _engine(tiny, demo, max_loras=1, cache_policy=policy, kv_cache_tokens=4096)
+    assert run_to_completion(engine, prompts, GREEDY, rows) == expected
+    slots, stats = engine.adapters.slots, engine.stats()
+    if policy == "fastlibra":
+        assert stats.adapter_slots_total == engine.config.num_blocks
+        assert slots.stats()["evictions"] == 0
+        assert all(engine.adapters.info(name).state == DEVICE for name in demo)
+    else:
+        assert stats.adapter_slots_total == 1
+        assert slots.stats()["evictions"] >= 2
+    engine.close()
+
+
 def test_the_running_batch_keeps_decoding_while_an_adapter_loads(tiny, demo):
     name = _names(demo)[-1]  # rank 32
     # ~1.2 MB of slots at 0.005 GB/s: the transfer takes about a quarter of a second.
@@ -246,6 +274,7 @@ def _corrupt_copy(path, tmp_path):
         ("duplicate", "already registered", Code.ALREADY_EXISTS, "name"),
         ("bad-name", "name=", Code.INVALID_ARGUMENT, "name"),
         ("cached-full", "max_loras=1", Code.FAILED_PRECONDITION, "pin"),
+        ("pool-full", "pinned adapters would take", Code.FAILED_PRECONDITION, "pin"),
     ],
 )
 def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected, code, field):
@@ -255,7 +284,11 @@ def test_bad_adapters_change_nothing(tiny, demo, tmp_path, case, expected, code,
     overrides = {
         "rank": {"max_lora_rank": 8},
         "targets": {"lora_targets": ("q_proj", "v_proj")},
-        "cached-full": {"max_loras": 1, "lora_mode": "cached"},
+        # stacked slots: max_loras caps the adapters resident (the pool's pages do not)
+        "cached-full": {"max_loras": 1, "lora_mode": "cached", "lora_pool": "slots"},
+        # the adapters in the pool's pages, which hold a sequence's KV and one rank-32
+        # adapter: the rank-4 one pinned, a rank-32 one would starve the KV
+        "pool-full": {"max_loras": 1, "lora_mode": "cached", "kv_cache_tokens": 128},
     }.get(case, {})
     first = demo[names[0]]
     if case == "targets":  # the engine holds q_proj and v_proj only; so does its adapter

@@ -140,7 +140,9 @@ def _serve_mixed_batch(
     smollm2, peft_dirs, prompt_ids, backend: str, **overrides
 ) -> list[list[int]]:
     """Four decode slots for six prompts and two device slots for three adapters: requests
-    wait for slots, adapters are loaded on demand and evicted while others decode."""
+    wait for slots, adapters are loaded on demand and evicted while others decode (under
+    "lru", vLLM's static share, whose max_loras slots bind even where the adapters live
+    in the pool's pages)."""
     engine = make_engine(
         smollm2,
         max_slots=4,
@@ -148,7 +150,7 @@ def _serve_mixed_batch(
         max_loras=2,
         max_lora_rank=32,
         lora_backend=backend,
-        **overrides,
+        **{"cache_policy": "lru", **overrides},
     )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))

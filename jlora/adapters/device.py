@@ -123,20 +123,9 @@ class DeviceSlots:
         shapes = target_shapes(tp.placed)  # k/v as wide as the replicated KV heads
         self.shapes = {target: shapes[target] for target in targets}
         self._host_shapes = target_shapes(model_config)  # as the host store holds them
-        weights = backend.allocate(
-            num_layers=model_config.num_layers,
-            num_slots=num_slots,
-            max_rank=max_rank,
-            shapes=self.shapes,
-            dtype=dtype,
-            rank_shards=self.rank_shards,
-        )
-        self.specs = tp.lora_specs(weights, backend.layout, split_rank=self.rank_shards > 1)
-        shardings = tp.named(self.specs)
-        self.weights: LoraWeights = jax.device_put(weights, shardings)
-        self._abstract = _abstract(self.weights)
-        self._jitted_install = jax.jit(backend.install, donate_argnums=0, out_shardings=shardings)
+        self._num_layers = model_config.num_layers
         self._installs: dict[tuple, _Install] = {}  # payload shape -> its compiled install
+        self.resize(num_slots)
         self._layer_bytes: dict[tuple[int, tuple[str, ...]], int] = {}
         self._compiling = threading.Lock()  # staging and transfer threads may both compile
         self.link_bytes_per_s = (
@@ -147,6 +136,29 @@ class DeviceSlots:
             else 0.0
         )
         self._transfers: dict[int, Transfer] = {}  # slot -> its latest load (transfer thread)
+
+    def resize(self, num_slots: int) -> None:
+        """`num_slots` empty slots, placed (at construction; again only before anything
+        is prepared, loaded or attached: where a pooled backend's slots are rows of page
+        tables, the engine sets their number once the pool's size is known)."""
+        assert not self._installs, "slots resized after an install was prepared"
+        self.num_slots = num_slots
+        weights = self.backend.allocate(
+            num_layers=self._num_layers,
+            num_slots=num_slots,
+            max_rank=self.max_rank,
+            shapes=self.shapes,
+            dtype=self.dtype,
+            rank_shards=self.rank_shards,
+        )
+        split_rank = self.rank_shards > 1
+        self.specs = self._tp.lora_specs(weights, self.backend.layout, split_rank=split_rank)
+        shardings = self._tp.named(self.specs)
+        self.weights: LoraWeights = jax.device_put(weights, shardings)
+        self._abstract = _abstract(self.weights)
+        self._jitted_install = jax.jit(
+            self.backend.install, donate_argnums=0, out_shardings=shardings
+        )
 
     def attach_pool(self, cache: KVCache) -> None:
         """The KV cache a pooled backend keeps the adapters in (before anything is

@@ -33,7 +33,8 @@ The life of an adapter:
    asked for an adapter's pages before its load starts (`reserve`, which names them, and
    the load is given them; None: the load waits, its slot stays free), told when an
    adapter leaves a slot (`released`: evicted, failed or discarded), and orders the idle
-   adapters for eviction (`evict_order`, given least recently used first).
+   adapters for eviction (`evict_order`, given least recently used first), and refuses a
+   pin whose pinned adapters its pages could never hold (`check_pins`).
    It may evict idle adapters itself (`evict`) to make room.
 
 Threads: only `load` runs off the caller's thread. All bookkeeping is read and written on the
@@ -79,6 +80,8 @@ class SlotMemory(Protocol):
     def released(self, name: str) -> None: ...
 
     def evict_order(self, names: list[str]) -> list[str]: ...
+
+    def check_pins(self, names: Sequence[str]) -> None: ...
 
 
 @dataclass(eq=False)
@@ -178,6 +181,8 @@ class SlotManager:
                 f"cannot pin adapter {name!r}: {len(self._pinned)} adapters are pinned "
                 f"and num_slots={self.num_slots}"
             )
+        if self._memory is not None:
+            self._memory.check_pins([*self._pinned, name])
         self._pinned[name] = None
         if name not in self._ready and name not in self._loading:
             self._start_load(name)

@@ -279,6 +279,13 @@ class DeviceEngine(abc.ABC):
     # -- KV blocks to and from host memory (the prefix cache's swaps) --------------------
 
     @property
+    def adapter_slots(self) -> int:
+        """The device's adapter slots, which the orchestrator's slot manager hands out:
+        config.max_loras unless the engine holds more (adapters that live in the pool's
+        pages, whose number the pool sets)."""
+        return self.config.max_loras
+
+    @property
     def can_swap_kv(self) -> bool:
         """Whether the four calls below are offered (else evicted cached KV is dropped)."""
         return False

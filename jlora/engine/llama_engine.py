@@ -193,6 +193,13 @@ class LlamaEngine(DeviceEngine):
         cfg = self.config = size_pool(
             cfg, self.tp, model_config, self.model.dtype, adapter_pages=adapter_pages
         )
+        if adapter_pages is not None and cfg.cache_policy != "lru":
+            # FastLibra §4.3: the adapters resident follow from their ranks and the pool,
+            # not from a slot count. A pooled slot is a row of page tables, and no adapter
+            # takes less than a page, so the pool never holds more adapters than it has
+            # pages (max_loras then only sizes the default pool). "lru" keeps vLLM's slots.
+            assert self.lora is not None
+            self.lora.resize(max(cfg.max_loras, cfg.num_blocks))
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(
@@ -608,9 +615,18 @@ class LlamaEngine(DeviceEngine):
         of the pool, slot after slot, each an adapter of max_lora_rank's worth (the room
         `size_pool` adds for max_loras adapters), for callers that take KV blocks from the
         bottom themselves (the orchestrator names its own pool's)."""
+        if slot >= self.config.max_loras:
+            raise ValueError(
+                f"slot {slot}: a caller that names no pool pages has max_loras="
+                f"{self.config.max_loras} slots' worth at the pool's top"
+            )
         count = self._pool_pages(self.config.max_lora_rank, self.config.lora_targets)
         top = self.config.num_blocks - slot * count
         return list(range(top - count, top))
+
+    @property
+    def adapter_slots(self) -> int:
+        return 0 if self.lora is None else self.lora.num_slots
 
     @property
     def can_assist(self) -> bool:

@@ -240,6 +240,10 @@ class Leader(DeviceEngine):
         _load_and_install(self.engine, name, slot, pages)
 
     @property
+    def adapter_slots(self) -> int:
+        return self.engine.adapter_slots
+
+    @property
     def can_swap_kv(self) -> bool:
         return True
 

@@ -172,7 +172,7 @@ class Orchestrator:
         self.adapters: AdapterManager | None = None
         if cfg.max_loras:
             self.adapters = AdapterManager(
-                device, num_slots=cfg.max_loras, mode=cfg.lora_mode, memory=self.memory
+                device, num_slots=device.adapter_slots, mode=cfg.lora_mode, memory=self.memory
             )
             self.memory.attach(self.adapters.slots)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -409,7 +409,7 @@ class Orchestrator:
             - cache.pages_kv
             + cache.pages_kv_cached,
             kv_block_size=cfg.block_size,
-            adapter_slots_total=cfg.max_loras,
+            adapter_slots_total=self.device.adapter_slots,
             adapter_slots_free=slots.num_free if slots is not None else 0,
             adapter_slots_loading=len(slots.loading()) if slots is not None else 0,
             adapter_loads=counts.get("loads", 0),

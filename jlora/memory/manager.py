@@ -132,6 +132,7 @@ class MemoryManager:
         self._slots: Slots | None = None  # `attach`ed
         self._prefill_s_per_token = 0.0  # measured (`observe_prefill`); 0: not yet
         self._share: list[int] = []  # "lru": the static share's pages no adapter holds
+        self._min_kv_pages = min_kv_pages
         if policy == "lru" and lora_slots:
             # vLLM sizes every LoRA slot for the largest rank, once; KV keeps min_kv_pages.
             share = lora_slots * self.pool.pages_for(lora_slot_bytes)
@@ -174,6 +175,22 @@ class MemoryManager:
         adapter.resident = True
         self.tree.adapter(adapter.key).where = DEVICE
         return adapter.pages
+
+    def check_pins(self, names: Sequence[str]) -> None:
+        """ValueError if adapters `names`, pinned (never evicted), could never all be on
+        the device and leave the pool a sequence's KV (min_kv_pages), which would starve
+        a pinned load forever. Under "lru" the slot count bounds the pins instead (each
+        slot's share holds an adapter of any rank)."""
+        if self.policy == "lru":
+            return
+        need = sum(self.pool.pages_for(self._adapters[name].device_bytes) for name in names)
+        room = self.pool.num_pages - self._min_kv_pages
+        if need > room:
+            raise ValueError(
+                f"the {len(names)} pinned adapters would take {need} of the device pool's "
+                f"{self.pool.num_pages} pages, which must keep {self._min_kv_pages} for a "
+                "sequence's KV"
+            )
 
     def released(self, name: str) -> None:
         """`name` left the device (evicted, failed or discarded)."""
