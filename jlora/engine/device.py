@@ -276,14 +276,14 @@ class DeviceEngine(abc.ABC):
         into `slot`) with CPU assistance; None: this engine cannot assist."""
         return None
 
-    # -- KV blocks to and from host memory (the prefix cache's swaps) --------------------
-
     @property
     def adapter_slots(self) -> int:
         """The device's adapter slots, which the orchestrator's slot manager hands out:
         config.max_loras unless the engine holds more (adapters that live in the pool's
         pages, whose number the pool sets)."""
         return self.config.max_loras
+
+    # -- KV blocks to and from host memory (the prefix cache's swaps) --------------------
 
     @property
     def can_swap_kv(self) -> bool:
