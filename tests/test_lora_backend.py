@@ -153,7 +153,10 @@ def test_bgmv_matches_the_loop(slots, dtype, target, row_slots):
 
 
 def _decode_forms(backend):
-    """Yields each decode form the backend has, set on it while the caller runs it."""
+    """Yields each decode form the backend has, set on it while the caller runs it: the
+    reference's gather, its product over every slot, and its product over the batch's
+    own slots where they are at most batch_slots = 2 (else the gather, at run time: both
+    happen among the row mixes above)."""
     if not hasattr(backend, "decode_form"):
         yield "the backend's"
         return
@@ -161,8 +164,13 @@ def _decode_forms(backend):
         for form in ("gather", "over-slots"):
             backend.decode_form = form
             yield form
+        del backend.decode_form
+        backend.batch_slots = 2
+        backend.over_slots = lambda rows, slots: slots == backend.batch_slots
+        yield "over the batch's slots"
     finally:
-        del backend.decode_form  # the class's "auto" again
+        for attribute in ("decode_form", "batch_slots", "over_slots"):
+            backend.__dict__.pop(attribute, None)  # the class's again
 
 
 def test_the_reference_decode_form_follows_rows_and_slots():

@@ -198,8 +198,11 @@ class LlamaEngine(DeviceEngine):
             # not from a slot count. A pooled slot is a row of page tables, and no adapter
             # takes less than a page, so the pool never holds more adapters than it has
             # pages (max_loras then only sizes the default pool). "lru" keeps vLLM's slots.
+            # A decode batch of at most max_loras adapters still takes the product over
+            # them where that is the faster form (ReferenceBackend.batch_slots).
             assert self.lora is not None
             self.lora.resize(max(cfg.max_loras, cfg.num_blocks))
+            cast(PooledReferenceBackend, self.lora.backend).batch_slots = cfg.max_loras
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(

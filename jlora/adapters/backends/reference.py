@@ -12,7 +12,10 @@ row bucket and the slot count (both static, so each compiled step holds one form
 `ReferenceBackend.over_slots`): a per-row gather of each row's slot (cost ∝ rows ×
 max_rank, like BGMV, but the gather copies each row's factors first), or one product
 over every slot, each row's other slots zeroed between the two halves (it reads each
-slot once, in place; cost ∝ rows × slots × max_rank in flops). A prefill's LoRA costs
+slot once, in place; cost ∝ rows × slots × max_rank in flops). Where the slots are
+many (adapters in the pool's pages), the product may run over the batch's own adapters
+instead, when they are at most `batch_slots` (decided at run time, else the gather).
+A prefill's LoRA costs
 ∝ rows × max_rank times the segments that have an adapter (each is a masked product
 over every row, or over its `Segments.window` rows where the segments are bounded: a
 packed prefill's, whose LoRA then costs about its prompt rows' worth, not the
@@ -81,6 +84,10 @@ class ReferenceBackend(LoraBackend):
     # Decode's form: "auto" (`over_slots` decides), "gather" or "over-slots" (forced: the
     # benchmark's, bench.lora_decode --reference-forms).
     decode_form = "auto"
+    # Where there are many slots (adapters in the pool's pages: a slot per page), "auto"
+    # may still take the product over the batch's own adapters when they are at most
+    # this many (0: never); the engine sets it to max_loras.
+    batch_slots = 0
     layout = {
         "a": ("layers", "slot", "in", "rank"),
         "b": ("layers", "slot", "rank", "out"),
@@ -177,16 +184,40 @@ class ReferenceBackend(LoraBackend):
             xa = _masked(self._shrink_rows(x, a).astype(x.dtype), self._live(weights, target, safe))
             return _add_where(adapting, y, self._expand_rows(xa, b))
 
-        def through_every_slot() -> jax.Array:
-            a, b = self._every_slot(weights, target, layer)
+        def over(ids: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+            """The product over slots `ids` (i32[K]; `slots` for none) whose factors are
+            a and b, each row's other slots zeroed between the two halves."""
             xa = einsum_f32(f"si,n{self.a_dims}->snr", x, a).astype(x.dtype)  # every slot
-            mine = idx[:, None] == jnp.arange(slots)[None, :]  # [S, N]: the row's own
-            live = self._live(weights, target, jnp.arange(slots))  # [N, R] or None
+            mine = idx[:, None] == ids[None, :]  # [S, K]: the row's own
+            live = self._live(weights, target, jnp.minimum(ids, slots - 1))  # [K, R] or None
             mine = mine[:, :, None] if live is None else mine[:, :, None] & live[None]
             xa = jnp.where(mine, xa, jnp.zeros((), x.dtype))
             return _add_where(adapting, y, einsum_f32("snr,nro->so", xa, b))
 
-        compute = through_every_slot if self.over_slots(x.shape[0], slots) else gathered
+        def through_every_slot() -> jax.Array:
+            return over(jnp.arange(slots), *self._every_slot(weights, target, layer))
+
+        def through_the_batchs_slots() -> jax.Array:
+            """`over` the batch's own slots where they are at most k = batch_slots (a
+            static bound), else `gathered`."""
+            k = self.batch_slots
+            # Sorted: the batch's distinct slots, then `slots` (base rows, the fill); so
+            # the (k+1)-th is `slots` exactly when there are at most k of them.
+            distinct = jnp.unique(jnp.where(idx >= 0, idx, slots), size=k + 1, fill_value=slots)
+            ids = distinct[:k]
+
+            def product() -> jax.Array:
+                return over(ids, *self._stored(weights, target, layer, jnp.minimum(ids, slots - 1)))
+
+            return jax.lax.cond(distinct[k] == slots, product, gathered)
+
+        rows = x.shape[0]
+        if self.over_slots(rows, slots):
+            compute = through_every_slot
+        elif 0 < self.batch_slots < slots and self.over_slots(rows, self.batch_slots):
+            compute = through_the_batchs_slots
+        else:
+            compute = gathered
         return _unless_none(adapting, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
