@@ -23,8 +23,9 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
   per place its adapters live (EngineConfig.lora_pool; plain `reference` is "kv", in
   the KV cache's pages).
 
-Every system runs once untimed, then `repeats` times, alternating; the table shows
-the median, the min-max range and the ratio to `no-lora`.
+Every system runs once untimed (which compiles what it meets: the engines compile on
+demand), then `repeats` times, alternating; the table shows the median, the min-max
+range and the ratio to `no-lora`.
 """
 
 from __future__ import annotations
@@ -221,10 +222,13 @@ def main(argv: list[str] | None = None) -> None:
             seed=0,
         )
         adapters = {path.name: path for path in paths}
-        engines = {"no-lora": make_engine(loaded, plan, {})}
+        # Compiled on demand: each system's untimed first run compiles the shapes it
+        # meets, and nothing else (a GPU engine unrolls its layers, and its full warm-up
+        # compiles for minutes: bench/results/2026-11-28-h200-profile.md).
+        engines = {"no-lora": make_engine(loaded, plan, {}, on_demand=True)}
         for system, backend, form, pool in _systems(plan):
             engines[system] = make_engine(
-                loaded, plan, adapters, backend, decode_form=form, lora_pool=pool
+                loaded, plan, adapters, backend, on_demand=True, decode_form=form, lora_pool=pool
             )
     names = list(adapters)
     runs = {

@@ -154,8 +154,11 @@ class EngineConfig:
       or "auto" (unrolled on a GPU, a scan elsewhere). Inside a scan XLA:GPU copies each
       layer's weights out of the stack before its matmuls read them: on an H200 a
       Llama-2-7B decode step of 32 rows took 14.3 ms scanned and 7.5 ms unrolled
-      (bench/results/2026-11-28-h200-profile.md). On a CPU the scan reads each layer's
-      weights in place through per-layer views (jlora/model/layer_views.py).
+      (bench/results/2026-11-28-h200-profile.md). The price is compile time: each
+      step holds every layer's code, and a 7B engine's full warm-up compiles for
+      minutes on a first start (the persistent compilation cache serves later ones).
+      On a CPU the scan reads each layer's weights in place through per-layer views
+      (jlora/model/layer_views.py).
     sharding: the device mesh and placement rules (configs/sharding.py); None is one
       device.
     """
