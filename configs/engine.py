@@ -248,26 +248,19 @@ class EngineConfig:
                 f"EngineConfig.emulated_link_gbps={self.emulated_link_gbps!r} must be >= 0 "
                 "(0: no throttle)"
             )
-        if self.cpu_lora not in CPU_LORA:
-            raise ConfigError(f"EngineConfig.cpu_lora={self.cpu_lora!r} must be one of {CPU_LORA}")
-        if self.lora_mode not in LORA_MODES:
-            raise ConfigError(
-                f"EngineConfig.lora_mode={self.lora_mode!r} must be one of {LORA_MODES}"
-            )
-        if self.lora_backend not in LORA_BACKENDS:
-            raise ConfigError(
-                f"EngineConfig.lora_backend={self.lora_backend!r} must be one of {LORA_BACKENDS}"
-            )
-        if self.lora_pool not in LORA_POOLS:
-            raise ConfigError(
-                f"EngineConfig.lora_pool={self.lora_pool!r} must be one of {LORA_POOLS}"
-            )
-        if self.layer_loop not in LAYER_LOOPS:
-            raise ConfigError(
-                f"EngineConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}"
-            )
-        if self.merge not in MERGE_MODES:
-            raise ConfigError(f"EngineConfig.merge={self.merge!r} must be one of {MERGE_MODES}")
+        for field, choices in (
+            ("cpu_lora", CPU_LORA),
+            ("lora_mode", LORA_MODES),
+            ("lora_backend", LORA_BACKENDS),
+            ("lora_pool", LORA_POOLS),
+            ("layer_loop", LAYER_LOOPS),
+            ("merge", MERGE_MODES),
+            ("cache_policy", CACHE_POLICIES),
+            ("kv_allocation", KV_ALLOCATIONS),
+        ):
+            value = getattr(self, field)
+            if value not in choices:
+                raise ConfigError(f"EngineConfig.{field}={value!r} must be one of {choices}")
         if self.merge != "never" and not self.max_loras:
             raise ConfigError(
                 f"EngineConfig.merge={self.merge!r} needs adapters: max_loras="
@@ -278,14 +271,6 @@ class EngineConfig:
                 f"EngineConfig.merge={self.merge!r} works with lora_mode 'ondemand' or "
                 f"'cached', not {self.lora_mode!r}: a merged batch runs only adapters already "
                 "on the device, so CPU-assisted cold starts would never be used"
-            )
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ConfigError(
-                f"EngineConfig.cache_policy={self.cache_policy!r} must be one of {CACHE_POLICIES}"
-            )
-        if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ConfigError(
-                f"EngineConfig.kv_allocation={self.kv_allocation!r} must be one of {KV_ALLOCATIONS}"
             )
         if not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
             raise ConfigError(f"EngineConfig.pool_bytes={self.pool_bytes!r} must be >= 0")
