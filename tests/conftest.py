@@ -8,6 +8,14 @@ from pathlib import Path
 import jax
 import pytest
 
+# A cold run (CI's: a fresh clone) spends about half its time compiling. XLA:CPU at
+# LLVM's -O0 compiles about a fifth faster, and the steps of the models under test run
+# nearly as fast (tests/test_parity_hf.py and test_cpu_assist.py cold: 154 s at the
+# default, 123 s at -O0). Set before jax starts its backend, so the tests' own processes
+# inherit it too (test_sharding's `fake_devices` adds to it rather than replacing it).
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
+
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
 # every compilation after the first into a load from disk (tracing still happens, so the
 # compilation-count test sees a missing warm-up). Local to the checkout.

@@ -34,13 +34,18 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_DEVICES = 4
 
 
+def fake_devices(count: int) -> str:
+    """XLA_FLAGS for a process with `count` fake CPU devices (the session's flags kept)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+
+
 def run_checks(*cases: str, timeout: float = 900, processes: int = 2) -> dict[str, dict]:
     """tests/sharded_checks.py's results, by case, from `processes` processes with fake
     devices side by side (compiling takes one core each). Token cases of one model and
     backend stay in one process, which runs their single-device reference once."""
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={FAKE_DEVICES}",
+        "XLA_FLAGS": fake_devices(FAKE_DEVICES),
         "JAX_PLATFORMS": "cpu",
         "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "xla-sharded"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -353,7 +358,7 @@ class ProcessGroup:
             port = probe.getsockname()[1]
         env = {
             **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": fake_devices(2),
             "JAX_PLATFORMS": "cpu",
         }
         self.port_file = tmp_path / "port"
