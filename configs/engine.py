@@ -112,11 +112,11 @@ class EngineConfig:
     lora_backend: the batched-LoRA implementation:
       "reference" (plain jnp), "bgmv" (Punica's stacked slots and kernel) or "mbgmv"
       (S-LoRA's page pool and kernel); both Pallas backends prefill with SGMV.
-    lora_pool: where the reference backend keeps the adapters on one device: "kv" in
-      the KV cache's own pages (FastLibra's unified pool: memory goes to KV or to
-      adapters as the load asks, each adapter taking the pages of its own rank), or
-      "slots" in stacked slots of max_lora_rank beside the cache (its pages in the pool
-      then only stand for their bytes). The Pallas backends, and any backend on a
+    lora_pool: where the reference and MBGMV backends keep the adapters on one device:
+      "kv" in the KV cache's own pages (FastLibra's unified pool: memory goes to KV or
+      to adapters as the load asks, each adapter taking the pages of its own rank), or
+      "slots" in their own slots of max_lora_rank beside the cache (its pages in the
+      pool then only stand for their bytes). BGMV, and any backend on a
       tensor-parallel mesh, keep their own slots whatever this says.
     merge: dLoRA's merged inference (§4.1-4.2), one adapter folded into the base weights
       (W + B·A) so that its rows run with no LoRA work: "never" always serves unmerged

@@ -4,7 +4,9 @@ Layouts. Every kernel reads adapters as *rank rows*: row j of an adapter's A^T
 (its j-th column of A, length `in`) and row j of its B (length `out`). A slot is
 either a stacked run of R rank rows ([N, R, in], BGMV) or R entries of a page table
 into a pool of rank rows ([P, in], MBGMV and SGMV). A stacked layout is a pool whose
-page table is `stacked_pages(N, R)`, so the segmented kernel serves both.
+page table is `stacked_pages(N, R)`, so the segmented kernel serves both. A pool's
+rows may be wider than `in` (or `out`): the kernels read a row's first values, so the
+KV cache's pages, viewed as rows of a width that divides them, serve as a pool.
 
 Arithmetic, for every kernel and its reference: x @ A is accumulated in fp32 and
 rounded to x.dtype (as PEFT's two Linear layers do), @ B is accumulated in fp32,
@@ -95,18 +97,30 @@ def expect_activations(y: Any, x: Any) -> tuple[int, int, int]:
 
 
 def expect_pool(x: Any, y: Any, a_pool: Any, b_pool: Any) -> None:
-    """a_pool [L, P, in] and b_pool [L, P, out] of rank rows, in x's dtype."""
-    expect_shape("a_pool", a_pool, (None, None, x.shape[1]))
-    expect_dtype("a_pool", a_pool, (x.dtype,))
-    expect_shape("b_pool", b_pool, (a_pool.shape[0], a_pool.shape[1], y.shape[1]))
-    expect_dtype("b_pool", b_pool, (x.dtype,))
+    """a_pool [L, P, >= in] and b_pool [L, P, >= out] of rank rows, in x's dtype."""
+    expect_pool_rows("a_pool", a_pool, x.shape[1], x.dtype)
+    expect_pool_rows("b_pool", b_pool, y.shape[1], x.dtype, a_pool.shape[:2])
+
+
+def expect_pool_rows(
+    name: str, pool: Any, width: int, dtype: Any, lead: tuple[int | None, ...] = (None, None)
+) -> None:
+    """A pool of rank rows [L, P, W] in `dtype`, W >= width: a row's first `width` values
+    are what the kernels read, so a pool may be a wider array viewed as rows (the KV
+    cache's pages, jlora/adapters/backends/pallas.py)."""
+    ok = len(pool.shape) == 3 and pool.shape[2] >= width
+    expect_shape(name, pool, (*lead, pool.shape[2] if ok else width))
+    expect_dtype(name, pool, (dtype,))
 
 
 def expect_shrink_operands(x: Any, name: str, a: Any, lead: tuple[None, ...]) -> None:
-    """A shrink's operands: x [rows, in] of a float dtype, and A (`name`) [*lead, in]
-    in x's dtype."""
+    """A shrink's operands: x [rows, in] of a float dtype, and A (`name`) in x's dtype:
+    stacked slots [*lead, in], or a pool of rank rows (lead [L, P]: `expect_pool_rows`)."""
     expect(len(x.shape) == 2, f"x has shape {tuple(x.shape)}, expected [rows, in]")
     expect_dtype("x", x, FLOAT_DTYPES)
+    if len(lead) == 2:
+        expect_pool_rows(name, a, x.shape[1], x.dtype)
+        return
     expect_shape(name, a, (*lead, x.shape[1]))
     expect_dtype(name, a, (x.dtype,))
 
@@ -116,12 +130,15 @@ def expect_expand_operands(
 ) -> None:
     """An expand's operands: y [rows, out] of a float dtype, v [rows, R] and B (`name`)
     in y's dtype. Stacked slots (no `rank_dim`): B [*lead, R, out], R v's. A page pool
-    (`rank_dim`, its page table's R): B [*lead, P, out], P any."""
+    (`rank_dim`, its page table's R): B [*lead, P, >= out] (`expect_pool_rows`)."""
     expect(len(y.shape) == 2, f"y has shape {tuple(y.shape)}, expected [rows, out]")
     expect_dtype("y", y, FLOAT_DTYPES)
     expect_shape("v", v, (y.shape[0], rank_dim))
     expect_dtype("v", v, (y.dtype,))
-    expect_shape(name, b, (*lead, None if rank_dim else v.shape[1], y.shape[1]))
+    if rank_dim:
+        expect_pool_rows(name, b, y.shape[1], y.dtype, (*lead, None))
+        return
+    expect_shape(name, b, (*lead, v.shape[1], y.shape[1]))
     expect_dtype(name, b, (y.dtype,))
 
 

@@ -145,6 +145,13 @@ def paged(adapters: list[Adapter], rank_dim: int, rng, dtype, spare_pages: int =
     )
 
 
+def wider_rows(pool, extra: int):
+    """A pool [L, P, width] with `extra` NaN values after each row's: the KV cache's pages
+    seen as rank rows (jlora/adapters/backends/pallas.py), whose rows are wider than the
+    projection; a kernel must read each row's first values alone."""
+    return jnp.pad(pool, ((0, 0), (0, 0), (0, extra)), constant_values=np.nan)
+
+
 def activations(rng, rows: int, fan_in: int, fan_out: int, dtype):
     """(y [rows, out], x [rows, in]) in `dtype`, entries of size ~1."""
     y = jnp.asarray(rng.standard_normal((rows, fan_out)), dtype)

@@ -16,7 +16,6 @@ from configs import ConfigError
 from configs.engine import LORA_BACKENDS
 from jlora.adapters.backends import BACKENDS, Segments, layer_group, make_backend
 from jlora.adapters.backends.pallas import PagePool, kernel_rank_dim
-from jlora.adapters.backends.reference import PooledReferenceBackend
 from jlora.model.kv_cache import KVCache
 from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
@@ -38,10 +37,11 @@ def _adapter(rng, rank, targets=SHAPES):
     }
 
 
-# The pooled backend's KV cache: 200 pages of 2 × 4 tokens × 2 heads × 4 dims (64 values a
-# layer, 32 in each half); slot s's adapters get pages POOL_PAGES[s], scattered over the
-# pool between pages that KV keeps (which installs must leave alone).
-POOL_SHAPE = (LAYERS, 200, 4, 2, 4)
+# The pooled backends' KV cache: 200 pages of 2 × 4 tokens × 2 heads × 16 dims (256 values
+# a layer, 128 in each half); slot s's adapters get pages POOL_PAGES[s], scattered over
+# the pool between pages that KV keeps (which installs must leave alone).
+POOL_SHAPE = (LAYERS, 200, 4, 2, 16)
+POOLED = ("reference-pooled", "mbgmv-pooled")
 POOL_PAGES = np.random.default_rng(1).permutation(200)[: SLOTS * 48].reshape(SLOTS, 48)
 
 
@@ -55,8 +55,8 @@ def _pool(dtype):
 
 
 def _backend(name):
-    if name == "reference-pooled":
-        return PooledReferenceBackend(page_width=2 * int(np.prod(POOL_SHAPE[2:])))
+    if name in POOLED:
+        return make_backend(name.removesuffix("-pooled"), 2 * int(np.prod(POOL_SHAPE[2:])))
     return make_backend(name)
 
 
@@ -72,7 +72,7 @@ def _install(backend, weights, slot, tensors, dtype, groups=((0, LAYERS),)):
     return weights
 
 
-@pytest.fixture(scope="module", params=(*LORA_BACKENDS, "reference-pooled"))
+@pytest.fixture(scope="module", params=(*LORA_BACKENDS, *POOLED))
 def slots(request):
     """Per dtype, a backend and its device slots holding four adapters (slot 2 adapts
     only q_proj); and the adapters' tensors."""
@@ -303,10 +303,25 @@ def test_a_target_the_rows_adapters_leave_alone_reads_none_of_its_slots(slots):
     np.testing.assert_array_equal(out, y)
 
 
-def test_a_pooled_install_writes_its_own_pages_alone():
-    """The pooled backend's adapters sit in the KV cache: installing them leaves every
-    other page's keys and values as they were, and a slot's table lists its pages."""
-    backend, rng = _backend("reference-pooled"), np.random.default_rng(4)
+@pytest.mark.parametrize(
+    "name, rows_per_page, pages",
+    [
+        # A^T's rows fill the pages' key halves (128 values a layer) in order, B's their
+        # value halves: rank 16 takes max(16 × 24, 16 × 40) / 128 = 5 pages for q_proj
+        # and 16 × 56 / 128 = 7 for down_proj; rank 1 (a bucket of 1 row) one of each;
+        # rank 5 (a bucket of 8 rows) 8 × 40 / 128 = 3 for q_proj.
+        ("reference-pooled", 1, (12, 2, 3)),
+        # Each rank row whole, 64 values apart (the smallest divisor of 128 at least
+        # max(24, 40) and max(56, 24)): two a page, so rank 16 takes 8 pages of each
+        # target, rank 1 one of each, rank 5 three for q_proj.
+        ("mbgmv-pooled", 2, (16, 2, 3)),
+    ],
+)
+def test_a_pooled_install_writes_its_own_pages_alone(name, rows_per_page, pages):
+    """A pooled backend's adapters sit in the KV cache: installing them leaves every
+    other page's keys and values as they were, a slot's table lists its pages (MBGMV's:
+    rows of them), and an adapter takes the pages its rank rows fill."""
+    backend, rng = _backend(name), np.random.default_rng(4)
     weights = backend.allocate(
         num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype="float32"
     )
@@ -314,20 +329,30 @@ def test_a_pooled_install_writes_its_own_pages_alone():
     weights = backend.with_pool(weights, before)
     for slot, rank in enumerate(RANKS):
         weights = _install(backend, weights, slot, _adapter(rng, rank), "float32")
-    taken = {int(p) for target in SHAPES for p in np.asarray(weights[target]["pages"]).flat}
+    tables = [np.asarray(weights[target]["pages"]) // rows_per_page for target in SHAPES]
+    taken = {int(page) for table in tables for page in table.flat}
+    assert taken <= set(POOL_PAGES.flat)
     kept = np.setdiff1d(np.arange(POOL_SHAPE[1]), sorted(taken))
     assert len(kept) >= 200 - 4 * 48
     for part in ("k", "v"):
         np.testing.assert_array_equal(
             np.asarray(weights["pool"][part])[:, kept], np.asarray(getattr(before, part))[:, kept]
         )
-    # A^T's rows fill the pages' key halves (32 values a layer), B's their value halves:
-    # rank 16 takes max(16 × 24, 16 × 40) / 32 = 20 pages for q_proj and 16 × 56 / 32 = 28
-    # for down_proj; rank 1 (a bucket of 1 row) two of each; rank 5 (a bucket of 8 rows)
-    # 8 × 40 / 32 = 10 for q_proj.
-    assert backend.pool_pages(16, list(SHAPES)) == 48
-    assert backend.pool_pages(1, list(SHAPES)) == 4
-    assert backend.pool_pages(5, ["q_proj"]) == 10
+    got = (
+        backend.pool_pages(16, list(SHAPES)),
+        backend.pool_pages(1, list(SHAPES)),
+        backend.pool_pages(5, ["q_proj"]),
+    )
+    assert got == pages
+
+
+def test_pooled_mbgmv_refuses_rows_wider_than_a_pages_half():
+    """A rank row lies whole in a page's half: q_proj's 40 values do not fit in 32."""
+    backend = make_backend("mbgmv", page_width=2 * 4 * 2 * 4)
+    with pytest.raises(ConfigError, match=r"q_proj's rows are 40 wide: raise block_size 2-fold"):
+        backend.allocate(
+            num_layers=LAYERS, num_slots=SLOTS, max_rank=MAX_RANK, shapes=SHAPES, dtype="float32"
+        )
 
 
 def test_the_page_pool_never_runs_out_and_never_shares_a_page():

@@ -244,6 +244,16 @@ class TestSgmv:
             np.asarray(sgmv_reference(*stacked_args)), np.asarray(sgmv_reference(*paged_args))
         )
 
+    @pytest.mark.parametrize("dtype", kernel_cases.DTYPES)
+    def test_pool_rows_wider_than_in_and_out(self, dtype):
+        """Rows of the pools wider than x and y, NaN past them (the KV cache's pages seen
+        as rank rows): the output of the exact pools, bit for bit."""
+        args, _, slots = _case(10, kernel_cases.MIXED_RANKS, 16, 16, "uniform", dtype)
+        a_pool, b_pool = (kernel_cases.wider_rows(pool, 40) for pool in args[2:4])
+        out = self._check((*args[:2], a_pool, b_pool, *args[4:]), slots)
+        exact = sgmv(*args, interpret=self.INTERPRET)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(exact))
+
 
 class TestSgmvInterpret(TestSgmv):
     INTERPRET = True
@@ -252,15 +262,19 @@ class TestSgmvInterpret(TestSgmv):
 class TestLowering:
     """The compiled kernel lowers for CUDA through Triton at Llama-2-7B shapes (on CPU)."""
 
-    @pytest.mark.parametrize("fan_in, fan_out", [(4096, 4096), (4096, 11008), (11008, 4096)])
-    def test_llama2_7b_lowers_to_triton(self, fan_in, fan_out):
+    @pytest.mark.parametrize(
+        "fan_in, fan_out, row_width",
+        # row_width: the pools' rows, where wider (the KV cache's pages seen as rows)
+        [(4096, 4096, 0), (4096, 11008, 0), (11008, 4096, 0), (11008, 4096, 16384)],
+    )
+    def test_llama2_7b_lowers_to_triton(self, fan_in, fan_out, row_width):
         rows, segments, slots, rank_dim, layers, dtype = 32, 5, 16, 64, 32, jnp.bfloat16
         pool = slots * rank_dim
         shapes = [
             ((rows, fan_out), dtype),  # y
             ((rows, fan_in), dtype),  # x
-            ((layers, pool, fan_in), dtype),  # a_pool
-            ((layers, pool, fan_out), dtype),  # b_pool
+            ((layers, pool, max(fan_in, row_width)), dtype),  # a_pool
+            ((layers, pool, max(fan_out, row_width)), dtype),  # b_pool
             ((segments,), jnp.int32),  # seg_slot
             ((segments + 1,), jnp.int32),  # seg_start
             ((slots, rank_dim), jnp.int32),  # pages

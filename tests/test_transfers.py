@@ -24,12 +24,14 @@ GROUPS = 2  # cpu-tiny's 3 layers land as groups of 2 and 1: two install variant
 def _besides(engine: LlamaEngine, bucket: int, targets) -> int:
     """The bytes a transfer sends besides the factors: per layer group and target, the
     reference and BGMV the rank (one i32), MBGMV the page of each rank row (`bucket`
-    i32); the reference on one device, whose adapters live in the KV cache's pages, the
-    rank and the pages its rows fill (an i32 each)."""
+    i32). Where the adapters live in the KV cache's pages (one device): the reference
+    the rank and the pages its rows fill, MBGMV the rank and the cache's row of each
+    rank row (an i32 each)."""
     backend, shapes = engine.lora.backend, engine.lora.shapes
-    if backend.pooled:
+    if backend.pooled and backend.name == "reference":
         return GROUPS * sum(4 + 4 * backend.pages_for(bucket, shapes[t]) for t in targets)
-    return {"reference": 4, "bgmv": 4, "mbgmv": 4 * bucket}[backend.name] * len(targets) * GROUPS
+    per_target = {"reference": 4, "bgmv": 4, "mbgmv": 4 * bucket + 4 * backend.pooled}
+    return per_target[backend.name] * len(targets) * GROUPS
 
 
 def _engine(loaded, backend: str, **overrides) -> LlamaEngine:

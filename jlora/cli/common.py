@@ -158,9 +158,10 @@ def add_lora_engine_args(group: argparse._ArgumentGroup) -> None:
         "--lora-pool",
         choices=LORA_POOLS,
         default=LORA_POOLS[0],
-        help="where the reference backend keeps adapters on one device: kv (default: in "
-        "the KV cache's pages, one pool for both, each adapter the pages of its rank) or "
-        "slots (stacked slots of --max-lora-rank beside the cache)",
+        help="where the reference and mbgmv backends keep adapters on one device: kv "
+        "(default: in the KV cache's pages, one pool for both, each adapter the pages of "
+        "its rank) or slots (their own slots of --max-lora-rank beside the cache; bgmv "
+        "always keeps these)",
     )
     group.add_argument("--max-loras", type=int, help="device adapter slots")
     group.add_argument(

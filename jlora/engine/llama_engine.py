@@ -14,12 +14,13 @@ State, all of it explicit (device.py tells the calls):
   own targets and rank rows cross the link; the slot's padding is written on the
   device, by an install compiled for the adapter's shape when it is staged).
 
-On one device the reference backend keeps the adapters in the KV cache's own pages
-(FastLibra's unified pool, `PooledReferenceBackend`; lora_pool "slots" keeps stacked
-slots instead): an adapter is written into the pages the orchestrator's memory manager
-gives it (`load_adapter`'s `pages`; a caller that names none gets `slot_pages`, at the
-top of the pool), so device memory goes to KV or to adapters as the load asks, and the
-number of adapters resident follows from their ranks. The model reads them from the
+On one device the reference and MBGMV backends keep the adapters in the KV cache's own
+pages (FastLibra's unified pool, `KVPagesBackend`; lora_pool "slots" keeps their own
+slots instead, and BGMV always does): an adapter is written into the pages the
+orchestrator's memory manager gives it (`load_adapter`'s `pages`; a caller that names
+none gets `slot_pages`, at the top of the pool), so device memory goes to KV or to
+adapters as the load asks, and the number of adapters resident follows from their
+ranks. The model reads them from the
 cache it is given (`Llama._with_pool`).
 
 The KV cache's size is the device pool's (`steps.size_pool`): `pool_bytes`, or
@@ -74,7 +75,7 @@ from flax import struct
 
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
-from jlora.adapters.backends import LoraWeights, Segments, make_backend
+from jlora.adapters.backends import KVPagesBackend, LoraWeights, Segments, make_backend
 from jlora.adapters.backends.reference import PooledReferenceBackend
 from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
@@ -154,9 +155,10 @@ class LlamaEngine(DeviceEngine):
         self.mesh = self.tp.mesh
         self.params = self.tp.place_params(params)  # what the steps run: merged or not
         self.base_params = self.params  # the pristine parameters, never modified
-        # On one device the reference backend keeps the adapters in the KV cache's pages
-        # (FastLibra's unified pool; backends/reference.py) unless lora_pool says "slots":
-        # a page holds a block's keys and values of every layer.
+        # On one device the reference and MBGMV backends keep the adapters in the KV
+        # cache's pages (FastLibra's unified pool; backends/base.py, KVPagesBackend)
+        # unless lora_pool says "slots": a page holds a block's keys and values of every
+        # layer.
         page_width = 2 * cfg.block_size * self.tp.kv_heads * model_config.head_dim
         pooled = self.tp.size == 1 and cfg.lora_pool == "kv"
         backend = (
@@ -202,7 +204,8 @@ class LlamaEngine(DeviceEngine):
             # them where that is the faster form (ReferenceBackend.batch_slots).
             assert self.lora is not None
             self.lora.resize(max(cfg.max_loras, cfg.num_blocks))
-            cast(PooledReferenceBackend, self.lora.backend).batch_slots = cfg.max_loras
+            if isinstance(self.lora.backend, PooledReferenceBackend):
+                self.lora.backend.batch_slots = cfg.max_loras
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(
@@ -738,7 +741,7 @@ class LlamaEngine(DeviceEngine):
 
     def _pool_pages(self, rank: int, targets: Sequence[str]) -> int:
         assert self.lora is not None
-        return cast(PooledReferenceBackend, self.lora.backend).pool_pages(rank, targets)
+        return cast(KVPagesBackend, self.lora.backend).pool_pages(rank, targets)
 
     def close(self) -> None:
         if self.cpu is not None:

@@ -10,9 +10,10 @@ This class is the ledger: it knows who owns every page and hands out free ones; 
 no data. Every page is free or has exactly one owner: a running request (its private
 blocks), a node of the prefix tree (cached KV), or an adapter. `check` asserts that.
 The data follows the ledger: an adapter is written into the very pages it was given
-where the engine keeps adapters in the KV cache (the reference backend on one device,
-`PooledReferenceBackend`); elsewhere (the Pallas backends, a tensor-parallel mesh) its
-weights sit in the backend's own slots and its pages only stand for their bytes.
+where the engine keeps adapters in the KV cache (the reference and MBGMV backends on
+one device, `KVPagesBackend`); elsewhere (BGMV, a tensor-parallel mesh, lora_pool
+"slots") its weights sit in the backend's own slots and its pages only stand for their
+bytes.
 """
 
 from __future__ import annotations

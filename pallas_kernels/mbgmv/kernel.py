@@ -130,9 +130,9 @@ def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = F
     Args:
       y: [S, out], float32 or bfloat16; the returned array is its updated copy.
       x: [S, in], y's dtype.
-      a_pool: [L, P, in], x's dtype: a pool of rank rows; page p is one row of some
-        adapter's A^T for every layer.
-      b_pool: [L, P, out], x's dtype: the matching rows of the adapters' B.
+      a_pool: [L, P, >= in], x's dtype: a pool of rank rows; page p is one row of some
+        adapter's A^T for every layer (its first `in` values; common.py).
+      b_pool: [L, P, >= out], x's dtype: the matching rows of the adapters' B.
       idx: i32[S] in [-1, N): each row's slot, -1 for no adapter.
       pages: i32[N, R], R a power of two: pages[n, j] is the page of slot n's rank row j;
         entries at j >= ranks[n] are ignored (valid pages in [0, P) by contract).

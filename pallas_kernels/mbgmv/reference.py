@@ -22,8 +22,9 @@ def mbgmv_reference(y, x, a_pool, b_pool, idx, pages, ranks, layer) -> jax.Array
     slot = jnp.where(has_adapter, idx, 0)
     row_pages = pages[slot]  # [S, R]
     in_rank = jnp.arange(pages.shape[1]) < ranks[slot][:, None]  # [S, R]
-    a = jnp.where(in_rank[..., None], a_pool[layer][row_pages], 0)  # [S, R, in]
-    b = jnp.where(in_rank[..., None], b_pool[layer][row_pages], 0)  # [S, R, out]
+    a = a_pool[layer][row_pages][..., : x.shape[1]]  # [S, R, in]: a row's first values
+    b = b_pool[layer][row_pages][..., : y.shape[1]]  # [S, R, out]
+    a, b = (jnp.where(in_rank[..., None], w, 0) for w in (a, b))
     exact = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     shrunk = jnp.einsum("si,sri->sr", x, a, **exact).astype(x.dtype)
     delta = jnp.einsum("sr,sro->so", shrunk, b, **exact)

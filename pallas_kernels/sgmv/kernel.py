@@ -191,9 +191,9 @@ def sgmv(
     Args:
       y: [T, out], float32 or bfloat16; the returned array is its updated copy.
       x: [T, in], y's dtype.
-      a_pool: [L, P, in], x's dtype: a pool of rank rows; page p is one row of some
-        adapter's A^T for every layer.
-      b_pool: [L, P, out], x's dtype: the matching rows of the adapters' B.
+      a_pool: [L, P, >= in], x's dtype: a pool of rank rows; page p is one row of some
+        adapter's A^T for every layer (its first `in` values; common.py).
+      b_pool: [L, P, >= out], x's dtype: the matching rows of the adapters' B.
       seg_slot: i32[G] in [-1, N): each segment's slot, -1 for no adapter; a slot may
         appear in several segments.
       seg_start: i32[G + 1], non-decreasing, seg_start[G] <= T: segment g is rows

@@ -35,8 +35,9 @@ def sgmv_reference(y, x, a_pool, b_pool, seg_slot, seg_start, pages, ranks, laye
 
     in_rank = jnp.arange(rank_dim)[None, :] < ranks[:, None]  # [N, R]
     slot_pages = jnp.clip(pages, 0, a_pool.shape[1] - 1)  # [N, R]
-    a = jnp.where(in_rank[..., None], a_pool[layer][slot_pages].astype(jnp.float32), 0.0)
-    b = jnp.where(in_rank[..., None], b_pool[layer][slot_pages].astype(jnp.float32), 0.0)
+    a = a_pool[layer][slot_pages][..., : x.shape[1]]  # [N, R, in]: a row's first values
+    b = b_pool[layer][slot_pages][..., : y.shape[1]]  # [N, R, out]
+    a, b = (jnp.where(in_rank[..., None], w.astype(jnp.float32), 0.0) for w in (a, b))
 
     highest = lax.Precision.HIGHEST
     shrunk = jnp.einsum("ti,nri->tnr", x.astype(jnp.float32), a, precision=highest)

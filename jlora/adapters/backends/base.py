@@ -260,6 +260,49 @@ class LoraBackend(abc.ABC):
 Rows = jax.Array | Segments  # the rows' adapters: i32[T] slots (decode) or segments (prefill)
 
 
+class KVPagesBackend(LoraBackend):
+    """What a backend whose adapters live in the KV cache's own pages shares (FastLibra
+    §4.3, the unified pool; one device): a page is a KV block of every layer, holding
+    `page_width` values at each layer, half in the keys' array and half in the values';
+    an adapter takes, per target it adapts, the pages its rank rows fill
+    (`target_pages`), dealt out target by target from those the memory manager reserved
+    for it (`deal`). Its weights are page tables; the cache comes with them under POOL
+    (`with_pool`)."""
+
+    pooled = True
+
+    def __init__(self, page_width: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.page_width = page_width
+        self._shapes: dict[str, tuple[int, int]] = {}  # target -> (in, out), at `allocate`
+
+    def with_pool(self, weights: LoraWeights, pool: Any) -> LoraWeights:
+        return {**weights, POOL: {"k": pool.k, "v": pool.v}}
+
+    @abc.abstractmethod
+    def target_pages(self, rank: int, target: str) -> int:
+        """The pages an adapter of `rank` takes for `target` (one of the slots')."""
+
+    def pool_pages(self, rank: int, targets: Sequence[str]) -> int:
+        """The pages an adapter of `rank` on `targets` takes (those the slots hold)."""
+        return sum(self.target_pages(rank, t) for t in targets if t in self._shapes)
+
+    def deal(
+        self, tensors: HostTensors, payload: Payload, pages: Sequence[int] | None
+    ) -> dict[str, np.ndarray]:
+        """Each target of `payload`: its share of the adapter's `pages`, in order (None:
+        a stand-in's, 0, 1, ...)."""
+        shares, taken = {}, 0
+        for target in payload:
+            count = self.target_pages(tensors[target][0].shape[-1], target)
+            share = range(taken, taken + count) if pages is None else pages[taken : taken + count]
+            if len(share) < count:
+                raise ValueError(f"{len(pages or ())} pool pages for an adapter that fills more")
+            shares[target] = np.asarray(share, np.int32)
+            taken += count
+        return shares
+
+
 def rank_bucket(rank: int, rows: int) -> int:
     """The rank rows an adapter of rank `rank` sends for `rows` rows of a slot: the next
     power of two (1, 2, 4, ...), at most `rows`."""

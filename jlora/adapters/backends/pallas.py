@@ -1,8 +1,13 @@
-"""The Pallas backends: BGMV over stacked slots, MBGMV over a page pool.
+"""The Pallas backends: BGMV over stacked slots, MBGMV over a page pool of its own or
+over the KV cache's pages (`PooledMbgmvBackend`, FastLibra's unified pool).
 
 Both prefill with SGMV, which reads a pool of rank rows through a page table; the
 stacked slots of BGMV are such a pool with the trivial table (`stacked_pages`).
 Kernels run compiled (Triton) on a GPU and with `interpret=True` anywhere else.
+
+BGMV keeps stacked slots wherever it runs: its kernel's point is reading a slot's R
+rank rows as one contiguous block, which pages dealt out by a pool are not; over pages
+it would be MBGMV reading up to the batch's largest rank.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import numpy as np
 
 from configs import ConfigError
 from jlora.adapters.backends.base import (
+    POOL,
+    KVPagesBackend,
     LoraBackend,
     LoraWeights,
     Payload,
@@ -56,11 +63,16 @@ class _PallasBackend(LoraBackend):
             )
         return shards * kernel_rank_dim(math.ceil(max_rank / shards))
 
-    def _pool(self, w: dict[str, jax.Array], part: str) -> tuple[jax.Array, jax.Array]:
-        """A target's A or B slots (part "a" or "b") as a pool of rank rows [L, P, in or
-        out] and its page table i32[N, R] (in a split LoRA, R may differ between A's
+    def _pool(self, weights: LoraWeights, target: str, part: str) -> tuple[jax.Array, jax.Array]:
+        """A target's A or B slots (part "a" or "b") as a pool of rank rows [L, P, >= in
+        or out] and its page table i32[N, R] (in a split LoRA, R may differ between A's
         part on this device and B)."""
         raise NotImplementedError
+
+    def _pools(self, weights: LoraWeights, target: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`_pool` of A and of B, and the page table they share (the fused kernels')."""
+        (a_pool, pages), (b_pool, _) = (self._pool(weights, target, p) for p in ("a", "b"))
+        return a_pool, b_pool, pages
 
     def _dots_take(self, *dims: int) -> bool:
         """Whether SGMV runs at these feature sizes: compiled Triton dots need multiples
@@ -68,21 +80,20 @@ class _PallasBackend(LoraBackend):
         return self.interpret or all(dim % 16 == 0 for dim in dims)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        w = weights[target]
-        (a_pool, pages), (b_pool, _) = self._pool(w, "a"), self._pool(w, "b")
-        args = (y, x, a_pool, b_pool, segments.slot, segments.start, pages, w["rank"], layer)
+        a_pool, b_pool, pages = self._pools(weights, target)
+        ranks = weights[target]["rank"]
+        args = (y, x, a_pool, b_pool, segments.slot, segments.start, pages, ranks, layer)
         if self._dots_take(x.shape[-1], y.shape[-1]):
             return sgmv(*args, interpret=self.interpret)
         return sgmv_reference(*args)
 
     def shrink(self, weights, target, layer, x, rows: Rows, rank_part=None) -> jax.Array:
-        w = weights[target]
-        a_pool, pages = self._pool(w, "a")
-        ranks = w["rank"]
+        a_pool, pages = self._pool(weights, target, "a")
+        ranks = weights[target]["rank"]
         if rank_part is not None:  # this device holds rank rows [k R, (k + 1) R) of each
             ranks = jnp.clip(ranks - rank_part * pages.shape[1], 0, pages.shape[1])
         if not isinstance(rows, Segments):
-            return self._decode_shrink(w, x, rows, ranks, layer)
+            return self._decode_shrink(weights, target, x, rows, ranks, layer)
         if not self._dots_take(x.shape[-1]):
             return super().shrink(weights, target, layer, x, rows, rank_part)
         return sgmv_shrink(
@@ -90,21 +101,20 @@ class _PallasBackend(LoraBackend):
         )
 
     def expand(self, weights, target, layer, xa, y, rows: Rows) -> jax.Array:
-        w = weights[target]
-        b_pool, pages = self._pool(w, "b")
+        b_pool, pages = self._pool(weights, target, "b")
         if not isinstance(rows, Segments):
-            return self._decode_expand(w, xa, y, rows, layer)
+            return self._decode_expand(weights, target, xa, y, rows, layer)
         if not self._dots_take(y.shape[-1]):
             return super().expand(weights, target, layer, xa, y, rows)
         return sgmv_expand(
-            y, xa, b_pool, rows.slot, rows.start, pages, w["rank"], layer,
+            y, xa, b_pool, rows.slot, rows.start, pages, weights[target]["rank"], layer,
             interpret=self.interpret,
         )  # fmt: skip
 
-    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
+    def _decode_shrink(self, weights, target, x, idx, ranks, layer) -> jax.Array:
         raise NotImplementedError
 
-    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
+    def _decode_expand(self, weights, target, xa, y, idx, layer) -> jax.Array:
         raise NotImplementedError
 
 
@@ -164,14 +174,17 @@ class BgmvBackend(_PallasBackend):
         w = weights[target]
         return bgmv(y, x, w["a"], w["b"], idx, w["rank"], layer, interpret=self.interpret)
 
-    def _pool(self, w, part):
-        layers, slots, rdim, width = w[part].shape
-        return w[part].reshape(layers, slots * rdim, width), stacked_pages(slots, rdim)
+    def _pool(self, weights, target, part):
+        stacked = weights[target][part]
+        layers, slots, rdim, width = stacked.shape
+        return stacked.reshape(layers, slots * rdim, width), stacked_pages(slots, rdim)
 
-    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
-        return bgmv_shrink(x, w["a"], idx, ranks, layer, interpret=self.interpret)
+    def _decode_shrink(self, weights, target, x, idx, ranks, layer) -> jax.Array:
+        a = weights[target]["a"]
+        return bgmv_shrink(x, a, idx, ranks, layer, interpret=self.interpret)
 
-    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
+    def _decode_expand(self, weights, target, xa, y, idx, layer) -> jax.Array:
+        w = weights[target]
         return bgmv_expand(y, xa, w["b"], idx, w["rank"], layer, interpret=self.interpret)
 
 
@@ -226,6 +239,7 @@ class MbgmvBackend(_PallasBackend):
         self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
     ) -> LoraWeights:
         self.pool = PagePool(num_slots, max_rank)
+        self._shapes = dict(shapes)
         rdim = self.rank_dim(max_rank)  # the page tables: never split (no "rank" dim)
         return {
             target: {
@@ -278,26 +292,159 @@ class MbgmvBackend(_PallasBackend):
         return installed
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
-        w = weights[target]
-        pages = w["pages"][slots]  # [S, R]
-        live = jnp.arange(pages.shape[1])[None, :] < w["rank"][slots][:, None]  # [S, R]
-        a = jnp.where(live[:, :, None], w["a"][layer, pages], 0)  # [S, R, in]
-        b = jnp.where(live[:, :, None], w["b"][layer, pages], 0)  # [S, R, out]
-        return jnp.swapaxes(a, 1, 2), b
+        table = weights[target]["pages"][slots]  # [S, R]
+        live = jnp.arange(table.shape[1])[None, :] < weights[target]["rank"][slots][:, None]
+
+        def rows(part: str, width: int) -> jax.Array:  # [S, R, width], zeros past a rank
+            pool, _ = self._pool(weights, target, part)
+            return jnp.where(live[:, :, None], pool[layer, table][..., :width], 0)
+
+        fan_in, fan_out = self._shapes[target]
+        return jnp.swapaxes(rows("a", fan_in), 1, 2), rows("b", fan_out)
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
-        w = weights[target]
-        return mbgmv(
-            y, x, w["a"], w["b"], idx, w["pages"], w["rank"], layer, interpret=self.interpret
-        )
+        a_pool, b_pool, pages = self._pools(weights, target)
+        ranks = weights[target]["rank"]
+        return mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, interpret=self.interpret)
 
-    def _pool(self, w, part):
-        return w[part], w["pages"]
+    def _pool(self, weights, target, part):
+        return weights[target][part], weights[target]["pages"]
 
-    def _decode_shrink(self, w, x, idx, ranks, layer) -> jax.Array:
-        return mbgmv_shrink(x, w["a"], idx, w["pages"], ranks, layer, interpret=self.interpret)
+    def _decode_shrink(self, weights, target, x, idx, ranks, layer) -> jax.Array:
+        a_pool, pages = self._pool(weights, target, "a")
+        return mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, interpret=self.interpret)
 
-    def _decode_expand(self, w, xa, y, idx, layer) -> jax.Array:
-        return mbgmv_expand(
-            y, xa, w["b"], idx, w["pages"], w["rank"], layer, interpret=self.interpret
-        )
+    def _decode_expand(self, weights, target, xa, y, idx, layer) -> jax.Array:
+        b_pool, pages = self._pool(weights, target, "b")
+        ranks = weights[target]["rank"]
+        return mbgmv_expand(y, xa, b_pool, idx, pages, ranks, layer, interpret=self.interpret)
+
+
+class PooledMbgmvBackend(KVPagesBackend, MbgmvBackend):
+    """MBGMV over adapters that live in the KV cache's own pages (FastLibra §4.3, the
+    unified pool: base.py, `KVPagesBackend`; one device).
+
+    MBGMV reads each rank row whole from a pool [L, P, width], through a page table. So
+    a target's rank rows lie whole in pages: at each layer a page's key half holds
+    `per_page` rows of A^T, each `row_width` values apart (the smallest divisor of the
+    half at least the target's widest side, max(in, out)), and its value half the same
+    rows of B. The kernels read the cache as it is, viewed [L, pages × per_page,
+    row_width] (a reshape: no copy), through page tables of such view rows, and read a
+    row's first in (or out) values (pallas_kernels/common.py). An adapter of rank r
+    takes ceil(r / per_page) pages of each target it adapts: its own rank, not a
+    bucket's, so the number resident follows from their ranks.
+
+        weights[target] = {"pages": i32[N, R] (the view rows of slot n's rank rows;
+                                       past its rank, its first again),
+                           "rank": i32[N] (0: the slot's adapter leaves target alone)}
+        weights[POOL] = {"k": cache.k, "v": cache.v} (`with_pool`, at each use)
+
+    Rows past a rank read whatever their page holds (a KV block's values, say): the
+    kernels mask them. A target whose rows are wider than a page's half has no layout:
+    ConfigError, naming block_size.
+    """
+
+    layout = {"pages": ("slot", "index"), "rank": ("slot",)}
+    payload_layout = {
+        "a": ("layers", "rank", "in"),
+        "b": ("layers", "rank", "out"),
+        "dest": ("index",),
+        "rank": (),
+    }
+
+    def __init__(self, page_width: int, interpret: bool | None = None) -> None:
+        super().__init__(page_width, interpret=interpret)
+        self._row_width: dict[str, int] = {}  # target -> its view rows' width
+
+    def _per_page(self, target: str) -> int:
+        return self.page_width // 2 // self._row_width[target]
+
+    def target_pages(self, rank: int, target: str) -> int:
+        return math.ceil(rank / self._per_page(target))
+
+    def allocate(
+        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
+    ) -> LoraWeights:
+        assert rank_shards == 1, "a pooled backend runs on one device"
+        half = self.page_width // 2
+        self._shapes = dict(shapes)
+        for target, shape in shapes.items():
+            widest = max(shape)
+            if widest > half:
+                raise ConfigError(
+                    f"lora_backend='mbgmv' with lora_pool='kv' lays each rank row whole in "
+                    f"a page's half, {half} values (block_size x KV heads x head_dim), and "
+                    f"{target}'s rows are {widest} wide: raise block_size "
+                    f"{math.ceil(widest / half)}-fold or more, or use lora_pool 'slots'"
+                )
+            self._row_width[target] = next(w for w in range(widest, half + 1) if half % w == 0)
+        rdim = self.rank_dim(max_rank)
+        return {
+            target: {
+                "pages": jnp.zeros((num_slots, rdim), jnp.int32),
+                "rank": jnp.zeros((num_slots,), jnp.int32),
+            }
+            for target in shapes
+        }
+
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None):
+        """{"a": A^T [L, Q, in], "b": [L, Q, out], "dest": i32[Q] (the view row of each
+        rank row; out of bounds past the rank: dropped), "rank": i32} per target the
+        adapter adapts, its pages dealt out target by target."""
+        payload = exact_factors(tensors, shapes, self.rank_dim(max_rank), 1, dtype, a_axis=1)
+        for target, own in self.deal(tensors, payload, pages).items():
+            rank, per_page = tensors[target][0].shape[-1], self._per_page(target)
+            rows = np.arange(payload[target]["a"].shape[1])
+            page = own[np.minimum(rows, rank - 1) // per_page]
+            dest = np.where(rows < rank, page * per_page + rows % per_page, np.iinfo(np.int32).max)
+            payload[target]["dest"] = dest.astype(np.int32)
+            payload[target]["rank"] = np.int32(rank)
+        return payload
+
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        """Writes each rank row into its view row of the cache (A^T's into the keys', B's
+        into the values'); the slot's table and rank follow from `dest`."""
+        k, v = weights[POOL]["k"], weights[POOL]["v"]
+        out: LoraWeights = {}
+        for target, w in weights.items():
+            if target == POOL:
+                continue
+            rdim = w["pages"].shape[1]
+            if target not in payload:
+                out[target] = {
+                    "pages": w["pages"].at[slot].set(jnp.zeros(rdim, jnp.int32)),
+                    "rank": w["rank"].at[slot].set(0),
+                }
+                continue
+            p, (fan_in, fan_out) = payload[target], self._shapes[target]
+            dest = jnp.asarray(p["dest"])
+            where = ((layer_start + jnp.arange(p["a"].shape[0]))[:, None], dest[None, :])
+            k = (
+                self._view(k, target)
+                .at[(*where, slice(0, fan_in))]
+                .set(p["a"].astype(k.dtype), mode="drop")
+                .reshape(k.shape)
+            )
+            v = (
+                self._view(v, target)
+                .at[(*where, slice(0, fan_out))]
+                .set(p["b"].astype(v.dtype), mode="drop")
+                .reshape(v.shape)
+            )
+            table = jnp.pad(dest, (0, rdim - dest.shape[0]))
+            table = jnp.where(jnp.arange(rdim) < p["rank"], table, dest[0])
+            out[target] = {
+                "pages": w["pages"].at[slot].set(table),
+                "rank": w["rank"].at[slot].set(p["rank"]),
+            }
+        out[POOL] = {"k": k, "v": v}
+        return out
+
+    def _view(self, half: jax.Array, target: str) -> jax.Array:
+        """The cache's keys or values [L, blocks, ...] as `target`'s rank rows
+        [L, blocks × per_page, row_width]: a reshape, no copy."""
+        return half.reshape(half.shape[0], -1, self._row_width[target])
+
+    def _pool(self, weights, target, part):
+        half = weights[POOL]["k" if part == "a" else "v"]
+        return self._view(half, target), weights[target]["pages"]

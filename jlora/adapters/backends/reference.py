@@ -28,7 +28,6 @@ and q/v adapters in all-seven slots then cost what their two targets do.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ import numpy as np
 
 from jlora.adapters.backends.base import (
     POOL,
+    KVPagesBackend,
     LoraBackend,
     LoraWeights,
     Payload,
@@ -269,14 +269,13 @@ class ReferenceBackend(LoraBackend):
         return _unless_none(adapting, compute, y)
 
 
-class PooledReferenceBackend(ReferenceBackend):
+class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     """The reference backend over adapters that live in the KV cache's own pages.
 
     FastLibra §4.3 ("Unified Caching Pool for LoRAs and KVs"): one pool of pages holds
-    both, so device memory goes to KV or to adapters as the load asks. A page is a KV
-    block of every layer; at each layer it holds `page_width` values: half in the keys'
-    array, half in the values'. An adapter takes, per target it adapts, the pages its
-    rank rows fill: Q rows (its rank bucket, `rank_bucket`, as they cross the link) of
+    both, so device memory goes to KV or to adapters as the load asks (base.py,
+    `KVPagesBackend`). An adapter takes, per target it adapts, the pages its rank rows
+    fill: Q rows (its rank bucket, `rank_bucket`, as they cross the link) of
     A^T [Q, in] laid out across the pages' key halves in order, and of B [Q, out] across
     their value halves, at every layer (so a read gathers each factor from one array, and
     copies nothing more). So a rank-8 adapter takes about half the pages of a rank-16
@@ -299,7 +298,6 @@ class PooledReferenceBackend(ReferenceBackend):
     slots there; the pool is then a ledger for adapters).
     """
 
-    pooled = True
     a_dims = "ri"  # A^T, rank rows
     layout = {"pages": ("slot", "index"), "rank": ("slot",)}
     payload_layout = {
@@ -310,9 +308,8 @@ class PooledReferenceBackend(ReferenceBackend):
     }
 
     def __init__(self, page_width: int) -> None:
-        self.page_width = page_width
+        super().__init__(page_width)
         self._rows = 0  # the slots' rank R (`allocate`)
-        self._shapes: dict[str, tuple[int, int]] = {}
 
     def pages_for(self, rows: int, shape: tuple[int, int]) -> int:
         """Pages `rows` rank rows of a target of (in, out) features fill: A^T's in their
@@ -322,13 +319,8 @@ class PooledReferenceBackend(ReferenceBackend):
     def _halves(self, rows: int, width: int) -> int:
         return math.ceil(rows * width / (self.page_width // 2))
 
-    def pool_pages(self, rank: int, targets: Sequence[str]) -> int:
-        """The pages an adapter of `rank` on `targets` takes (those the slots hold)."""
-        rows = rank_bucket(rank, self._rows)
-        return sum(self.pages_for(rows, self._shapes[t]) for t in targets if t in self._shapes)
-
-    def with_pool(self, weights, pool) -> LoraWeights:
-        return {**weights, POOL: {"k": pool.k, "v": pool.v}}
+    def target_pages(self, rank: int, target: str) -> int:
+        return self.pages_for(rank_bucket(rank, self._rows), self._shapes[target])
 
     def allocate(
         self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
@@ -347,15 +339,9 @@ class PooledReferenceBackend(ReferenceBackend):
         """{"a": A^T [L, Q, in], "b": [L, Q, out], "dest": i32[its pages], "rank": i32}
         per target the adapter adapts; `pages` are dealt out target by target."""
         payload = exact_factors(tensors, shapes, self.rank_dim(max_rank), 1, dtype, a_axis=1)
-        taken = 0
-        for target, packed in payload.items():
-            count = self.pages_for(packed["b"].shape[1], shapes[target])
-            dest = range(taken, taken + count) if pages is None else pages[taken : taken + count]
-            if len(dest) < count:
-                raise ValueError(f"{len(pages or ())} pool pages for an adapter that fills more")
-            packed["dest"] = np.asarray(dest, np.int32)
-            packed["rank"] = np.int32(tensors[target][0].shape[-1])
-            taken += count
+        for target, dest in self.deal(tensors, payload, pages).items():
+            payload[target]["dest"] = dest
+            payload[target]["rank"] = np.int32(tensors[target][0].shape[-1])
         return payload
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
