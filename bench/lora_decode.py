@@ -19,9 +19,10 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
 - `reference[FORM] k=...`: with `--reference-forms auto,gather,over-slots`, the
   reference backend once per decode form (`ReferenceBackend.decode_form`; plain
   `reference` is "auto", the form the engine picks).
-- `reference[slots] k=...`: with `--lora-pools kv,slots`, the reference backend once
-  per place its adapters live (EngineConfig.lora_pool; plain `reference` is "kv", in
-  the KV cache's pages).
+- `reference[slots] k=...`, `mbgmv[slots] k=...`: with `--lora-pools kv,slots`, the
+  reference and MBGMV backends once per place their adapters live
+  (EngineConfig.lora_pool; plain `reference` and `mbgmv` are "kv", in the KV cache's
+  pages; BGMV always keeps its own slots).
 
 Every system runs once untimed (which compiles what it meets: the engines compile on
 demand), then `repeats` times, alternating; the table shows the median, the min-max
@@ -49,6 +50,7 @@ from bench.throughput import (
 )
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS
+from jlora.adapters.backends import POOLED
 from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
@@ -77,13 +79,13 @@ class Plan:
 
 def _systems(plan: Plan) -> list[tuple[str, str, str, str]]:
     """(system, backend, decode form, lora pool) for each LoRA engine: the reference
-    backend once per form and pool (the defaults, "auto" and "kv", named plainly; the
-    others in brackets), the other backends once."""
+    backend once per form and pool, MBGMV once per pool (the defaults, "auto" and "kv",
+    named plainly; the others in brackets), BGMV once."""
     systems = []
     for backend in plan.backends:
         reference = backend == "reference"
         for form in plan.reference_forms if reference else ("auto",):
-            for pool in plan.lora_pools if reference else ("kv",):
+            for pool in plan.lora_pools if backend in POOLED else ("kv",):
                 tags = [tag for tag in (form, pool) if tag not in ("auto", "kv")]
                 name = f"{backend}[{','.join(tags)}]" if tags else backend
                 systems.append((name, backend, form, pool))
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag, choices, what in (
         ("--backends", LORA_BACKENDS, "the LoRA backends"),
         ("--reference-forms", DECODE_FORMS, "the reference backend's decode forms"),
-        ("--lora-pools", LORA_POOLS, "where the reference backend keeps adapters"),
+        ("--lora-pools", LORA_POOLS, "where the reference and MBGMV backends keep adapters"),
     ):  # each defaults to its first choice, the engine's default
         parser.add_argument(
             flag,

@@ -1,4 +1,5 @@
-"""bench.lora_decode's systems: the reference backend once per decode form asked for."""
+"""bench.lora_decode's systems: the reference backend once per decode form and pool
+asked for, MBGMV once per pool."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from bench import lora_decode
 from bench.lora_decode import Plan
 
 
-def test_the_reference_backend_runs_once_per_form_and_pool_and_the_others_once():
+def test_the_reference_backend_runs_once_per_form_and_pool_mbgmv_per_pool_bgmv_once():
     plan = Plan(
-        backends=("reference", "mbgmv"),
+        backends=("reference", "mbgmv", "bgmv"),
         reference_forms=("auto", "over-slots"),
         lora_pools=("kv", "slots"),
     )
@@ -22,6 +23,8 @@ def test_the_reference_backend_runs_once_per_form_and_pool_and_the_others_once()
         ("reference[over-slots]", "reference", "over-slots", "kv"),
         ("reference[over-slots,slots]", "reference", "over-slots", "slots"),
         ("mbgmv", "mbgmv", "auto", "kv"),
+        ("mbgmv[slots]", "mbgmv", "auto", "slots"),
+        ("bgmv", "bgmv", "auto", "kv"),
     ]
 
 

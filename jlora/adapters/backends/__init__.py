@@ -22,6 +22,7 @@ __all__ = [
     "KVPagesBackend",
     "LoraBackend",
     "LoraWeights",
+    "POOLED",
     "Payload",
     "Segments",
     "layer_group",
