@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import heapq
 import math
 import os
@@ -64,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import machine_facts, write_report
+from bench.report import dated_stem, machine_facts, write_report
 from bench.workloads import (
     MultiTurnWorkload,
     Turn,
@@ -546,10 +545,9 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts()
     loaded = load_model(plan.model)
     workload, rows = compare(plan, loaded)
-    stem = f"{datetime.date.today().isoformat()}-cpu-cache"
-    if args.scenario != "chat":
-        stem += f"-{args.scenario}"
     args.out.mkdir(parents=True, exist_ok=True)
+    name = "cpu-cache" if args.scenario == "chat" else f"cpu-cache-{args.scenario}"
+    stem = dated_stem(args.out, name)
     (args.out / f"{stem}.md").write_text(render(facts, plan, workload, rows))
     write_report(args.out / f"{stem}.json", facts, plan, rows, workload=workload.meta)
     print(render(facts, plan, workload, rows))

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import machine_facts, write_report
+from bench.report import dated_stem, machine_facts, write_report
 from bench.workloads import Workload, demo_adapter_pool, poisson_workload
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
@@ -227,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts()
     loaded = load_model(plan.model)
     rows = batching(loaded, plan)
-    stem = f"{datetime.date.today().isoformat()}-cpu-dlora"
     args.out.mkdir(parents=True, exist_ok=True)
+    stem = dated_stem(args.out, "cpu-dlora")
     (args.out / f"{stem}.md").write_text(render(facts, plan, rows))
     write_report(args.out / f"{stem}.json", facts, plan, rows)
     print(render(facts, plan, rows))

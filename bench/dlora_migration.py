@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import re
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from bench.processes import ROOT, ServerProcess
-from bench.report import machine_facts, write_report
+from bench.report import dated_stem, machine_facts, write_report
 from bench.serve import run, summarize
 from bench.workloads import (
     TextTokenizer,
@@ -314,8 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for worker in workers:
                 worker.stop(timeout=30)
-    stem = f"{datetime.date.today().isoformat()}-cpu-dlora-migration"
     args.out.mkdir(parents=True, exist_ok=True)
+    stem = dated_stem(args.out, "cpu-dlora-migration")
     table = render(facts, plan, workload.meta, results)
     (args.out / f"{stem}.md").write_text(table)
     write_report(args.out / f"{stem}.json", facts, plan, results, workload=workload.meta)

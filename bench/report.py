@@ -1,7 +1,9 @@
-"""What every benchmark records: the machine's facts and the raw results as JSON.
+"""What every benchmark records: the machine's facts and the raw results as JSON, under
+names that never overwrite an earlier run's (`dated_stem`).
 
 Imports neither torch nor transformers, so the kernel benchmarks run where only jax
-is installed (a GPU machine with no network).
+is installed (a GPU machine with no network); jax itself only where the facts are
+taken, so the simulator's processes, which never use it, do not load it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
-
 
 def machine_facts() -> dict[str, Any]:
+    import jax
+
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                       if line.startswith("model name")), "unknown")  # fmt: skip
@@ -48,11 +50,24 @@ def cpu_header(facts: dict, model: str) -> str:
     )
 
 
+def dated_stem(directory: Path, name: str) -> str:
+    """`<today>-<name>`, or `<today>-<name>-2`, `-3`, ... where a run of the same day has
+    written its `.md` in `directory` already: a second run never overwrites the first's
+    results."""
+    base = f"{datetime.date.today().isoformat()}-{name}"
+    stem, count = base, 1
+    while (directory / f"{stem}.md").exists():
+        count += 1
+        stem = f"{base}-{count}"
+    return stem
+
+
 def save_cpu_results(
     name: str, title: str, text: str, facts: dict, plan: Any, results: list
 ) -> None:
     """bench/results/<today>-cpu-<name>.md (`# title`, then `text`) and .json (the facts,
-    the plan and `results`)."""
-    stem = Path(__file__).parent / "results" / f"{datetime.date.today():%Y-%m-%d}-cpu-{name}"
+    the plan and `results`), under the next free name (`dated_stem`)."""
+    results = Path(__file__).parent / "results"
+    stem = results / dated_stem(results, f"cpu-{name}")
     stem.with_suffix(".md").write_text(f"# {title}\n\n{text}\n")
     write_report(stem.with_suffix(".json"), facts, plan, results)

@@ -89,6 +89,7 @@ from bench.cluster import (
     make_workload,
     simulate,
 )
+from bench.report import dated_stem
 from bench.workloads import DATA_DIR
 from router.app import SLO_TIMES_BASE, build_policy
 from router.perf_model import PerfModel, PerfProfile
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(scenario, runs, wall_s)
     print(table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-simulator"
+    stem = dated_stem(args.out_dir, "simulator")
     (args.out_dir / f"{stem}.md").write_text(table)
     if args.json:
         args.json.write_text(json.dumps([run.row for run in runs], indent=2) + "\n")

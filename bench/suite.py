@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import re
 import sys
@@ -49,7 +48,7 @@ from typing import Any
 
 from bench.plots import cdf_plot
 from bench.processes import ROOT, ServerProcess
-from bench.report import machine_facts
+from bench.report import dated_stem, machine_facts
 from bench.serve import run, summarize
 from bench.workloads import (
     WordTokenizer,
@@ -353,9 +352,9 @@ def main(argv: list[str] | None = None) -> None:
 
     facts = machine_facts()
     device = "gpu" if args.gpu else "cpu"
-    stem = f"{datetime.date.today().isoformat()}-{device}-serving"
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    stem = dated_stem(out_dir, f"{device}-serving")
     workload = make_workload(plan, word_ids=word_ids)
     workload.save(out_dir / f"{stem}-workload.jsonl")
     results = []
