@@ -270,6 +270,15 @@ class KVPagesBackend(LoraBackend):
     (`with_pool`)."""
 
     pooled = True
+    # A slot: a page table (a backend's own kind of entries) and the adapter's rank per
+    # target; a payload: A^T's and B's rank rows, where they go ("dest"), and the rank.
+    layout = {"pages": ("slot", "index"), "rank": ("slot",)}
+    payload_layout = {
+        "a": ("layers", "rank", "in"),
+        "b": ("layers", "rank", "out"),
+        "dest": ("index",),
+        "rank": (),
+    }
 
     def __init__(self, page_width: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -286,6 +295,38 @@ class KVPagesBackend(LoraBackend):
     def pool_pages(self, rank: int, targets: Sequence[str]) -> int:
         """The pages an adapter of `rank` on `targets` takes (those the slots hold)."""
         return sum(self.target_pages(rank, t) for t in targets if t in self._shapes)
+
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        """Writes each target's rank rows into the adapter's pages of the cache
+        (`_write`) and its page table and rank into slot `slot`; a target the payload
+        lacks gets rank 0."""
+        cache, out = weights[POOL], {}
+        for target, w in weights.items():
+            if target == POOL:
+                continue
+            width = w["pages"].shape[1]
+            if target in payload:
+                cache, table = self._write(cache, target, layer_start, payload[target], width)
+                rank = payload[target]["rank"]
+            else:
+                table, rank = jnp.zeros(width, jnp.int32), 0
+            out[target] = {
+                "pages": w["pages"].at[slot].set(table),
+                "rank": w["rank"].at[slot].set(rank),
+            }
+        return {**out, POOL: cache}
+
+    @abc.abstractmethod
+    def _write(
+        self,
+        cache: dict[str, jax.Array],
+        target: str,
+        layer_start: jax.Array,
+        packed: dict[str, Any],
+        width: int,
+    ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """One target's packed rank rows (layers from `layer_start` on) written into the
+        cache ({"k", "v"}): the cache, and the slot's page table row (`width` entries)."""
 
     def deal(
         self, tensors: HostTensors, payload: Payload, pages: Sequence[int] | None

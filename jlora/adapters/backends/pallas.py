@@ -344,14 +344,6 @@ class PooledMbgmvBackend(KVPagesBackend, MbgmvBackend):
     ConfigError, naming block_size.
     """
 
-    layout = {"pages": ("slot", "index"), "rank": ("slot",)}
-    payload_layout = {
-        "a": ("layers", "rank", "in"),
-        "b": ("layers", "rank", "out"),
-        "dest": ("index",),
-        "rank": (),
-    }
-
     def __init__(self, page_width: int, interpret: bool | None = None) -> None:
         super().__init__(page_width, interpret=interpret)
         self._row_width: dict[str, int] = {}  # target -> its view rows' width
@@ -401,44 +393,19 @@ class PooledMbgmvBackend(KVPagesBackend, MbgmvBackend):
             payload[target]["rank"] = np.int32(rank)
         return payload
 
-    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        """Writes each rank row into its view row of the cache (A^T's into the keys', B's
-        into the values'); the slot's table and rank follow from `dest`."""
-        k, v = weights[POOL]["k"], weights[POOL]["v"]
-        out: LoraWeights = {}
-        for target, w in weights.items():
-            if target == POOL:
-                continue
-            rdim = w["pages"].shape[1]
-            if target not in payload:
-                out[target] = {
-                    "pages": w["pages"].at[slot].set(jnp.zeros(rdim, jnp.int32)),
-                    "rank": w["rank"].at[slot].set(0),
-                }
-                continue
-            p, (fan_in, fan_out) = payload[target], self._shapes[target]
-            dest = jnp.asarray(p["dest"])
-            where = ((layer_start + jnp.arange(p["a"].shape[0]))[:, None], dest[None, :])
-            k = (
-                self._view(k, target)
-                .at[(*where, slice(0, fan_in))]
-                .set(p["a"].astype(k.dtype), mode="drop")
-                .reshape(k.shape)
+    def _write(self, cache, target, layer_start, packed, width):
+        """Each rank row into its view row (A^T's of the keys', B's of the values'; rows
+        past the rank dropped); the table: the rows, then the first again."""
+        dest = jnp.asarray(packed["dest"])
+        where = ((layer_start + jnp.arange(packed["a"].shape[0]))[:, None], dest[None, :])
+        written = {}
+        for half, part, features in zip("kv", "ab", self._shapes[target], strict=True):
+            rows = self._view(cache[half], target).at[(*where, slice(0, features))]
+            written[half] = rows.set(packed[part].astype(cache[half].dtype), mode="drop").reshape(
+                cache[half].shape
             )
-            v = (
-                self._view(v, target)
-                .at[(*where, slice(0, fan_out))]
-                .set(p["b"].astype(v.dtype), mode="drop")
-                .reshape(v.shape)
-            )
-            table = jnp.pad(dest, (0, rdim - dest.shape[0]))
-            table = jnp.where(jnp.arange(rdim) < p["rank"], table, dest[0])
-            out[target] = {
-                "pages": w["pages"].at[slot].set(table),
-                "rank": w["rank"].at[slot].set(p["rank"]),
-            }
-        out[POOL] = {"k": k, "v": v}
-        return out
+        table = jnp.pad(dest, (0, width - dest.shape[0]))
+        return written, jnp.where(jnp.arange(width) < packed["rank"], table, dest[0])
 
     def _view(self, half: jax.Array, target: str) -> jax.Array:
         """The cache's keys or values [L, blocks, ...] as `target`'s rank rows

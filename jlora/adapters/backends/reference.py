@@ -299,13 +299,6 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     """
 
     a_dims = "ri"  # A^T, rank rows
-    layout = {"pages": ("slot", "index"), "rank": ("slot",)}
-    payload_layout = {
-        "a": ("layers", "rank", "in"),
-        "b": ("layers", "rank", "out"),
-        "dest": ("index",),
-        "rank": (),
-    }
 
     def __init__(self, page_width: int) -> None:
         super().__init__(page_width)
@@ -344,30 +337,17 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
             payload[target]["rank"] = np.int32(tensors[target][0].shape[-1])
         return payload
 
-    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        k, v = weights[POOL]["k"], weights[POOL]["v"]
-        out: LoraWeights = {}
-        for target, w in weights.items():
-            if target == POOL:
-                continue
-            width = w["pages"].shape[1]
-            if target not in payload:
-                out[target] = {
-                    "pages": w["pages"].at[slot].set(jnp.zeros(width, jnp.int32)),
-                    "rank": w["rank"].at[slot].set(0),
-                }
-                continue
-            packed, dest = payload[target], jnp.asarray(payload[target]["dest"])
-            where = (layer_start + jnp.arange(packed["a"].shape[0])[:, None], dest[None, :])
-            k = k.at[where].set(self._paged(packed["a"], k, dest.shape[0]))
-            v = v.at[where].set(self._paged(packed["b"], v, dest.shape[0]))
-            table = jnp.concatenate([dest, jnp.full(width - dest.shape[0], dest[0], jnp.int32)])
-            out[target] = {
-                "pages": w["pages"].at[slot].set(table),
-                "rank": w["rank"].at[slot].set(packed["rank"]),
-            }
-        out[POOL] = {"k": k, "v": v}
-        return out
+    def _write(self, cache, target, layer_start, packed, width):
+        """A^T's rows across the pages' key halves in order, B's across their value
+        halves (zeros past the last row); the table: the pages, then the first again."""
+        dest = jnp.asarray(packed["dest"])
+        where = (layer_start + jnp.arange(packed["a"].shape[0])[:, None], dest[None, :])
+        written = {
+            half: cache[half].at[where].set(self._paged(packed[part], cache[half], len(dest)))
+            for half, part in (("k", "a"), ("v", "b"))
+        }
+        table = jnp.concatenate([dest, jnp.full(width - dest.shape[0], dest[0], jnp.int32)])
+        return written, table
 
     def _paged(self, rows: jax.Array, half: jax.Array, count: int) -> jax.Array:
         """[G, Q, width] rank rows -> [G, count, *block] as `count` pages' halves of the
