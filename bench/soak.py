@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -49,7 +48,7 @@ import numpy as np
 import openai
 
 from bench.processes import ROOT, ServerProcess
-from bench.report import machine_facts, write_report
+from bench.report import dated_stem, machine_facts, write_report
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
@@ -539,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(
             f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default
         )
-    stem = f"{datetime.date.today().isoformat()}-cpu-soak"
+    stem = dated_stem(ROOT / "bench" / "results", "cpu-soak")  # never a same-day run's
     parser.add_argument("--markdown", type=Path, default=ROOT / "bench" / "results" / f"{stem}.md")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / f"{stem}.json")
     args = parser.parse_args(argv)
