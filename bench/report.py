@@ -62,12 +62,21 @@ def dated_stem(directory: Path, name: str) -> str:
     return stem
 
 
+RESULTS = Path(__file__).parent / "results"
+
+
 def save_cpu_results(
-    name: str, title: str, text: str, facts: dict, plan: Any, results: list
-) -> None:
-    """bench/results/<today>-cpu-<name>.md (`# title`, then `text`) and .json (the facts,
-    the plan and `results`), under the next free name (`dated_stem`)."""
-    results = Path(__file__).parent / "results"
-    stem = results / dated_stem(results, f"cpu-{name}")
+    name: str,
+    title: str,
+    text: str,
+    facts: dict,
+    plan: Any,
+    results: list,
+    directory: Path = RESULTS,
+) -> Path:
+    """<directory>/<today>-cpu-<name>.md (`# title`, then `text`) and .json (the facts,
+    the plan and `results`), under the next free name (`dated_stem`); the .md's path."""
+    stem = directory / dated_stem(directory, f"cpu-{name}")
     stem.with_suffix(".md").write_text(f"# {title}\n\n{text}\n")
     write_report(stem.with_suffix(".json"), facts, plan, results)
+    return stem.with_suffix(".md")

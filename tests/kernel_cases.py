@@ -152,6 +152,17 @@ def wider_rows(pool, extra: int):
     return jnp.pad(pool, ((0, 0), (0, 0), (0, extra)), constant_values=np.nan)
 
 
+def check_wider_pool_rows(kernel, reference, args, slots_by_row, *, interpret: bool) -> None:
+    """A pooled kernel's args (y, x, a_pool, b_pool, ...) with each pool row 40 NaN values
+    wider than x and y (`wider_rows`): checked against the reference (`check_kernel`),
+    and the exact pools' output bit for bit."""
+    a_pool, b_pool = (wider_rows(pool, 40) for pool in args[2:4])
+    wide = (*args[:2], a_pool, b_pool, *args[4:])
+    out = check_kernel(kernel, reference, wide, slots_by_row, interpret=interpret)
+    exact = kernel(*args, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(exact))
+
+
 def activations(rng, rows: int, fan_in: int, fan_out: int, dtype):
     """(y [rows, out], x [rows, in]) in `dtype`, entries of size ~1."""
     y = jnp.asarray(rng.standard_normal((rows, fan_out)), dtype)

@@ -249,10 +249,9 @@ class TestSgmv:
         """Rows of the pools wider than x and y, NaN past them (the KV cache's pages seen
         as rank rows): the output of the exact pools, bit for bit."""
         args, _, slots = _case(10, kernel_cases.MIXED_RANKS, 16, 16, "uniform", dtype)
-        a_pool, b_pool = (kernel_cases.wider_rows(pool, 40) for pool in args[2:4])
-        out = self._check((*args[:2], a_pool, b_pool, *args[4:]), slots)
-        exact = sgmv(*args, interpret=self.INTERPRET)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(exact))
+        kernel_cases.check_wider_pool_rows(
+            sgmv, sgmv_reference, args, slots, interpret=self.INTERPRET
+        )
 
 
 class TestSgmvInterpret(TestSgmv):

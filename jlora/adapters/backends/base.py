@@ -266,7 +266,7 @@ class KVPagesBackend(LoraBackend):
     `page_width` values at each layer, half in the keys' array and half in the values';
     an adapter takes, per target it adapts, the pages its rank rows fill
     (`target_pages`), dealt out target by target from those the memory manager reserved
-    for it (`deal`). Its weights are page tables; the cache comes with them under POOL
+    for it (`pack`). Its weights are page tables; the cache comes with them under POOL
     (`with_pool`)."""
 
     pooled = True
@@ -328,20 +328,27 @@ class KVPagesBackend(LoraBackend):
         """One target's packed rank rows (layers from `layer_start` on) written into the
         cache ({"k", "v"}): the cache, and the slot's page table row (`width` entries)."""
 
-    def deal(
-        self, tensors: HostTensors, payload: Payload, pages: Sequence[int] | None
-    ) -> dict[str, np.ndarray]:
-        """Each target of `payload`: its share of the adapter's `pages`, in order (None:
-        a stand-in's, 0, 1, ...)."""
-        shares, taken = {}, 0
-        for target in payload:
-            count = self.target_pages(tensors[target][0].shape[-1], target)
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None):
+        """{"a": A^T [L, Q, in], "b": [L, Q, out], "dest": where its rows go (`_dest`),
+        "rank": i32} per target the adapter adapts; its `pages` dealt out target by
+        target, in order (None: a stand-in's, 0, 1, ...)."""
+        payload = exact_factors(tensors, shapes, self.rank_dim(max_rank), 1, dtype, a_axis=1)
+        taken = 0
+        for target, packed in payload.items():
+            rank = tensors[target][0].shape[-1]
+            count = self.target_pages(rank, target)
             share = range(taken, taken + count) if pages is None else pages[taken : taken + count]
             if len(share) < count:
                 raise ValueError(f"{len(pages or ())} pool pages for an adapter that fills more")
-            shares[target] = np.asarray(share, np.int32)
+            packed["dest"] = self._dest(target, np.asarray(share, np.int32), rank, packed)
+            packed["rank"] = np.int32(rank)
             taken += count
-        return shares
+        return payload
+
+    @abc.abstractmethod
+    def _dest(self, target: str, pages: np.ndarray, rank: int, packed: dict[str, Any]) -> Any:
+        """Where `target`'s packed rows go, given its share of the adapter's pages (the
+        payload's "dest", which `_write` reads)."""
 
 
 def rank_bucket(rank: int, rows: int) -> int:

@@ -188,6 +188,13 @@ class BgmvBackend(_PallasBackend):
         return bgmv_expand(y, xa, w["b"], idx, w["rank"], layer, interpret=self.interpret)
 
 
+def _page_table(dest: jax.Array, width: int, rank: jax.Array) -> jax.Array:
+    """A slot's page-table row of `width` entries: `dest`'s first `rank`, then its first
+    again (entries past the rank are never read, but stay valid pages)."""
+    table = jnp.pad(dest, (0, width - dest.shape[0]))
+    return jnp.where(jnp.arange(width) < rank, table, dest[0])
+
+
 class PagePool:
     """Host-side page allocation of the MBGMV pool: which rank-row pages each slot owns.
 
@@ -272,12 +279,10 @@ class MbgmvBackend(_PallasBackend):
         installed: LoraWeights = {}
         for target, w in weights.items():
             rdim = w["pages"].shape[1]
-            live = dest < w["a"].shape[1]  # [P]
-            table = jnp.pad(dest, (0, rdim - dest.shape[0]))  # [R]
-            table = jnp.where(jnp.arange(rdim) < jnp.sum(live), table, dest[0])
-            rank = jnp.sum(live).astype(jnp.int32) if target in payload else jnp.int32(0)
+            rows = jnp.sum(dest < w["a"].shape[1]).astype(jnp.int32)  # in the pool: the rank's
+            rank = rows if target in payload else jnp.int32(0)
             installed[target] = {
-                "pages": w["pages"].at[slot].set(table),
+                "pages": w["pages"].at[slot].set(_page_table(dest, rdim, rows)),
                 "rank": w["rank"].at[slot].set(rank),
             }
             if target not in payload:  # its pages keep what they held: rank 0 reads none
@@ -379,19 +384,12 @@ class PooledMbgmvBackend(KVPagesBackend, MbgmvBackend):
             for target in shapes
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None):
-        """{"a": A^T [L, Q, in], "b": [L, Q, out], "dest": i32[Q] (the view row of each
-        rank row; out of bounds past the rank: dropped), "rank": i32} per target the
-        adapter adapts, its pages dealt out target by target."""
-        payload = exact_factors(tensors, shapes, self.rank_dim(max_rank), 1, dtype, a_axis=1)
-        for target, own in self.deal(tensors, payload, pages).items():
-            rank, per_page = tensors[target][0].shape[-1], self._per_page(target)
-            rows = np.arange(payload[target]["a"].shape[1])
-            page = own[np.minimum(rows, rank - 1) // per_page]
-            dest = np.where(rows < rank, page * per_page + rows % per_page, np.iinfo(np.int32).max)
-            payload[target]["dest"] = dest.astype(np.int32)
-            payload[target]["rank"] = np.int32(rank)
-        return payload
+    def _dest(self, target, pages, rank, packed):
+        """i32[Q]: the view row of each rank row (out of bounds past the rank: dropped)."""
+        per_page, rows = self._per_page(target), np.arange(packed["a"].shape[1])
+        page = pages[np.minimum(rows, rank - 1) // per_page]
+        dest = np.where(rows < rank, page * per_page + rows % per_page, np.iinfo(np.int32).max)
+        return dest.astype(np.int32)
 
     def _write(self, cache, target, layer_start, packed, width):
         """Each rank row into its view row (A^T's of the keys', B's of the values'; rows
@@ -404,8 +402,7 @@ class PooledMbgmvBackend(KVPagesBackend, MbgmvBackend):
             written[half] = rows.set(packed[part].astype(cache[half].dtype), mode="drop").reshape(
                 cache[half].shape
             )
-        table = jnp.pad(dest, (0, width - dest.shape[0]))
-        return written, jnp.where(jnp.arange(width) < packed["rank"], table, dest[0])
+        return written, _page_table(dest, width, packed["rank"])
 
     def _view(self, half: jax.Array, target: str) -> jax.Array:
         """The cache's keys or values [L, blocks, ...] as `target`'s rank rows

@@ -328,14 +328,9 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
             for target, shape in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None):
-        """{"a": A^T [L, Q, in], "b": [L, Q, out], "dest": i32[its pages], "rank": i32}
-        per target the adapter adapts; `pages` are dealt out target by target."""
-        payload = exact_factors(tensors, shapes, self.rank_dim(max_rank), 1, dtype, a_axis=1)
-        for target, dest in self.deal(tensors, payload, pages).items():
-            payload[target]["dest"] = dest
-            payload[target]["rank"] = np.int32(tensors[target][0].shape[-1])
-        return payload
+    def _dest(self, target, pages, rank, packed):
+        """The pages themselves: the rows fill them in order."""
+        return pages
 
     def _write(self, cache, target, layer_start, packed, width):
         """A^T's rows across the pages' key halves in order, B's across their value
