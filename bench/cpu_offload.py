@@ -1,7 +1,11 @@
 """CPU LoRA workers against PyTorch, and the host-callback overhead of a CPU-routed layer.
 
 Run: `python -m bench.cpu_offload [--quick] [--out FILE.md]` (a few minutes on a 2-core
-CPU; `--quick` well under one).
+CPU; `--quick` well under one). The report names the kernels OpenBLAS ran
+(`openblas_core`): a machine that sets OPENBLAS_CORETYPE to an older core for every
+process (as this project's development VMs do) slows the CPU LoRA kernel, not torch's;
+`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m bench.cpu_offload` measures
+the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
 
 1. Hand-off round trip: `submit` + `collect` of a tiny job (one row per worker,
    in 8, rank 1, out 8), so the time is the protocol (copy in, bump sequence numbers,
@@ -67,6 +71,7 @@ import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
 from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
+from cpu_offload.kernels import blas_core  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
@@ -475,7 +480,11 @@ def main() -> None:
     # module as __mp_main__) never load it.
     from bench.report import machine_facts
 
-    facts = machine_facts()
+    facts = {
+        **machine_facts(),
+        "openblas_core": blas_core(),  # the workers' too: they inherit the environment
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(not set)"),
+    }
     arena = Arena()
     try:
         lines = ["# CPU LoRA workers (cpu_offload) and CPU-routed layers", ""]

@@ -54,6 +54,27 @@ class _DlInfo(ctypes.Structure):
     ]
 
 
+def _openblas() -> ctypes.CDLL | None:
+    """The OpenBLAS library behind `sgemm` (SciPy's), or None where SciPy runs another
+    BLAS or it cannot be found."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        info = _DlInfo()
+        if not libc.dladdr(ctypes.c_void_p(_SGEMM_ADDRESS), ctypes.byref(info)):
+            return None
+        return ctypes.CDLL(info.dli_fname.decode())  # dlsym searches its dependencies
+    except OSError:
+        return None
+
+
+def _openblas_function(suffix: str):
+    """OpenBLAS's `[scipy_]openblas_<suffix>`, or None."""
+    library = _openblas()
+    names = (f"scipy_openblas_{suffix}", f"openblas_{suffix}")
+    return next((getattr(library, n) for n in names if library and hasattr(library, n)), None)
+
+
 def one_blas_thread() -> bool:
     """Give the OpenBLAS behind `sgemm` one thread in this process; True if it could.
 
@@ -65,18 +86,27 @@ def one_blas_thread() -> bool:
     ten calls). SciPy's OpenBLAS is process-wide: nothing else in the engine's process
     relies on its threads. Best effort: a SciPy on another BLAS is left as it is.
     """
-    try:
-        libc = ctypes.CDLL(None)
-        libc.dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
-        info = _DlInfo()
-        if not libc.dladdr(ctypes.c_void_p(_SGEMM_ADDRESS), ctypes.byref(info)):
-            return False
-        library = ctypes.CDLL(info.dli_fname.decode())  # dlsym searches its dependencies
-        setter = next(getattr(library, name) for name in _SET_THREADS if hasattr(library, name))
-    except (OSError, AttributeError, StopIteration):
+    setter = _openblas_function("set_num_threads")
+    if setter is None:
         return False
     setter(1)
     return True
+
+
+def blas_core() -> str:
+    """The kernels OpenBLAS runs `sgemm` with ("SkylakeX", "Haswell", ...; "unknown").
+
+    OpenBLAS picks them for the CPU at load, unless OPENBLAS_CORETYPE names others: some
+    machines set it to an older core for every process (older builds miscompute on
+    their CPUs), and the CPU LoRA kernel then runs at that core's speed (on a Zen 5,
+    Haswell's AVX2 kernels take about 1.6x as long as its own AVX-512 ones at rank 16:
+    bench/results/2026-11-28-cpu-offload-native.md). The engine leaves the environment
+    as it finds it; benchmarks record this."""
+    corename = _openblas_function("get_corename")
+    if corename is None:
+        return "unknown"
+    corename.restype = ctypes.c_char_p
+    return corename().decode()
 
 
 _NO_TRANSPOSE = 78  # ord("N")

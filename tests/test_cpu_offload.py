@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -154,6 +156,22 @@ def test_kernel_refuses_an_output_that_is_not_whole_rows():
         lora_rows(x, a, b, np.zeros((2, 4), np.float32)[:, ::2])
     with pytest.raises(ValueError, match="shapes do not match"):
         lora_rows(x, a, b, np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("core", ["Haswell", "Sandybridge"])
+def test_blas_core_names_the_kernels_openblas_was_told_to_run(core):
+    """OPENBLAS_CORETYPE picks OpenBLAS's kernels at load: a process started with it set
+    reports that core (the benchmarks record it beside their figures)."""
+    code = "from cpu_offload.kernels import blas_core; print(blas_core())"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if own.stdout.strip() == "unknown":
+        pytest.skip("SciPy's BLAS here is not an OpenBLAS that names its core")
+    told = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "OPENBLAS_CORETYPE": core},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert told.stdout.strip() == core
 
 
 def test_task_kernel_hand_made_two_jobs_into_their_columns():

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jlora.model.dots import einsum_f32
+from jlora.model.kv_cache import layer_rows
 
 CAUSAL_CHUNKS = 8  # query chunks of a prompt's causal attention, at most
 MIN_CHUNK = 16  # query rows per chunk, at least
@@ -228,10 +229,9 @@ def _chunked_prefix(
     token table's 128 blocks. One layer of that on SmolLM2's heads (2 cores): 106 ms
     attending to the whole table, 16 ms in chunks. Each chunk's products are batched
     matmuls over the KV heads, as in `_chunked_causal`. The blocks are gathered from the
-    whole cache, rows `layer * num_blocks + block`: gathering from `k_cache[layer]`
-    copied the layer's pages out of the cache first (XLA:CPU hoists the slice out of
-    the loop), 50 MB a layer for a 4096-block SmolLM2 cache, which made any call after a
-    cached prefix cost about 300 ms more than a plain prefill, whatever its length.
+    whole cache (`layer_rows`): gathering from `k_cache[layer]` copied the layer's
+    pages out of the cache first, which made any call after a cached prefix cost about
+    300 ms more than a plain prefill, whatever its length.
     """
     seq, heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -245,9 +245,7 @@ def _chunked_prefix(
 
     def gathered(cache: jax.Array, blocks: jax.Array) -> jax.Array:
         """The chunk's keys or values, [kvh, width, d] (a block's rows gathered whole)."""
-        flat = cache.reshape(-1, block_size * kv_heads * head_dim)  # [layers * NB, ...]
-        index = layer * num_blocks + jnp.minimum(blocks, num_blocks - 1)
-        chunk = jnp.take(flat, index, axis=0)
+        chunk = layer_rows(cache, layer, blocks)
         return jnp.transpose(chunk.reshape(width, kv_heads, head_dim), (1, 0, 2))
 
     def chunk(c, carry):

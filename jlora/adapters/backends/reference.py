@@ -45,6 +45,7 @@ from jlora.adapters.backends.base import (
     set_slot,
 )
 from jlora.model.dots import einsum_f32
+from jlora.model.kv_cache import layer_rows
 
 
 def _masked(xa: jax.Array, live: jax.Array | None) -> jax.Array:
@@ -367,9 +368,7 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
         table = w["pages"][slots]  # [..., M]
 
         def rows(half: jax.Array, width: int) -> jax.Array:
-            pages = half.at[layer, table[..., : self._halves(self._rows, width)]].get(
-                mode="promise_in_bounds"
-            )
+            pages = layer_rows(half, layer, table[..., : self._halves(self._rows, width)])
             flat = pages.reshape(*table.shape[:-1], -1)[..., : self._rows * width]
             return flat.reshape(*table.shape[:-1], self._rows, width)
 
