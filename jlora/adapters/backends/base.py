@@ -260,6 +260,69 @@ class LoraBackend(abc.ABC):
 Rows = jax.Array | Segments  # the rows' adapters: i32[T] slots (decode) or segments (prefill)
 
 
+class StackedSlotsBackend(LoraBackend):
+    """Punica's stacked layout, which the reference and BGMV backends share: every slot
+    holds R = rank_dim(max_rank) rank rows of each target (zeros past its adapter's
+    rank), the slots of a layer side by side.
+
+        weights[target] = {"a": [L, N, R, in] (A^T's rank rows; `a_axis` 1) or
+                                [L, N, in, R] (A as stored; `a_axis` 2),
+                           "b": [L, N, R, out],
+                           "rank": i32[N] (0: the slot's adapter does not adapt target)}
+
+    A packed adapter holds its own rank rows alone (`exact_factors`: A's rank on
+    `a_axis`); `install` pads them to R on the device (`padded_factors`).
+    """
+
+    a_axis: int  # where A's rank dim sits in a payload's [L, ., .] (a slot's, one further)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "a_axis" in cls.__dict__:  # the layouts follow from it
+            a = ("rank", "in") if cls.a_axis == 1 else ("in", "rank")
+            cls.layout = {
+                "a": ("layers", "slot", *a),
+                "b": ("layers", "slot", "rank", "out"),
+                "rank": ("slot",),
+            }
+            cls.payload_layout = {"a": ("layers", *a), "b": ("layers", "rank", "out"), "rank": ()}
+
+    def allocate(
+        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
+    ) -> LoraWeights:
+        rdim = self.rank_dim(max_rank, rank_shards)
+
+        def a_shape(fan_in: int) -> tuple[int, int]:
+            return (rdim, fan_in) if self.a_axis == 1 else (fan_in, rdim)
+
+        return {
+            target: {
+                "a": jnp.zeros((num_layers, num_slots, *a_shape(fan_in)), dtype),
+                "b": jnp.zeros((num_layers, num_slots, rdim, fan_out), dtype),
+                "rank": jnp.zeros((num_slots,), jnp.int32),
+            }
+            for target, (fan_in, fan_out) in shapes.items()
+        }
+
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
+        """`exact_factors`, and each target's "rank": i32."""
+        rdim = self.rank_dim(max_rank, rank_shards)
+        payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=self.a_axis)
+        for target, packed in payload.items():
+            packed["rank"] = np.int32(tensors[target][0].shape[-1])
+        return payload
+
+    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
+        padded: Payload = {}
+        for target, w in weights.items():
+            rdim, fan_in = w["b"].shape[2], w["a"].shape[3 if self.a_axis == 1 else 2]
+            widths = (fan_in, w["b"].shape[-1])
+            a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, self.a_axis)
+            rank = payload[target]["rank"] if target in payload else np.int32(0)
+            padded[target] = {"a": a, "b": b, "rank": rank}
+        return set_slot(weights, slot, layer_start, padded)
+
+
 class KVPagesBackend(LoraBackend):
     """What a backend whose adapters live in the KV cache's own pages shares (FastLibra
     §4.3, the unified pool; one device): a page is a KV block of every layer, holding

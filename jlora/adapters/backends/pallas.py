@@ -27,9 +27,8 @@ from jlora.adapters.backends.base import (
     Payload,
     Rows,
     Segments,
+    StackedSlotsBackend,
     exact_factors,
-    padded_factors,
-    set_slot,
 )
 from pallas_kernels.bgmv import bgmv, bgmv_expand, bgmv_shrink
 from pallas_kernels.common import is_pow2, stacked_pages
@@ -118,7 +117,7 @@ class _PallasBackend(LoraBackend):
         raise NotImplementedError
 
 
-class BgmvBackend(_PallasBackend):
+class BgmvBackend(StackedSlotsBackend, _PallasBackend):
     """Punica's layout: every slot holds R rank rows, R = rank_dim(max_rank).
 
         weights[target] = {"a": [L, N, R, in] (rank rows of A^T), "b": [L, N, R, out],
@@ -128,43 +127,7 @@ class BgmvBackend(_PallasBackend):
     """
 
     name = "bgmv"
-    layout = {
-        "a": ("layers", "slot", "rank", "in"),
-        "b": ("layers", "slot", "rank", "out"),
-        "rank": ("slot",),
-    }
-    payload_layout = {"a": ("layers", "rank", "in"), "b": ("layers", "rank", "out"), "rank": ()}
-
-    def allocate(
-        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
-    ) -> LoraWeights:
-        rdim = self.rank_dim(max_rank, rank_shards)
-        return {
-            target: {
-                "a": jnp.zeros((num_layers, num_slots, rdim, fan_in), dtype),
-                "b": jnp.zeros((num_layers, num_slots, rdim, fan_out), dtype),
-                "rank": jnp.zeros((num_slots,), jnp.int32),
-            }
-            for target, (fan_in, fan_out) in shapes.items()
-        }
-
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
-        """`exact_factors`, and each target's "rank": i32."""
-        rdim = self.rank_dim(max_rank, rank_shards)
-        payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=1)
-        for target, packed in payload.items():
-            packed["rank"] = np.int32(tensors[target][0].shape[-1])
-        return payload
-
-    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        padded: Payload = {}
-        for target, w in weights.items():
-            _, _, rdim, fan_in = w["a"].shape
-            widths = (fan_in, w["b"].shape[-1])
-            a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, a_axis=1)
-            rank = payload[target]["rank"] if target in payload else np.int32(0)
-            padded[target] = {"a": a, "b": b, "rank": rank}
-        return set_slot(weights, slot, layer_start, padded)
+    a_axis = 1  # A^T's rank rows [R, in] (StackedSlotsBackend)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         w = weights[target]

@@ -31,18 +31,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jlora.adapters.backends.base import (
     POOL,
     KVPagesBackend,
-    LoraBackend,
     LoraWeights,
-    Payload,
-    exact_factors,
-    padded_factors,
+    StackedSlotsBackend,
     rank_bucket,
-    set_slot,
 )
 from jlora.model.dots import einsum_f32
 from jlora.model.kv_cache import layer_rows
@@ -73,7 +68,7 @@ def _unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
 DECODE_FORMS = ("auto", "gather", "over-slots")  # ReferenceBackend.decode_form's values
 
 
-class ReferenceBackend(LoraBackend):
+class ReferenceBackend(StackedSlotsBackend):
     """Plain jnp: a per-row gather or a product over every slot for decode, one masked
     product per segment for prefill."""
 
@@ -89,43 +84,7 @@ class ReferenceBackend(LoraBackend):
     # may still take the product over the batch's own adapters when they are at most
     # this many (0: never); the engine sets it to max_loras.
     batch_slots = 0
-    layout = {
-        "a": ("layers", "slot", "in", "rank"),
-        "b": ("layers", "slot", "rank", "out"),
-        "rank": ("slot",),
-    }
-    payload_layout = {"a": ("layers", "in", "rank"), "b": ("layers", "rank", "out"), "rank": ()}
-
-    def allocate(
-        self, *, num_layers, num_slots, max_rank, shapes, dtype, rank_shards=1
-    ) -> LoraWeights:
-        rdim = self.rank_dim(max_rank, rank_shards)
-        return {
-            target: {
-                "a": jnp.zeros((num_layers, num_slots, fan_in, rdim), dtype),
-                "b": jnp.zeros((num_layers, num_slots, rdim, fan_out), dtype),
-                "rank": jnp.zeros((num_slots,), jnp.int32),
-            }
-            for target, (fan_in, fan_out) in shapes.items()
-        }
-
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
-        """{"a": [L, in, Q], "b": [L, P, out], "rank": i32} per target the adapter adapts."""
-        rdim = self.rank_dim(max_rank, rank_shards)
-        payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=2)
-        for target, packed in payload.items():
-            packed["rank"] = np.int32(tensors[target][0].shape[-1])
-        return payload
-
-    def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        padded: Payload = {}
-        for target, w in weights.items():
-            _, _, fan_in, rdim = w["a"].shape
-            widths = (fan_in, w["b"].shape[-1])
-            a, b = padded_factors(payload, target, rdim, widths, w["a"].dtype, a_axis=2)
-            rank = payload[target]["rank"] if target in payload else np.int32(0)
-            padded[target] = {"a": a, "b": b, "rank": rank}
-        return set_slot(weights, slot, layer_start, padded)
+    a_axis = 2  # A [in, R] as stored (StackedSlotsBackend)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         return weights[target]["a"][layer, slots], weights[target]["b"][layer, slots]
