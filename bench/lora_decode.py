@@ -194,8 +194,17 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(TARGETS),
         help="the adapters' projections, comma-separated (default: all seven)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=Plan.repeats,
+        help="timed runs of each system, alternating (default %(default)s; more on a noisy "
+        "machine)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     plan = Plan(
         model=args.model,
         dtype=args.dtype,
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         reference_forms=args.reference_forms,
         lora_pools=args.lora_pools,
         targets=args.targets,
+        repeats=args.repeats,
     )
     if args.quick:
         plan = dataclasses.replace(plan, new_tokens=8, repeats=1)

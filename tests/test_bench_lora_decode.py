@@ -35,6 +35,12 @@ def test_an_unknown_form_is_refused_naming_the_flag(capsys):
     assert "--reference-forms" in err and "['dense'] not in ['auto', 'gather', 'over-slots']" in err
 
 
+def test_repeats_below_one_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        lora_decode.main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_names_from_keeps_the_order_given_and_lists_the_choices_when_one_is_unknown():
     from jlora.cli.common import names_from
 
