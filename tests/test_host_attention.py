@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jlora.engine.api import SamplingParams
 from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
-from jlora.model.host_attention import MIN_ROWS, paged_decode_attention_host, pays, usable
+from jlora.model.host_attention import paged_decode_attention_host, usable
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.test_attention import naive, random
@@ -64,12 +64,24 @@ def test_each_row_attends_to_its_own_keys_in_the_scanned_layer(heads, kv_heads):
     assert_close(host, xla, np.float32, np.float32, scope="op")
 
 
-def test_it_serves_only_where_it_reads_the_cache_in_place_and_pays():
+def test_the_calling_thread_and_numbas_threads_give_the_same_rows():
+    """The two drivers of the kernel (`_attend` below PARALLEL_KEYS keys, `_attend_parallel`
+    from there) compute each (row, KV head) pair alike."""
+    k, v = random((2, 16, 4, 3, 16), 7), random((2, 16, 4, 3, 16), 8)
+    q = random((5, 9, 16), 9)
+    tables = np.arange(5 * 4, dtype=np.int32).reshape(5, 4) % 16
+    positions = np.array([0, 3, 9, 15, 12], np.int32)
+    serial, parallel = np.zeros_like(q), np.full_like(q, np.nan)
+    host_attention._attend(q, k, v, 1, tables, positions, serial)
+    host_attention._attend_parallel(q, k, v, 1, tables, positions, parallel)
+    np.testing.assert_array_equal(parallel, serial)
+    assert np.isfinite(serial).all()
+
+
+def test_it_serves_only_where_it_reads_the_cache_in_place():
     one = Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
     assert usable(one, jnp.float32)
     assert not usable(one, jnp.bfloat16)  # Numba has no bfloat16
-    assert pays(MIN_ROWS)
-    assert not pays(MIN_ROWS - 1)  # the callbacks cost more than it saves
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -78,24 +90,26 @@ def test_engine_tokens_do_not_depend_on_the_attention_that_decoded_them(
 ):
     prompts = [[1, 2, 3], list(range(40, 75)), [9] * 17]
     sampling = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
-    config = {"max_slots": MIN_ROWS, "max_seq_len": 128, "min_bucket": 16}
+    config = {"max_slots": 4, "max_seq_len": 128, "min_bucket": 16}
     engine = make_engine(tiny, **config)
-    assert engine.device.steps.host_attention_for(MIN_ROWS)  # one CPU device, fp32
+    assert engine.device.steps.host_attention  # one CPU device, fp32
     on_host = run_to_completion(engine, prompts, sampling)
-    monkeypatch.setattr(host_attention, "MIN_ROWS", MIN_ROWS + 1)
+    monkeypatch.setattr(host_attention, "usable", lambda mesh, dtype: False)
     engine = make_engine(tiny, **config)
-    assert not engine.device.steps.host_attention_for(MIN_ROWS)
+    assert not engine.device.steps.host_attention
     assert run_to_completion(engine, prompts, sampling) == on_host
 
 
 def test_two_threads_may_decode_at_once():
     """Two engines in one process decode on their own threads; Numba's workqueue aborts
-    the process if two launches overlap, so the kernel's launches take turns."""
+    the process if two launches overlap, so the kernel's launches take turns (rows that
+    read PARALLEL_KEYS keys in all run on Numba's threads)."""
     cache = KVCache(
         k=jnp.asarray(random((2, 64, 16, 3, 64), 4)), v=jnp.asarray(random((2, 64, 16, 3, 64), 5))
     )
-    tables = jnp.asarray(np.arange(32 * 4, dtype=np.int32).reshape(32, 4) % 64)
-    positions = jnp.full(32, 60, jnp.int32)
+    tables = jnp.asarray(np.arange(32 * 8, dtype=np.int32).reshape(32, 8) % 64)
+    positions = jnp.full(32, 127, jnp.int32)
+    assert host_attention.PARALLEL_KEYS <= 32 * 128
     q = jnp.asarray(random((32, 9, 64), 6))
     attend = jax.jit(paged_decode_attention_host)
     expected = np.asarray(attend(q, cache, jnp.int32(1), tables, positions))
@@ -120,9 +134,9 @@ def test_engine_tokens_with_the_layer_loop_unrolled_equal_the_scans(tiny):
     layer; the tokens are the scan's."""
     prompts = [[1, 2, 3], list(range(40, 75)), [9] * 17]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    config = {"max_slots": MIN_ROWS, "max_seq_len": 128, "min_bucket": 16}
+    config = {"max_slots": 4, "max_seq_len": 128, "min_bucket": 16}
     scanned = run_to_completion(make_engine(tiny, **config, layer_loop="scan"), prompts, sampling)
     engine = make_engine(tiny, **config, layer_loop="unrolled")
     assert engine.device.model.unroll_layers
-    assert engine.device.steps.host_attention_for(MIN_ROWS)
+    assert engine.device.steps.host_attention
     assert run_to_completion(engine, prompts, sampling) == scanned

@@ -90,9 +90,8 @@ class CompiledSteps:
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
-        host_attention: decode attention by the host kernel (host_attention.py) in the
-        variants whose row count it pays for (`host_attention.pays`); the engine passes
-        `host_attention.usable`."""
+        host_attention: decode attention by the host kernel (host_attention.py); the
+        engine passes `host_attention.usable`."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -259,13 +258,9 @@ class CompiledSteps:
             lora_weights,
             lora_idx,
             layers,
-            host_attention=self.host_attention_for(tokens.shape[0]),
+            host_attention=self.host_attention,
         )
         return sample(logits, sampling), cache
-
-    def host_attention_for(self, rows: int) -> bool:
-        """Whether a decode of `rows` rows attends by the host kernel."""
-        return self.host_attention and host_kernel.pays(rows)
 
     # -- compilation -------------------------------------------------------------
 
@@ -393,10 +388,8 @@ class CompiledSteps:
     ) -> None:
         if (slots, blocks) in self._decode_exe:
             return
-        if self.host_attention_for(slots):
-            # Numba's kernel (its compile and its threads) only once a variant uses
-            # it: an engine whose row buckets never pay for host attention skips both.
-            host_kernel.warm()
+        if self.host_attention:
+            host_kernel.warm()  # its FFI target registered before a step calls it
         args = (params, cache, *_idle_rows(slots, blocks, cache.num_blocks, lora_weights))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])

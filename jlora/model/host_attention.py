@@ -9,13 +9,16 @@ keys, whatever the batch's bucket): a 32-row SmolLM2 decode step over up to 512 
 took 150-165 ms against 230 with the XLA path (measured side by side on this 2-core
 machine; the replay in bench/results/2026-11-27-cpu-replay.md runs it).
 
-How: `jax.experimental.buffer_callback` hands the kernel the whole cache's buffers
-without a copy, with the layer's index, inside the scan over the layers; the callback
-holds the GIL only to unwrap its arguments, and the kernel (nogil) splits the (row, KV
-head) pairs over the cores (Numba's workqueue threads, one launch at a time: see
-below). It serves only where it reads host memory in place (`usable`: a one-device CPU
-mesh, in float32) and where it pays (`pays`: a decode of at least `MIN_ROWS` rows);
-elsewhere the XLA path serves.
+How: an XLA FFI handler (`jlora.model.ffi`: a Numba cfunc that XLA calls itself, no
+Python in between) is handed the whole cache's buffers without a copy, with the layer's
+index, inside the scan over the layers. It runs the (row, KV head) pairs on the calling
+thread, or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). Until
+2026-11-28 it was a `buffer_callback` (Python, the GIL and a thread launch each layer,
+about 0.1-0.4 ms), which did not pay below 16 rows; through FFI it pays at any batch:
+SmolLM2 decode against transformers on 2 cores went from 2.05x / 1.77x / 1.19x to
+2.19x / 2.01x / 1.43x at batch 1 / 8 / 32 (bench/results/2026-11-28-cpu-throughput-2.md).
+It serves wherever it reads host memory in place (`usable`: a one-device CPU mesh, in
+float32); elsewhere the XLA path serves.
 
 Semantics are `paged_decode_attention`'s: out[s] = softmax_{j <= positions[s]}(q[s]
 K_s[j] / sqrt(d)) V_s[j], fp32 throughout; a sentinel block (an idle row's) is read
@@ -25,85 +28,110 @@ meaningless.
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numba
 import numpy as np
 from jax.sharding import Mesh
-from numba import njit, prange
+from numba import cfunc, njit, prange, types
 
+from jlora.model import ffi
 from jlora.model.kv_cache import KVCache
 
-# Numba's threads: its workqueue, not GNU OpenMP, which left PyTorch in the same process
-# 1.8x slower afterwards (a benchmark's transformers side: 10.9 s before a jlora run,
-# 19.6 s after; 12.8 s with the workqueue, jlora as fast). The workqueue must not be
-# entered by two threads at once (two engines in one process): `_LAUNCH` serialises.
-numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
-_LAUNCH = threading.Lock()
 
-
-@njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _attend(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
-    """q, out: f32[S, H, D]; k, v: f32[L, NB, BS, KVH, D]; tables: i32[S, MB];
-    positions: i32[S]. Each (row, KV head) pair: scores of its query heads against the
-    row's keys, softmax, the weighted sum of its values."""
-    rows, heads, dim = q.shape
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _pair(q, k, v, layer, tables, positions, out, job):  # pragma: no cover - compiled
+    """(Row, KV head) pair `job`: scores of its query heads against the row's keys,
+    softmax, the weighted sum of its values. q, out: f32[S, H, D]; k, v: f32[L, NB, BS,
+    KVH, D]; tables: i32[S, MB]; positions: i32[S]."""
+    heads, dim = q.shape[1], q.shape[2]
     num_blocks, block_size, kv_heads = k.shape[1], k.shape[2], k.shape[3]
     group = heads // kv_heads
     scale = np.float32(1.0 / math.sqrt(dim))
-    for job in prange(rows * kv_heads):
-        s = job // kv_heads
-        h = job - s * kv_heads
-        length = positions[s] + 1
-        first = h * group
-        queries = q[s, first : first + group] * scale
-        weights = np.empty((group, length), np.float32)
-        for t in range(length):
-            block = min(tables[s, t // block_size], num_blocks - 1)
-            key = k[layer, block, t % block_size, h]
-            for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += queries[g, d] * key[d]
-                weights[g, t] = acc
+    s = job // kv_heads
+    h = job - s * kv_heads
+    length = positions[s] + 1
+    first = h * group
+    queries = q[s, first : first + group] * scale
+    weights = np.empty((group, length), np.float32)
+    for t in range(length):
+        block = min(tables[s, t // block_size], num_blocks - 1)
+        key = k[layer, block, t % block_size, h]
         for g in range(group):
-            top = weights[g, 0]
-            for t in range(1, length):
-                top = max(top, weights[g, t])
-            total = np.float32(0.0)
-            for t in range(length):
-                weights[g, t] = np.exp(weights[g, t] - top)
-                total += weights[g, t]
-            for t in range(length):
-                weights[g, t] /= total
-        acc_out = np.zeros((group, dim), np.float32)
+            acc = np.float32(0.0)
+            for d in range(dim):
+                acc += queries[g, d] * key[d]
+            weights[g, t] = acc
+    for g in range(group):
+        top = weights[g, 0]
+        for t in range(1, length):
+            top = max(top, weights[g, t])
+        total = np.float32(0.0)
         for t in range(length):
-            block = min(tables[s, t // block_size], num_blocks - 1)
-            value = v[layer, block, t % block_size, h]
-            for g in range(group):
-                w = weights[g, t]
-                for d in range(dim):
-                    acc_out[g, d] += w * value[d]
-        out[s, first : first + group] = acc_out
+            weights[g, t] = np.exp(weights[g, t] - top)
+            total += weights[g, t]
+        for t in range(length):
+            weights[g, t] /= total
+    acc_out = np.zeros((group, dim), np.float32)
+    for t in range(length):
+        block = min(tables[s, t // block_size], num_blocks - 1)
+        value = v[layer, block, t % block_size, h]
+        for g in range(group):
+            w = weights[g, t]
+            for d in range(dim):
+                acc_out[g, d] += w * value[d]
+    out[s, first : first + group] = acc_out
 
 
-def _callback(ctx: Any, out: Any, q: Any, k: Any, v: Any, layer: Any, tables: Any, pos: Any):
-    del ctx
-    args = (np.asarray(q), np.asarray(k), np.asarray(v), int(np.asarray(layer)))
-    with _LAUNCH:
-        _attend(*args, np.asarray(tables), np.asarray(pos), np.asarray(out))
+@njit(fastmath=True, nogil=True, cache=True)
+def _attend(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
+    """Every (row, KV head) pair (`_pair`) in turn, on the calling thread."""
+    for job in range(q.shape[0] * k.shape[3]):
+        _pair(q, k, v, layer, tables, positions, out, job)
 
 
-# Fewer decode rows than this: the XLA path. Each layer's callback has a fixed cost (the
-# GIL, the launch: about 0.4 ms), which a small batch's attention does not repay; a
-# SmolLM2 step at 4 rows took 60 ms with the kernel against 48 without, at 32 rows of
-# 512 keys 150-165 against 230. A Python thread busy beside the engine (staging an
-# adapter) also makes each callback wait for the GIL.
-MIN_ROWS = 16
+@njit(parallel=True, fastmath=True, nogil=True, cache=True)
+def _attend_parallel(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
+    """`_attend`, the pairs split over Numba's threads (one launch: `ffi.lock`)."""
+    for job in prange(q.shape[0] * k.shape[3]):
+        _pair(q, k, v, layer, tables, positions, out, job)
+
+
+# Keys a step's rows read in all (the sum of their positions) from which the pairs run on
+# Numba's threads rather than on the XLA thread that calls: a launch costs about 0.1 ms
+# and its threads contend with XLA's own on a small machine. SmolLM2 decode on 2 cores:
+# at 16 rows of 64-96 keys the calling thread alone made the step 5% faster (13% with
+# adapters); at 32 rows of 512 keys the threads halve the attention's 3.3 ms a layer.
+PARALLEL_KEYS = 4096
+
+
+@functools.cache
+def _handler() -> Any:
+    """The FFI target, compiled on first use (not at import: a GPU process never needs
+    it): args q, k, v, layer, tables, positions; result out. Not cached on disk (a
+    cached copy crashed the next process); the kernels it calls are."""
+
+    @cfunc(types.int64(types.voidptr))
+    def handle(frame):  # pragma: no cover - compiled
+        if ffi.answered_metadata(frame):
+            return 0
+        args = ffi.ARGS
+        q, k = ffi.f32_3d(frame, args, 0), ffi.f32_5d(frame, args, 1)
+        v, layer = ffi.f32_5d(frame, args, 2), ffi.i32_scalar(frame, args, 3)
+        tables, positions = ffi.i32_2d(frame, args, 4), ffi.i32_1d(frame, args, 5)
+        out = ffi.f32_3d(frame, ffi.RETS, 0)
+        if positions.sum() + positions.shape[0] < PARALLEL_KEYS:
+            _attend(q, k, v, layer, tables, positions, out)
+        else:
+            ffi.lock()
+            _attend_parallel(q, k, v, layer, tables, positions, out)
+            ffi.unlock()
+        return 0
+
+    return handle
 
 
 def usable(mesh: Mesh, dtype: Any) -> bool:
@@ -116,17 +144,13 @@ def usable(mesh: Mesh, dtype: Any) -> bool:
     )
 
 
-def pays(rows: int) -> bool:
-    """Whether it pays for a decode of `rows` rows: the batch is large enough."""
-    return rows >= MIN_ROWS
+_TARGET = "jlora_paged_decode_attention"
 
 
 def warm() -> None:
-    """Compile the kernel now (or load it from Numba's cache), not in the first step."""
-    q = np.zeros((1, 1, 1), np.float32)
-    kv = np.zeros((1, 1, 1, 1, 1), np.float32)
-    with _LAUNCH:
-        _attend(q, kv, kv, 0, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), q.copy())
+    """Compile the kernel (or load it from Numba's cache) and register its FFI target,
+    before a step calls it."""
+    ffi.register(_TARGET, _handler())
 
 
 def paged_decode_attention_host(
@@ -141,9 +165,8 @@ def paged_decode_attention_host(
     q: [S, heads, head_dim] f32; layer: the layer's index (a traced scalar, or an int);
     block_tables: i32[S, max_blocks]; positions: i32[S]. Returns [S, heads * head_dim].
     """
-    from jax.experimental.buffer_callback import buffer_callback
-
     slots, heads, head_dim = q.shape
-    call = buffer_callback(_callback, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    out = call(q, cache.k, cache.v, jnp.asarray(layer, np.int32), block_tables, positions)
+    warm()
+    attend = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    out = attend(q, cache.k, cache.v, jnp.asarray(layer, jnp.int32), block_tables, positions)
     return out.reshape(slots, heads * head_dim)
