@@ -156,7 +156,8 @@ def _decode_forms(backend):
     """Yields each decode form the backend has, set on it while the caller runs it: the
     reference's gather, its product over every slot, and its product over the batch's
     own slots where they are at most batch_slots = 2 (else the gather, at run time: both
-    happen among the row mixes above)."""
+    happen among the row mixes above); over the KV cache's pages, also the host kernel
+    (host_bgmv.py, fp32; in bfloat16 the gather again)."""
     if not hasattr(backend, "decode_form"):
         yield "the backend's"
         return
@@ -168,8 +169,11 @@ def _decode_forms(backend):
         backend.batch_slots = 2
         backend.over_slots = lambda rows, slots: slots == backend.batch_slots
         yield "over the batch's slots"
+        if hasattr(backend, "host_decode"):  # adapters in the pages, on a CPU: fp32
+            backend.host_decode = True
+            yield "the host kernel"
     finally:
-        for attribute in ("decode_form", "batch_slots", "over_slots"):
+        for attribute in ("decode_form", "batch_slots", "over_slots", "host_decode"):
             backend.__dict__.pop(attribute, None)  # the class's again
 
 

@@ -206,6 +206,9 @@ class LlamaEngine(DeviceEngine):
             self.lora.resize(max(cfg.max_loras, cfg.num_blocks))
             if isinstance(self.lora.backend, PooledReferenceBackend):
                 self.lora.backend.batch_slots = cfg.max_loras
+        if self.lora is not None and isinstance(self.lora.backend, PooledReferenceBackend):
+            # Its decode reads the pages in place where they are in host memory.
+            self.lora.backend.host_decode = host_attention.usable(self.mesh, self.model.dtype)
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(

@@ -144,6 +144,14 @@ def buffer(frame, word, index):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def f32_2d(frame, word, index):  # pragma: no cover - compiled
+    """Argument or result `index`, f32 of 2 dims, in place."""
+    data, dims = buffer(frame, word, index)
+    d = words(dims, 2)
+    return carray(_pointer(data), (d[0], d[1]), dtype=np.float32)
+
+
+@njit(inline="always")
 def f32_3d(frame, word, index):  # pragma: no cover - compiled
     """Argument or result `index`, f32 of 3 dims, in place."""
     data, dims = buffer(frame, word, index)

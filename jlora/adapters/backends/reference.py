@@ -15,6 +15,8 @@ over every slot, each row's other slots zeroed between the two halves (it reads 
 slot once, in place; cost ∝ rows × slots × max_rank in flops). Where the slots are
 many (adapters in the pool's pages), the product may run over the batch's own adapters
 instead, when they are at most `batch_slots` (decided at run time, else the gather).
+On a CPU, the adapters in the pool's pages decode by a Numba kernel that reads each
+row's pages in place instead (`PooledReferenceBackend.host_decode`, host_bgmv.py).
 A prefill's LoRA costs
 ∝ rows × max_rank times the segments that have an adapter (each is a masked product
 over every row, or over its `Segments.window` rows where the segments are bounded: a
@@ -32,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jlora.adapters.backends import host_bgmv
 from jlora.adapters.backends.base import (
     POOL,
     KVPagesBackend,
@@ -259,6 +262,9 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     """
 
     a_dims = "ri"  # A^T, rank rows
+    # Decode by the host kernel (host_bgmv.py): the engine sets it where the cache is in
+    # host memory (one CPU device).
+    host_decode = False
 
     def __init__(self, page_width: int) -> None:
         super().__init__(page_width)
@@ -310,6 +316,16 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
         layers, flat = rows.shape[0], rows.astype(half.dtype).reshape(rows.shape[0], -1)
         flat = jnp.pad(flat, ((0, 0), (0, count * self.page_width // 2 - flat.shape[1])))
         return flat.reshape(layers, count, *half.shape[2:])
+
+    def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
+        """On a CPU (`host_decode`, fp32), the Numba kernel that reads each row's pages in
+        place (host_bgmv.py); elsewhere the reference backend's forms."""
+        pool = weights[POOL]
+        if not (self.host_decode and host_bgmv.usable(x.dtype, pool["k"].dtype)):
+            return super().bgmv(weights, target, layer, x, y, idx)
+        w, safe = weights[target], jnp.maximum(idx, 0)
+        rank = jnp.where(idx >= 0, w["rank"][safe], 0)
+        return host_bgmv.bgmv(x, y, pool["k"], pool["v"], w["pages"][safe], rank, layer)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         a, b = self._stored(weights, target, layer, slots)
