@@ -7,9 +7,10 @@ v, about 80 µs of gathers and 100 µs of products a SmolLM2 layer, on 2 Zen 5 c
 This kernel reads each row's rank rows in place, from its own pages, only up to its
 adapter's own rank, on the XLA thread that calls it (`jlora.model.ffi`, no Python): 24
 µs for q_proj's 16 rows and 18 µs for v_proj's. SmolLM2 decode at batch 16 with 16
-rank-16 adapters on q and v went from 0.87 to 0.91 of the base step's tokens/s, on all
-seven targets from 0.59 (stacked slots; the pages' gather was slower still) to 0.72
-(bench/results/2026-11-28-cpu-lora-pool-qv-5.json).
+rank-16 adapters on q and v went from 0.87 to 0.89-0.91 of the base step's tokens/s
+(stacked slots, gathered by XLA: 0.92-0.93), on all seven targets to 0.72 (stacked
+slots 0.59-0.75 over two runs; bench/results/2026-11-28-cpu-lora-pool-qv-5.json,
+-lora-pool-2.json).
 
 Semantics are `ReferenceBackend.bgmv`'s over `PooledReferenceBackend`'s layout: a row s
 whose adapter adapts the target (rank[s] > 0) gets y[s] + (x[s] @ A_s) @ B_s, in fp32;
