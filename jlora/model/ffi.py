@@ -144,49 +144,41 @@ def buffer(frame, word, index):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def f32_2d(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, f32 of 2 dims, in place."""
+def array_1d(frame, word, index, dtype):  # pragma: no cover - compiled
+    """Argument or result `index` of 1 dim, in place."""
     data, dims = buffer(frame, word, index)
-    d = words(dims, 2)
-    return carray(_pointer(data), (d[0], d[1]), dtype=np.float32)
+    return carray(_pointer(data), (words(dims, 1)[0],), dtype=dtype)
 
 
 @njit(inline="always")
-def f32_3d(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, f32 of 3 dims, in place."""
+def array_2d(frame, word, index, dtype):  # pragma: no cover - compiled
+    """Argument or result `index` of 2 dims, in place."""
+    data, dims = buffer(frame, word, index)
+    d = words(dims, 2)
+    return carray(_pointer(data), (d[0], d[1]), dtype=dtype)
+
+
+@njit(inline="always")
+def array_3d(frame, word, index, dtype):  # pragma: no cover - compiled
+    """Argument or result `index` of 3 dims, in place."""
     data, dims = buffer(frame, word, index)
     d = words(dims, 3)
-    return carray(_pointer(data), (d[0], d[1], d[2]), dtype=np.float32)
+    return carray(_pointer(data), (d[0], d[1], d[2]), dtype=dtype)
 
 
 @njit(inline="always")
-def f32_5d(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, f32 of 5 dims, in place."""
+def array_5d(frame, word, index, dtype):  # pragma: no cover - compiled
+    """Argument or result `index` of 5 dims, in place."""
     data, dims = buffer(frame, word, index)
     d = words(dims, 5)
-    return carray(_pointer(data), (d[0], d[1], d[2], d[3], d[4]), dtype=np.float32)
+    return carray(_pointer(data), (d[0], d[1], d[2], d[3], d[4]), dtype=dtype)
 
 
 @njit(inline="always")
-def i32_1d(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, i32 of 1 dim, in place."""
-    data, dims = buffer(frame, word, index)
-    return carray(_pointer(data), (words(dims, 1)[0],), dtype=np.int32)
-
-
-@njit(inline="always")
-def i32_2d(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, i32 of 2 dims, in place."""
-    data, dims = buffer(frame, word, index)
-    d = words(dims, 2)
-    return carray(_pointer(data), (d[0], d[1]), dtype=np.int32)
-
-
-@njit(inline="always")
-def i32_scalar(frame, word, index):  # pragma: no cover - compiled
-    """Argument or result `index`, an i32 scalar (its dims are not read: rank 0)."""
+def scalar(frame, word, index, dtype):  # pragma: no cover - compiled
+    """Argument or result `index`, a scalar (its dims are not read: rank 0)."""
     data, _ = buffer(frame, word, index)
-    return carray(_pointer(data), 1, dtype=np.int32)[0]
+    return carray(_pointer(data), 1, dtype=dtype)[0]
 
 
 @functools.cache

@@ -118,11 +118,11 @@ def _handler() -> Any:
     def handle(frame):  # pragma: no cover - compiled
         if ffi.answered_metadata(frame):
             return 0
-        args = ffi.ARGS
-        q, k = ffi.f32_3d(frame, args, 0), ffi.f32_5d(frame, args, 1)
-        v, layer = ffi.f32_5d(frame, args, 2), ffi.i32_scalar(frame, args, 3)
-        tables, positions = ffi.i32_2d(frame, args, 4), ffi.i32_1d(frame, args, 5)
-        out = ffi.f32_3d(frame, ffi.RETS, 0)
+        a, f32, i32 = ffi.ARGS, np.float32, np.int32
+        q, k, v = (ffi.array_3d(frame, a, 0, f32), ffi.array_5d(frame, a, 1, f32),
+                   ffi.array_5d(frame, a, 2, f32))  # fmt: skip
+        layer, tables = ffi.scalar(frame, a, 3, i32), ffi.array_2d(frame, a, 4, i32)
+        positions, out = ffi.array_1d(frame, a, 5, i32), ffi.array_3d(frame, ffi.RETS, 0, f32)
         if positions.sum() + positions.shape[0] < PARALLEL_KEYS:
             _attend(q, k, v, layer, tables, positions, out)
         else:

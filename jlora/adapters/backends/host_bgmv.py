@@ -99,14 +99,14 @@ def _handler() -> Any:
             return 0
         a = ffi.ARGS
         bgmv_pages(
-            ffi.f32_2d(frame, a, 0),
-            ffi.f32_2d(frame, a, 1),
-            ffi.f32_5d(frame, a, 2),
-            ffi.f32_5d(frame, a, 3),
-            ffi.i32_2d(frame, a, 4),
-            ffi.i32_1d(frame, a, 5),
-            ffi.i32_scalar(frame, a, 6),
-            ffi.f32_2d(frame, ffi.RETS, 0),
+            ffi.array_2d(frame, a, 0, np.float32),
+            ffi.array_2d(frame, a, 1, np.float32),
+            ffi.array_5d(frame, a, 2, np.float32),
+            ffi.array_5d(frame, a, 3, np.float32),
+            ffi.array_2d(frame, a, 4, np.int32),
+            ffi.array_1d(frame, a, 5, np.int32),
+            ffi.scalar(frame, a, 6, np.int32),
+            ffi.array_2d(frame, ffi.RETS, 0, np.float32),
         )
         return 0
 
