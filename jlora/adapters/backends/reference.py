@@ -319,13 +319,19 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
         """On a CPU (`host_decode`, fp32), the Numba kernel that reads each row's pages in
-        place (host_bgmv.py); elsewhere the reference backend's forms."""
+        place (host_bgmv.py), skipped where no row's adapter adapts the target (as the
+        other forms are: q/v adapters decoded 3-4% faster than with the kernel copying y
+        for the other five targets); elsewhere the reference backend's forms."""
         pool = weights[POOL]
         if not (self.host_decode and host_bgmv.usable(x.dtype, pool["k"].dtype)):
             return super().bgmv(weights, target, layer, x, y, idx)
         w, safe = weights[target], jnp.maximum(idx, 0)
         rank = jnp.where(idx >= 0, w["rank"][safe], 0)
-        return host_bgmv.bgmv(x, y, pool["k"], pool["v"], w["pages"][safe], rank, layer)
+
+        def compute() -> jax.Array:
+            return host_bgmv.bgmv(x, y, pool["k"], pool["v"], w["pages"][safe], rank, layer)
+
+        return _unless_none(rank > 0, compute, y)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         a, b = self._stored(weights, target, layer, slots)
