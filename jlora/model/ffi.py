@@ -186,3 +186,9 @@ def register(name: str, handler: Any) -> str:
     """Register the Numba cfunc `handler` as the CPU FFI target `name` (once a process)."""
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler.ctypes), platform="cpu")
     return name
+
+
+def call(name: str, handler: Any, result: jax.ShapeDtypeStruct, *args: Any) -> jax.Array:
+    """The CPU FFI target `name` (the cfunc `handler`, registered on first use) as an op
+    of the step being traced, on `args`."""
+    return jax.ffi.ffi_call(register(name, handler), result)(*args)

@@ -166,7 +166,7 @@ def paged_decode_attention_host(
     block_tables: i32[S, max_blocks]; positions: i32[S]. Returns [S, heads * head_dim].
     """
     slots, heads, head_dim = q.shape
-    warm()
-    attend = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    out = attend(q, cache.k, cache.v, jnp.asarray(layer, jnp.int32), block_tables, positions)
+    result = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    layer = jnp.asarray(layer, jnp.int32)
+    out = ffi.call(_TARGET, _handler(), result, q, cache.k, cache.v, layer, block_tables, positions)
     return out.reshape(slots, heads * head_dim)

@@ -31,16 +31,22 @@ from numba import cfunc, njit, types
 from jlora.model import ffi
 
 
+@njit(inline="always")
+def _span(base, table, s, half, start, done, count):  # pragma: no cover - compiled
+    """Where values start + done, ... of the rows laid across row s's pages (`table[s]`,
+    at layer offset `base`) lie in the flat cache half, and how many lie there before
+    the page ends: (offset, n)."""
+    page, pos = divmod(start + done, half)
+    return (base + table[s, page]) * half + pos, min(count - done, half - pos)
+
+
 @njit(fastmath=True, inline="always")
 def _dot_rows(pool, base, table, s, half, start, x):  # pragma: no cover - compiled
-    """x · the len(x) values from `start` on of the rows laid across row s's pages
-    (`table[s]`, at layer offset `base`), which may cross from one page into the next."""
+    """x · the len(x) values from `start` on of those rows (they may cross pages)."""
     acc = np.float32(0.0)
     done, count = 0, x.shape[0]
     while done < count:
-        page, pos = divmod(start + done, half)
-        n = min(count - done, half - pos)
-        at = (base + table[s, page]) * half + pos
+        at, n = _span(base, table, s, half, start, done, count)
         values, xs = pool[at : at + n], x[done : done + n]  # j >= 0: no wraparound checks
         for j in range(n):
             acc += xs[j] * values[j]
@@ -53,9 +59,7 @@ def _add_rows(pool, base, table, s, half, start, w, out):  # pragma: no cover - 
     """out += w · the len(out) values from `start` on of those rows."""
     done, count = 0, out.shape[0]
     while done < count:
-        page, pos = divmod(start + done, half)
-        n = min(count - done, half - pos)
-        at = (base + table[s, page]) * half + pos
+        at, n = _span(base, table, s, half, start, done, count)
         values, part = pool[at : at + n], out[done : done + n]
         for j in range(n):
             part[j] += w * values[j]
@@ -120,6 +124,6 @@ def usable(x_dtype: Any, cache_dtype: Any) -> bool:
 
 def bgmv(x, y, k, v, table, rank, layer) -> jax.Array:
     """`bgmv_pages` as a step's op (see the module's semantics)."""
-    ffi.register(_TARGET, _handler())
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(y.shape, y.dtype))
-    return call(x, y, k, v, table, rank, jax.numpy.asarray(layer, jax.numpy.int32))
+    layer = jax.numpy.asarray(layer, jax.numpy.int32)
+    result = jax.ShapeDtypeStruct(y.shape, y.dtype)
+    return ffi.call(_TARGET, _handler(), result, x, y, k, v, table, rank, layer)
