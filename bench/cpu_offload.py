@@ -67,6 +67,7 @@ from multiprocessing import shared_memory  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
@@ -484,6 +485,7 @@ def main() -> None:
         **machine_facts(),
         "openblas_core": blas_core(),  # the workers' too: they inherit the environment
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(not set)"),
+        "numba_threading_layer": numba.threading_layer(),  # the engine's (cpu_offload.threads)
     }
     arena = Arena()
     try:

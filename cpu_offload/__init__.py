@@ -5,9 +5,11 @@ layers runs here, on CPU cores, reading A and B in place from the host store's
 shared-memory arena (CaraServe §4, Toppings §4). `CpuLoraPool` owns the worker
 processes (one per core, started with `spawn`; or none, computing on threads of the
 calling process where the device is the CPU), `protocol` is the shared-memory
-control block they poll, and `kernels` holds the compiled kernels: `lora_rows` (one
+control block they poll, `kernels` holds the compiled kernels: `lora_rows` (one
 product, two direct sgemm calls into strided output columns), `lora_task` (every
-job of one worker's task in one call) and `lora_task_threads` (the same over threads).
+job of one worker's task in one call) and `lora_task_threads` (the same over threads),
+and `threads` the lock that lets one parallel Numba kernel launch at a time in a
+process.
 
 Never imports jax: it receives plain numbers (segment names, byte offsets, shapes).
 """

@@ -37,6 +37,8 @@ from llvmlite import binding
 from numba import float32, int64, njit, prange, types, void
 from numba.extending import get_cython_function_address
 
+from cpu_offload.threads import lock, unlock
+
 # Fortran sgemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every
 # argument by pointer. Registered under our own name so that cached code links to it.
 _SGEMM_ADDRESS = get_cython_function_address("scipy.linalg.cython_blas", "sgemm")
@@ -200,11 +202,23 @@ def lora_task(arena, x, y, jobs):  # pragma: no cover - compiled
 )
 def lora_task_threads(arena, x, y, jobs, threads):  # pragma: no cover - compiled
     """`lora_task` over `threads` contiguous row ranges (sizes differing by <= 1), each on
-    a thread of this process (Numba's threading layer: OpenMP where the system has it),
-    each product one sgemm pair of its rows as in `lora_task`."""
+    a thread of this process (Numba's threading layer: the workqueue in a jlora process,
+    `jlora.model.ffi`), each product one sgemm pair of its rows as in `lora_task`. A
+    caller that may share its process with other parallel kernels calls
+    `lora_task_threads_alone`."""
     rows = x.shape[0]
     for i in prange(threads):
         start, end = rows * i // threads, rows * (i + 1) // threads
         for j in range(jobs.shape[0]):
             a, b, column = _job(arena, jobs, j, x.shape[1])
             _product(x[start:end], a, b, y[start:end, column : column + b.shape[1]])
+
+
+@njit(void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64), nogil=True)
+def lora_task_threads_alone(arena, x, y, jobs, threads):  # pragma: no cover - compiled
+    """`lora_task_threads` holding the process's launch lock (`cpu_offload.threads`): no
+    other parallel kernel launches meanwhile, from Python's threads or from XLA's.
+    Compiled at import, not cached (it takes the lock)."""
+    lock()
+    lora_task_threads(arena, x, y, jobs, threads)
+    unlock()

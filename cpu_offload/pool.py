@@ -21,14 +21,16 @@ the products have nothing to overlap (the device's base projections run on the s
 cores), and the processes' copies and hand-offs are pure cost. A pool made with
 `local_threads` has no worker processes: `collect` computes every submit in the calling
 process, on up to that many of its threads (`kernels.lora_task_threads`, Numba's
-OpenMP layer), straight into the caller's buffer; `run`, for a caller with nothing to
+threads), straight into the caller's buffer; `run`, for a caller with nothing to
 overlap, computes at once from x where it lies, without copying it. Measured on this
 project's 2-core EPYC against PyTorch's `x @ A @ B` on the same threads, everything
 the engine pays included (bench/results/2026-11-27-cpu-offload-apply.md): `run` on
 threads 1.16-1.34x at the median, where worker processes reached 0.75-0.81x. Beside
 an accelerator the processes stay: their products run while the device computes the
-base projections. No two parallel kernels run at once in a process (`_PARALLEL`),
-which Numba's workqueue layer (its fallback without OpenMP) would not allow.
+base projections. No two parallel kernels launch at once in a process (the launch
+lock, `threads.py`), which Numba's workqueue layer would not allow; a launch costs
+about 0.1 ms there, so a product under about `target_ms` on one core stays on one
+thread (`threads_for`).
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -65,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads, one_blas_thread
+from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads_alone, one_blas_thread
 from cpu_offload.protocol import (
     CLAIMED,
     DONE,
@@ -96,9 +98,6 @@ COLLECT_SPIN_S = 5e-3
 # A running worker takes its task within microseconds of the submit; one that has not
 # after this long is descheduled or asleep, and `collect` computes its rows itself.
 STEAL_AFTER_S = 5e-5
-# Numba's workqueue layer (its fallback where OpenMP is missing) aborts the process when
-# two threads launch parallel kernels at once; two pools of threads may share a process.
-_PARALLEL = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +158,7 @@ def _compute(x: np.ndarray, arena: np.ndarray, task: Task, y: np.ndarray, thread
     last row, in]) through every job, into the same rows of y, on `threads` threads."""
     x, y = x[task.row_start : task.row_end], y[task.row_start : task.row_end]
     if threads > 1:
-        with _PARALLEL:  # one parallel kernel at a time in this process
-            lora_task_threads(arena, x, y, task.job_rows(), threads)
+        lora_task_threads_alone(arena, x, y, task.job_rows(), threads)
     else:
         lora_task(arena, x, y, task.job_rows())
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from cpu_offload.kernels import lora_task_threads_alone
 from jlora.engine.api import SamplingParams
 from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
@@ -127,6 +128,52 @@ def test_two_threads_may_decode_at_once():
     assert len(results) == 150
     for result in results:
         np.testing.assert_array_equal(result, expected)
+
+
+def test_a_decode_and_a_pool_of_threads_launch_in_turn():
+    """An engine's decode (on an XLA thread) beside a pool of threads' CPU LoRA (on a
+    Python thread) in one process: both launch parallel Numba kernels, which Numba's
+    workqueue would abort the process for if two launches overlapped; one launch lock
+    (cpu_offload.threads) serves both, and both compute what they compute alone."""
+    cache = KVCache(
+        k=jnp.asarray(random((2, 64, 16, 3, 64), 4)), v=jnp.asarray(random((2, 64, 16, 3, 64), 5))
+    )
+    tables = jnp.asarray(np.arange(32 * 8, dtype=np.int32).reshape(32, 8) % 64)
+    positions = jnp.full(32, 127, jnp.int32)
+    q = jnp.asarray(random((32, 9, 64), 6))
+    attend = jax.jit(paged_decode_attention_host)
+    attended = np.asarray(attend(q, cache, jnp.int32(1), tables, positions))
+    # One LoRA job: A [64, 8] then B [8, 48] in the arena, into columns 0-47 of y.
+    a, b = random((64, 8), 7), random((8, 48), 8)
+    arena = np.concatenate([a.ravel(), b.ravel()]).astype(np.float32)
+    jobs = np.array([[0, a.size * 4, 8, 48, 0]], np.int64)
+    x = random((40, 64), 9)
+    lora = np.zeros((40, 48), np.float32)
+    lora_task_threads_alone(arena, x, lora, jobs, 2)
+    np.testing.assert_allclose(lora, x @ a @ b, rtol=1e-4, atol=1e-4)
+    outputs: dict[str, list[np.ndarray]] = {"attention": [], "lora": []}
+
+    def decode() -> None:
+        for _ in range(60):
+            attention = attend(q, cache, jnp.int32(1), tables, positions)
+            outputs["attention"].append(np.asarray(attention))
+
+    def offload() -> None:
+        for _ in range(600):
+            y = np.zeros((40, 48), np.float32)
+            lora_task_threads_alone(arena, x, y, jobs, 2)
+            outputs["lora"].append(y)
+
+    threads = [threading.Thread(target=decode), threading.Thread(target=offload)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outputs["attention"]) == 60 and len(outputs["lora"]) == 600
+    for result in outputs["attention"]:
+        np.testing.assert_array_equal(result, attended)
+    for y in outputs["lora"]:
+        np.testing.assert_array_equal(y, lora)
 
 
 def test_engine_tokens_with_the_layer_loop_unrolled_equal_the_scans(tiny):

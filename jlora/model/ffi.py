@@ -23,12 +23,11 @@ takes a handler of its own major version and an older or equal minor one), and t
 handler then returns at once. It works only at the execute stage. Its callers fix each
 argument's shape and dtype, so a handler trusts them.
 
-A handler that runs a parallel Numba kernel holds the launch lock (`lock`, `unlock`)
-around it: Numba's workqueue threads abort the process when two threads launch at once
-(two engines in one process), and no Python lock can be taken where no Python runs. The
-lock is a word of this process's memory that compiled code finds by its symbol's name.
-A handler is compiled in each process (a copy cached on disk crashed the next one); the
-kernels it calls are cached.
+A handler that runs a parallel Numba kernel holds the process's launch lock around it
+(`cpu_offload.threads`: Numba's workqueue threads abort the process when two threads
+launch at once, as two engines in one process, or an engine's decode beside a pool of
+threads' CPU LoRA, would). A handler is compiled in each process (a copy cached on disk
+crashed the next one); the kernels it calls are cached.
 """
 
 from __future__ import annotations
@@ -37,16 +36,9 @@ import functools
 from typing import Any
 
 import jax
-import numba
 import numpy as np
-from llvmlite import binding, ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
-
-# Numba's threads: its workqueue, not GNU OpenMP, which left PyTorch in the same process
-# 1.8x slower afterwards (a benchmark's transformers side: 10.9 s before a jlora run,
-# 19.6 s after; 12.8 s with the workqueue, jlora as fast). Set before the first launch.
-numba.config.THREADING_LAYER = "workqueue"  # type: ignore[attr-defined]
 
 ARGS, RETS = 9, 14  # words of the call frame holding the args' and rets' pointer arrays
 _STAGE, _EXECUTE = 4, 3
@@ -63,52 +55,6 @@ def _pointer(typingctx, address):  # pragma: no cover - compiled
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
     return signature, codegen
-
-
-_LOCK_SYMBOL = "jlora_ffi_launch_lock"
-_LOCK = np.zeros(1, np.int64)  # 0: free; lives as long as the process
-binding.add_symbol(_LOCK_SYMBOL, _LOCK.ctypes.data)
-
-
-@intrinsic
-def _try_lock(typingctx):  # pragma: no cover - compiled
-    """Atomically take the launch lock if it is free: whether it was."""
-
-    def codegen(context, builder, sig, args):
-        word = builder.module.globals.get(_LOCK_SYMBOL) or ir.GlobalVariable(
-            builder.module, ir.IntType(64), _LOCK_SYMBOL
-        )
-        zero, one = ir.Constant(ir.IntType(64), 0), ir.Constant(ir.IntType(64), 1)
-        result = builder.cmpxchg(word, zero, one, "acquire", "monotonic")
-        return builder.extract_value(result, 1)
-
-    return types.boolean(), codegen
-
-
-@intrinsic
-def _unlock(typingctx):  # pragma: no cover - compiled
-    """Free the launch lock (a release store)."""
-
-    def codegen(context, builder, sig, args):
-        word = builder.module.globals.get(_LOCK_SYMBOL) or ir.GlobalVariable(
-            builder.module, ir.IntType(64), _LOCK_SYMBOL
-        )
-        builder.store_atomic(ir.Constant(ir.IntType(64), 0), word, "release", 8)
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-@njit(inline="always")
-def lock():  # pragma: no cover - compiled
-    """Take the launch lock, spinning while another thread holds it."""
-    while not _try_lock():
-        pass
-
-
-@njit(inline="always")
-def unlock():  # pragma: no cover - compiled
-    _unlock()
 
 
 @njit(inline="always")

@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 from numba import cfunc, njit, prange, types
 
+from cpu_offload import threads
 from jlora.model import ffi
 from jlora.model.kv_cache import KVCache
 
@@ -95,7 +96,7 @@ def _attend(q, k, v, layer, tables, positions, out):  # pragma: no cover - compi
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
 def _attend_parallel(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
-    """`_attend`, the pairs split over Numba's threads (one launch: `ffi.lock`)."""
+    """`_attend`, the pairs split over Numba's threads (one launch at a time: `threads.lock`)."""
     for job in prange(q.shape[0] * k.shape[3]):
         _pair(q, k, v, layer, tables, positions, out, job)
 
@@ -126,9 +127,9 @@ def _handler() -> Any:
         if positions.sum() + positions.shape[0] < PARALLEL_KEYS:
             _attend(q, k, v, layer, tables, positions, out)
         else:
-            ffi.lock()
+            threads.lock()
             _attend_parallel(q, k, v, layer, tables, positions, out)
-            ffi.unlock()
+            threads.unlock()
         return 0
 
     return handle
