@@ -12,6 +12,15 @@ rank-16 adapters on q and v went from 0.87 to 0.89-0.91 of the base step's token
 slots 0.59-0.75 over two runs; bench/results/2026-11-28-cpu-lora-pool-qv-5.json,
 -lora-pool-2.json).
 
+What bounds it is memory: in a step the rows come from DRAM (the base weights stream
+past every cache in between), 71 MB a step for 16 rank-16 adapters on q and v, 13% of
+SmolLM2's 538 MB of fp32 weights. On a 2-core Zen 4 VM, caches flushed (a scratch
+measurement, 2026-11-28), q_proj's 16 rows took 82 µs over pages in order (as the
+pool deals an adapter's pages) and 140 µs over scattered ones, where merely reading
+their bytes took 53 and 124 µs; 30 µs in the cache. Prefetching the next row's pages
+or the next page's lines, and every row's x·A before any ·B, came within 10 µs of
+this; a parallel launch costs 0.1 ms (cpu_offload/threads.py).
+
 Semantics are `ReferenceBackend.bgmv`'s over `PooledReferenceBackend`'s layout: a row s
 whose adapter adapts the target (rank[s] > 0) gets y[s] + (x[s] @ A_s) @ B_s, in fp32;
 A_s^T's rank rows lie across the key halves of its pages in table order, `in` values
