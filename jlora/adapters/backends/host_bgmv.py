@@ -17,9 +17,10 @@ past every cache in between), 71 MB a step for 16 rank-16 adapters on q and v, 1
 SmolLM2's 538 MB of fp32 weights. On a 2-core Zen 4 VM, caches flushed (a scratch
 measurement, 2026-11-28), q_proj's 16 rows took 82 µs over pages in order (as the
 pool deals an adapter's pages) and 140 µs over scattered ones, where merely reading
-their bytes took 53 and 124 µs; 30 µs in the cache. Prefetching the next row's pages
-or the next page's lines, and every row's x·A before any ·B, came within 10 µs of
-this; a parallel launch costs 0.1 ms (cpu_offload/threads.py).
+their bytes took 53 and 124 µs; 30 µs in the cache. None of the variants tried beat
+it: prefetching the next row's pages ran 15-25 µs slower, every row's x·A before any
+·B within 10 µs either way, and a parallel launch costs 0.1 ms
+(cpu_offload/threads.py).
 
 Semantics are `ReferenceBackend.bgmv`'s over `PooledReferenceBackend`'s layout: a row s
 whose adapter adapts the target (rank[s] > 0) gets y[s] + (x[s] @ A_s) @ B_s, in fp32;
