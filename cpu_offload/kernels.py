@@ -202,10 +202,9 @@ def lora_task(arena, x, y, jobs):  # pragma: no cover - compiled
 )
 def lora_task_threads(arena, x, y, jobs, threads):  # pragma: no cover - compiled
     """`lora_task` over `threads` contiguous row ranges (sizes differing by <= 1), each on
-    a thread of this process (Numba's threading layer: the workqueue in a jlora process,
-    `jlora.model.ffi`), each product one sgemm pair of its rows as in `lora_task`. A
-    caller that may share its process with other parallel kernels calls
-    `lora_task_threads_alone`."""
+    a thread of this process (Numba's workqueue, `threads.py`), each product one sgemm
+    pair of its rows as in `lora_task`. A caller that may share its process with other
+    parallel kernels calls `lora_task_threads_alone`."""
     rows = x.shape[0]
     for i in prange(threads):
         start, end = rows * i // threads, rows * (i + 1) // threads
