@@ -1,17 +1,19 @@
 """Where a decode step's time goes: `jax.profiler` traces of decode steps, summarised.
 
 Run: `python -m bench.step_profile [--model llama2-7b --dtype bfloat16] [--batch 32]
-[--adapters 32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 16]
+[--adapters 0,32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 16]
 [--variants stacked,...] [--markdown PATH] [--json PATH] [--trace-dir DIR]`
 (`tools/gpu_check.sh OUT profile` runs it on a GPU). On a GPU it answers what
 `bench.lora_decode` cannot: whether a step's time is the device computing, the device
 copying, or the device idle while the host launches and schedules.
 
 The decode of `bench.lora_decode` (B prompts of 64 tokens, greedy, EOS ignored, every
-adapter resident), for two systems in one process on the same loaded model: `no-lora`
-(an engine with no LoRA code) and `BACKEND k=K` (rows spread over K distinct rank-16
-adapters). Each runs once untimed, once timed, and once with its decode steps (not the
-step that prefills) under the profiler. Reported per step, from the trace:
+adapter resident), for systems in one process on the same loaded model: `no-lora`
+(an engine with no LoRA code) and `BACKEND k=K` for each K of `--adapters` (a LoRA
+engine, rows spread over K distinct rank-16 adapters; k=0: the same engine, no row with
+an adapter, which tells the LoRA code's own cost from the adapters'). Each runs once
+untimed, once timed, and once with its decode steps (not the step that prefills) under
+the profiler. Reported per step, from the trace:
 
 - `wall`: the timed run's seconds per step (host scheduling included);
 - `busy`: the union of the device's kernel intervals, so `wall - busy` is time the
@@ -222,12 +224,28 @@ def write(args: argparse.Namespace, facts: dict, plan: Plan, profiles: list[Step
         write_report(args.json, facts, plan, report, xla_flags=xla_flags)
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated adapter counts K >= 0, at least one above 0."""
+    try:
+        counts = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if min(counts) < 0 or max(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be >= 0, one of them >= 1: {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama2-7b", help="a preset (default %(default)s)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--adapters", type=int, default=32, help="distinct adapters, K")
+    parser.add_argument(
+        "--adapters",
+        type=_counts,
+        default="32",
+        help="distinct adapters K of each LoRA system, comma-separated (0: none in the batch)",
+    )
     parser.add_argument("--backend", default="bgmv")
     parser.add_argument("--targets", type=target_list, default="q_proj,k_proj,v_proj,o_proj")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per run")
@@ -246,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         batch=args.batch,
         new_tokens=args.steps,
-        adapter_counts=(args.adapters,),
+        adapter_counts=args.adapters,
         targets=args.targets,
         backends=(args.backend,),
     )
@@ -254,17 +272,22 @@ def main(argv: list[str] | None = None) -> None:
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
     loaded = load_model(plan.model, plan.dtype)
     prompts = make_prompts(loaded, plan.batch, plan.prompt_len)
-    lora = f"{args.backend} k={args.adapters}"
     traces = args.trace_dir or Path(tempfile.mkdtemp(prefix="jlora-trace-"))
     profiles: list[StepProfile] = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_demo_adapters(
-            loaded.config, tmp, n=args.adapters, ranks=[plan.rank], targets=plan.targets, seed=0
+            loaded.config,
+            tmp,
+            n=max(args.adapters),
+            ranks=[plan.rank],
+            targets=plan.targets,
+            seed=0,
         )
         adapters = {path.name: path for path in paths}
-        spread: list[str | None] = [paths[i % len(paths)].name for i in range(plan.batch)]
+        systems = [("no-lora", 0, False)]
+        systems += [(f"{args.backend} k={k}", k, True) for k in args.adapters]
         for variant in args.variants:  # one engine at a time, the tables rewritten after each
-            for system, with_adapters in (("no-lora", False), (lora, True)):
+            for system, count, with_adapters in systems:
                 name = system if variant == "stacked" else f"{system}, {variant}"
                 print(f"profiling {name}...", file=sys.stderr, flush=True)
                 layer_loop, copies = VARIANTS[variant]
@@ -277,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
                         on_demand=True,
                         layer_loop=layer_loop,
                     )
-                    rows = spread if with_adapters else None
+                    rows: list[str | None] | None = None
+                    if count:
+                        rows = [paths[i % count].name for i in range(plan.batch)]
                     run = functools.partial(jlora_decode, engine, prompts, plan.new_tokens, rows)
                     trace_dir = traces / re.sub(r"\W+", "_", name)
                     profiles.append(profile(name, run, plan.new_tokens, trace_dir))

@@ -57,6 +57,26 @@ def test_variants_run_and_are_undone(tmp_path):
     assert (CompiledSteps.__init__, layer_views.split_layers) == (init, split)
 
 
+def test_a_lora_engine_with_no_adapter_in_the_batch_is_a_system_of_its_own(tmp_path):
+    """--adapters 0,2: no-lora, the LoRA engine whose rows have no adapter (its LoRA
+    code's own cost), and the same with rows over 2 adapters."""
+    out = tmp_path / "profile.json"
+    step_profile.main(
+        ["--model", "cpu-tiny", "--dtype", "float32", "--batch", "2", "--adapters", "0,2",
+         "--backend", "reference", "--steps", "2", "--json", str(out)]
+    )  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert [r["system"] for r in results] == ["no-lora", "reference k=0", "reference k=2"]
+    assert all(r["wall_ms"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("counts", ["0", "-1,2", "two"])
+def test_adapter_counts_are_refused_unless_one_is_positive(counts, capsys):
+    with pytest.raises(SystemExit):
+        step_profile.main(["--model", "cpu-tiny", "--adapters", counts])
+    assert "--adapters" in capsys.readouterr().err
+
+
 def test_an_unknown_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         step_profile.main(["--model", "cpu-tiny", "--variants", "stacked,fused"])

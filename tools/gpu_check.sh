@@ -108,15 +108,15 @@ for s in "${stages[@]}"; do
           --requests 12 --rate 3 --link-gbps "${link%:*}" --sections trace \
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
-    profile)  # where a decode step's time goes (bench.step_profile): no-lora and BGMV with 32
-      # adapters, the layers scanned and unrolled (2026-11-28: 280 s for three ways, unrolled
-      # over the stack or copies), with the compiled decode steps' HLO kept (decode-hlo.tar.gz):
-      # the trace names a fusion but not what it reads
+    profile)  # where a decode step's time goes (bench.step_profile): no-lora, and BGMV with no
+      # adapter in the batch and with 32, the layers unrolled (the GPU's default; 2026-11-28:
+      # 280 s for three ways of two systems), with the compiled decode steps' HLO kept
+      # (decode-hlo.tar.gz): the trace names a fusion but not what it reads
       hlo=/tmp/jlora-decode-hlo
       rm -rf "$hlo"
       XLA_FLAGS="--xla_dump_to=$hlo --xla_dump_hlo_module_re=jit__decode --xla_dump_hlo_as_text" \
-        stage profile 300 "$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 32 \
-        --backend bgmv --targets q_proj,k_proj,v_proj,o_proj --variants stacked,unrolled \
+        stage profile 300 "$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 0,32 \
+        --backend bgmv --targets q_proj,k_proj,v_proj,o_proj --variants unrolled \
         --markdown "$out/profile.md" --json "$out/profile.json"
       (cd "$hlo" && tar -czf "$out/decode-hlo.tar.gz" ./*after_optimizations.txt) ;;
   esac
