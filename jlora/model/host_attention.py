@@ -16,7 +16,7 @@ thread, or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). U
 2026-11-28 it was a `buffer_callback` (Python, the GIL and a thread launch each layer,
 about 0.1-0.4 ms), which did not pay below 16 rows; through FFI it pays at any batch:
 SmolLM2 decode against transformers on 2 cores went from 2.05x / 1.77x / 1.19x to
-2.19x / 2.01x / 1.43x at batch 1 / 8 / 32 (bench/results/2026-11-28-cpu-throughput-2.md).
+2.20x / 1.86x / 1.29x at batch 1 / 8 / 32 (bench/results/2026-11-28-cpu-throughput-2.md).
 It serves wherever it reads host memory in place (`usable`: a one-device CPU mesh, in
 float32); elsewhere the XLA path serves.
 
