@@ -16,6 +16,11 @@ which prefills every prompt, is not timed). Systems, all on the same prompts:
   adapters (demo adapters, rank R = 16, all 7 targets; as many device slots as
   adapters, all loaded and pinned beforehand (`cached`), so no transfer is timed).
   `--targets q_proj,v_proj` gives them PEFT's default targets for Llama instead.
+  The engines' slots (EngineConfig.lora_targets) cover the adapters' targets, as a
+  server for such adapters is configured; with `--slot-targets adapters,all` each LoRA
+  engine runs again with slots on all seven projections (`[all-targets]`), the
+  engine's default: the projections no adapter touches then cost what the backend
+  spends on a target without an adapter.
 - `reference[FORM] k=...`: with `--reference-forms auto,gather,over-slots`, the
   reference backend once per decode form (`ReferenceBackend.decode_form`; plain
   `reference` is "auto", the form the engine picks).
@@ -49,7 +54,7 @@ from bench.throughput import (
     write_report,
 )
 from configs import EngineConfig
-from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS
+from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS, LORA_TARGETS
 from jlora.adapters.backends import POOLED
 from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
@@ -74,22 +79,44 @@ class Plan:
     backends: tuple[str, ...] = ("reference",)
     reference_forms: tuple[str, ...] = ("auto",)
     lora_pools: tuple[str, ...] = ("kv",)
+    slot_targets: tuple[str, ...] = ("adapters",)
     repeats: int = 3
 
 
-def _systems(plan: Plan) -> list[tuple[str, str, str, str]]:
-    """(system, backend, decode form, lora pool) for each LoRA engine: the reference
-    backend once per form and pool, MBGMV once per pool (the defaults, "auto" and "kv",
-    named plainly; the others in brackets), BGMV once."""
+SLOT_TARGETS = ("adapters", "all")  # the LoRA engines' slots: the adapters' targets, or all
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One LoRA engine of a run: its backend and the settings it runs with."""
+
+    name: str
+    backend: str
+    form: str = "auto"  # the reference backend's decode form
+    pool: str = "kv"  # where the reference and MBGMV backends keep adapters
+    slot_targets: str = "adapters"  # SLOT_TARGETS
+
+
+def _systems(plan: Plan) -> list[System]:
+    """Each LoRA engine: every backend once per slot targets, the reference backend
+    once per form and pool, MBGMV once per pool (the defaults, "auto", "kv" and
+    "adapters", named plainly; the others in brackets)."""
     systems = []
     for backend in plan.backends:
         reference = backend == "reference"
         for form in plan.reference_forms if reference else ("auto",):
             for pool in plan.lora_pools if backend in POOLED else ("kv",):
-                tags = [tag for tag in (form, pool) if tag not in ("auto", "kv")]
-                name = f"{backend}[{','.join(tags)}]" if tags else backend
-                systems.append((name, backend, form, pool))
+                for targets in plan.slot_targets:
+                    tags = [form, pool, f"{targets}-targets"]
+                    tags = [t for t in tags if t not in ("auto", "kv", "adapters-targets")]
+                    name = f"{backend}[{','.join(tags)}]" if tags else backend
+                    systems.append(System(name, backend, form, pool, targets))
     return systems
+
+
+def lora_targets(plan: Plan, slot_targets: str) -> tuple[str, ...]:
+    """The projections a LoRA engine's slots cover (EngineConfig.lora_targets)."""
+    return plan.targets if slot_targets == "adapters" else LORA_TARGETS
 
 
 def make_engine(
@@ -101,10 +128,12 @@ def make_engine(
     decode_form: str = "auto",
     lora_pool: str = "kv",
     layer_loop: str = "auto",
+    slot_targets: str = "adapters",
 ) -> Orchestrator:
     """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
     shape compiles when first met: a run's untimed first pass compiles what it uses);
-    `decode_form` is the reference backend's (set before anything compiles)."""
+    `decode_form` is the reference backend's (set before anything compiles); its slots
+    cover the adapters' targets, or all seven (`slot_targets`, SLOT_TARGETS)."""
     lora: dict[str, Any] = (
         {
             "max_loras": len(adapters),
@@ -112,6 +141,7 @@ def make_engine(
             "lora_mode": "cached",
             "lora_backend": backend,
             "lora_pool": lora_pool,
+            "lora_targets": lora_targets(plan, slot_targets),
             "host_store_mib": store_mib(loaded.config, [plan.rank] * len(adapters), plan.targets),
         }
         if adapters
@@ -154,7 +184,8 @@ def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
         f"{facts['load_avg_1min_end']:.1f} at end",
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, {plan.new_tokens} "
-        f"new tokens each; adapters of rank {plan.rank} on {', '.join(plan.targets)}",
+        f"new tokens each; adapters of rank {plan.rank} on {', '.join(plan.targets)}; "
+        "LoRA engines' slots on the adapters' targets ([all-targets]: on all seven)",
         "",
         "| system | tokens/s | range | ratio to no-lora |",
         "|---|---:|---:|---:|",
@@ -181,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         ("--backends", LORA_BACKENDS, "the LoRA backends"),
         ("--reference-forms", DECODE_FORMS, "the reference backend's decode forms"),
         ("--lora-pools", LORA_POOLS, "where the reference and MBGMV backends keep adapters"),
+        ("--slot-targets", SLOT_TARGETS, "the LoRA engines' slots: the adapters' targets, or all"),
     ):  # each defaults to its first choice, the engine's default
         parser.add_argument(
             flag,
@@ -214,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         backends=args.backends,
         reference_forms=args.reference_forms,
         lora_pools=args.lora_pools,
+        slot_targets=args.slot_targets,
         targets=args.targets,
         repeats=args.repeats,
     )
@@ -238,15 +271,22 @@ def main(argv: list[str] | None = None) -> None:
         # meets, and nothing else (a GPU engine unrolls its layers, and its full warm-up
         # compiles for minutes: bench/results/2026-11-28-h200-profile.md).
         engines = {"no-lora": make_engine(loaded, plan, {}, on_demand=True)}
-        for system, backend, form, pool in _systems(plan):
-            engines[system] = make_engine(
-                loaded, plan, adapters, backend, on_demand=True, decode_form=form, lora_pool=pool
+        for system in _systems(plan):
+            engines[system.name] = make_engine(
+                loaded,
+                plan,
+                adapters,
+                system.backend,
+                on_demand=True,
+                decode_form=system.form,
+                lora_pool=system.pool,
+                slot_targets=system.slot_targets,
             )
     names = list(adapters)
     runs = {
         "no-lora": functools.partial(jlora_decode, engines["no-lora"], prompts, plan.new_tokens)
     }
-    for system, *_ in _systems(plan):
+    for system in (s.name for s in _systems(plan)):
         for k in (0, *plan.adapter_counts):
             rows = [names[row % k] if k else None for row in range(plan.batch)]
             runs[f"{system} k={k}"] = functools.partial(

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: `jax.profiler` traces of decode steps, summarised.
 
 Run: `python -m bench.step_profile [--model llama2-7b --dtype bfloat16] [--batch 32]
-[--adapters 0,32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj] [--steps 16]
+[--adapters 0,32] [--backend bgmv] [--targets q_proj,k_proj,v_proj,o_proj]
+[--slot-targets adapters|all] [--steps 16]
 [--variants stacked,...] [--markdown PATH] [--json PATH] [--trace-dir DIR]`
 (`tools/gpu_check.sh OUT profile` runs it on a GPU). On a GPU it answers what
 `bench.lora_decode` cannot: whether a step's time is the device computing, the device
@@ -59,7 +60,7 @@ from typing import Any
 import jax
 from jax.profiler import ProfileData
 
-from bench.lora_decode import Plan, make_engine
+from bench.lora_decode import SLOT_TARGETS, Plan, make_engine
 from bench.report import machine_facts, write_report
 from bench.throughput import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
@@ -189,6 +190,10 @@ VARIANTS: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager]]]
 }
 
 
+def _slots(plan: Plan) -> str:
+    return "all seven projections" if plan.slot_targets == ("all",) else "the adapters' targets"
+
+
 def render(facts: dict, plan: Plan, profiles: list[StepProfile]) -> str:
     lines = [
         f"{plan.model} {plan.dtype} | {facts['device']} | jax {facts['jax']} "
@@ -197,7 +202,7 @@ def render(facts: dict, plan: Plan, profiles: list[StepProfile]) -> str:
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, "
         f"{plan.new_tokens} steps traced; adapters of rank {plan.rank} on "
-        f"{', '.join(plan.targets)}",
+        f"{', '.join(plan.targets)}; slots on {_slots(plan)}",
         "",
         "| system | wall ms/step | device busy ms/step | idle ms/step | kernels/step |",
         "|---|---:|---:|---:|---:|",
@@ -248,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--backend", default="bgmv")
     parser.add_argument("--targets", type=target_list, default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument(
+        "--slot-targets",
+        choices=SLOT_TARGETS,
+        default=SLOT_TARGETS[0],
+        help="the LoRA engines' slots: the adapters' targets (default) or all seven",
+    )
     parser.add_argument("--steps", type=int, default=16, help="decode steps per run")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH")
@@ -267,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         adapter_counts=args.adapters,
         targets=args.targets,
         backends=(args.backend,),
+        slot_targets=(args.slot_targets,),
     )
     facts = machine_facts()
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.backend,
                         on_demand=True,
                         layer_loop=layer_loop,
+                        slot_targets=args.slot_targets,
                     )
                     rows: list[str | None] | None = None
                     if count:

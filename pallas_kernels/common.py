@@ -43,6 +43,22 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def shrink_parts(fan_in: int, block_in: int) -> int:
+    """How many parts of x @ A a decode shrink writes per row, one per `in` block,
+    rounded up to a power of two (the expand loads them as one Triton array); the
+    parts past the last block are zeros."""
+    return 1 << (fan_in // block_in - 1).bit_length()
+
+
+def summed_parts(parts_ref: Any, start: Any, size: int, dtype: Any) -> jax.Array:
+    """Rank entries [start, start + size) of one row's x @ A, from a decode shrink's parts
+    (f32[K, R]) or from v itself ([1, R] in x's dtype): the parts summed in f32 and
+    rounded to `dtype` (the arithmetic rule above), returned as f32[size]. The expand
+    sums the parts itself, where XLA's reduce was a launch of its own per projection."""
+    parts = parts_ref[:, pl.ds(start, size)].astype(jnp.float32)
+    return jnp.sum(parts, axis=0).astype(dtype).astype(jnp.float32)
+
+
 def whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     """A block that is the whole array, the same for every program (indexed inside)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))

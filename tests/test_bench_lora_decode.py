@@ -1,5 +1,5 @@
 """bench.lora_decode's systems: the reference backend once per decode form and pool
-asked for, MBGMV once per pool."""
+asked for, MBGMV once per pool, each once per slot targets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from bench import lora_decode
-from bench.lora_decode import Plan
+from bench.lora_decode import Plan, System
+from configs.engine import LORA_TARGETS
 
 
 def test_the_reference_backend_runs_once_per_form_and_pool_mbgmv_per_pool_bgmv_once():
@@ -18,14 +19,36 @@ def test_the_reference_backend_runs_once_per_form_and_pool_mbgmv_per_pool_bgmv_o
         lora_pools=("kv", "slots"),
     )
     assert lora_decode._systems(plan) == [
-        ("reference", "reference", "auto", "kv"),
-        ("reference[slots]", "reference", "auto", "slots"),
-        ("reference[over-slots]", "reference", "over-slots", "kv"),
-        ("reference[over-slots,slots]", "reference", "over-slots", "slots"),
-        ("mbgmv", "mbgmv", "auto", "kv"),
-        ("mbgmv[slots]", "mbgmv", "auto", "slots"),
-        ("bgmv", "bgmv", "auto", "kv"),
+        System("reference", "reference", "auto", "kv"),
+        System("reference[slots]", "reference", "auto", "slots"),
+        System("reference[over-slots]", "reference", "over-slots", "kv"),
+        System("reference[over-slots,slots]", "reference", "over-slots", "slots"),
+        System("mbgmv", "mbgmv", "auto", "kv"),
+        System("mbgmv[slots]", "mbgmv", "auto", "slots"),
+        System("bgmv", "bgmv", "auto", "kv"),
     ]
+
+
+def test_each_engine_runs_once_per_slot_targets_and_all_seven_is_tagged():
+    plan = Plan(backends=("reference", "bgmv"), slot_targets=("adapters", "all"))
+    assert lora_decode._systems(plan) == [
+        System("reference", "reference"),
+        System("reference[all-targets]", "reference", slot_targets="all"),
+        System("bgmv", "bgmv"),
+        System("bgmv[all-targets]", "bgmv", slot_targets="all"),
+    ]
+
+
+def test_slots_cover_the_adapters_targets_unless_all_are_asked_for():
+    plan = Plan(targets=("q_proj", "v_proj"))
+    assert lora_decode.lora_targets(plan, "adapters") == ("q_proj", "v_proj")
+    assert lora_decode.lora_targets(plan, "all") == LORA_TARGETS == Plan().targets
+
+
+def test_unknown_slot_targets_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        lora_decode.main(["--slot-targets", "some"])
+    assert "--slot-targets" in capsys.readouterr().err
 
 
 def test_an_unknown_form_is_refused_naming_the_flag(capsys):

@@ -64,6 +64,15 @@ def test_reference_matches_naive(ranks, rank_dim, dtype):
     assert_close(bgmv_reference(*args, 1), expected, dtype, dtype, scope="op")
 
 
+def test_a_shrink_writes_a_power_of_two_of_parts_per_row_at_least_its_in_blocks():
+    from pallas_kernels.common import shrink_parts
+
+    assert shrink_parts(4096, 512) == 8  # Llama-2-7B's attention: 8 blocks
+    assert shrink_parts(576, 64) == 16  # SmolLM2: 9 blocks, 7 zero parts
+    assert shrink_parts(11008, 256) == 64  # Llama-2-7B's down_proj: 43 blocks
+    assert shrink_parts(64, 64) == 1
+
+
 def test_batch_rank_is_the_largest_rank_in_use():
     ranks = jnp.array([16, 5, 64, 0], jnp.int32)
     assert int(batch_rank(jnp.array([1, -1, 0, 1], jnp.int32), ranks)[0]) == 16

@@ -96,6 +96,7 @@ for s in "${stages[@]}"; do
       stage kernels 180 "$PYTHON" -m bench.kernels --batches 1,16,32,64 --ranks 16,64 \
         --tune --markdown "$out/kernels.md" --json "$out/kernels.json" ;;
     decode)  # base-only against 32 distinct rank-16 adapters on the attention, each backend
+      # (its slots on those four targets)
       stage decode 330 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 \
         --targets q_proj,k_proj,v_proj,o_proj --backends reference,bgmv,mbgmv \
         --json "$out/decode.json" ;;
@@ -111,7 +112,9 @@ for s in "${stages[@]}"; do
     profile)  # where a decode step's time goes (bench.step_profile): no-lora, and BGMV with no
       # adapter in the batch and with 32, the layers unrolled (the GPU's default; 2026-11-28:
       # 280 s for three ways of two systems), with the compiled decode steps' HLO kept
-      # (decode-hlo.tar.gz): the trace names a fusion but not what it reads
+      # (decode-hlo.tar.gz): the trace names a fusion but not what it reads. The LoRA
+      # engines' slots cover the adapters' four targets (to 2026-11-28: all seven, so
+      # each layer ran seven targets' kernels, three of them for no adapter)
       hlo=/tmp/jlora-decode-hlo
       rm -rf "$hlo"
       XLA_FLAGS="--xla_dump_to=$hlo --xla_dump_hlo_module_re=jit__decode --xla_dump_hlo_as_text" \

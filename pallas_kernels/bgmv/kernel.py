@@ -5,17 +5,20 @@ every row is padded to the batch's largest rank R_batch: a row reads cdiv(R_batc
 chunks of rank rows in each half, so the cost is proportional to |S| * R_batch. Rank rows
 at or beyond the row's own rank are masked to zero before they are multiplied.
 
-1. shrink, grid (S, R / chunk, in / block_in): each program multiplies one block of x[s]
-   by one chunk of rank rows of A^T (elementwise and a sum, no dot) into its part of
-   f32[S, in / block_in, R]; the parts are summed (XLA) into v = x @ A^T, f32[S, R].
-   One load per program, so thousands of them are in flight at once: a loop over rank
-   chunks and `in` blocks per row left the GPU waiting on each load in turn;
-2. v is rounded to x.dtype (common.py's arithmetic rule);
-3. expand, grid (S, out tiles): y[s, tile] += v[s] @ B[:, tile], written in place
-   (y's buffer is the output), and only for rows with an adapter.
+1. shrink, grid (S, R / chunk, K): each program multiplies one block of x[s] by one
+   chunk of rank rows of A^T (elementwise and a sum, no dot) into its part of
+   f32[S, K, R], K = in / block_in rounded up to a power of two (`common.shrink_parts`;
+   the parts past the last block are zeros). One load per program, so thousands of
+   them are in flight at once: a loop over rank chunks and `in` blocks per row left the
+   GPU waiting on each load in turn;
+2. expand, grid (S, out tiles): sums row s's parts into v = x @ A^T, rounds it to
+   x.dtype (common.py's arithmetic rule), and adds v @ B[:, tile] to y[s, tile] in place
+   (y's buffer is the output), only for rows with an adapter. Summing the parts in
+   XLA cost a reduce launch per projection: on an H200, 384 of them took 0.65 ms of a
+   Llama-2-7B decode step (bench/results/2026-11-28-h200-profile-k0.md).
 
-`bgmv_shrink` and `bgmv_expand` are the two halves alone, for a LoRA split across
-devices (a collective runs on v between them).
+`bgmv_shrink` (the parts summed) and `bgmv_expand` (from v) are the two halves alone,
+for a LoRA split across devices (a collective runs on v between them).
 """
 
 from __future__ import annotations
@@ -80,12 +83,13 @@ def _shrink_kernel(
     *,
     chunk: int,
     block_in: int,
+    in_blocks: int,
 ):
     row, c, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[row]
     v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
-    @pl.when((slot >= 0) & (c * chunk < batch_rank_ref[0]))
+    @pl.when((slot >= 0) & (c * chunk < batch_rank_ref[0]) & (k < in_blocks))
     def _():
         keep = (c * chunk + jnp.arange(chunk)) < ranks_ref[slot]  # [chunk]
         cols = pl.ds(k * block_in, block_in)
@@ -100,7 +104,7 @@ def _expand_kernel(
     ranks_ref,  # [N]
     layer_ref,  # [1]
     batch_rank_ref,  # [1]
-    v_ref,  # [R]: row s of v, x.dtype
+    v_ref,  # [K, R]: row s's parts of x @ A^T (f32), or v itself ([1, R], x.dtype)
     b_ref,  # [L, N, R, out]
     y_ref,  # [block_out]
     out_ref,  # [block_out], aliased to y
@@ -118,10 +122,10 @@ def _expand_kernel(
 
         def rank_step(c, acc):
             keep = (c * chunk + jnp.arange(chunk)) < rank  # [chunk]
-            v = v_ref[pl.ds(c * chunk, chunk)]  # [chunk]: zero at or beyond the rank
+            v = common.summed_parts(v_ref, c * chunk, chunk, out_ref.dtype)  # 0 past the rank
             b = b_ref[layer, slot, pl.ds(c * chunk, chunk), pl.ds(tile * block_out, block_out)]
             b = jnp.where(keep[:, None], b, 0)  # [chunk, block_out]
-            prod = v.astype(jnp.float32)[:, None] * b.astype(jnp.float32)
+            prod = v[:, None] * b.astype(jnp.float32)
             return acc + jnp.sum(prod, axis=0)
 
         steps = pl.cdiv(batch_rank_ref[0], chunk)
@@ -149,7 +153,8 @@ def bgmv(
     y in f32 and rounded once). Rows with idx[s] == -1 are not written (bit-identical).
     Every row reads cdiv(R_batch, 8) chunks of rank rows, R_batch = max over adapted
     rows of ranks[idx[s]]; rows at or beyond a slot's rank are ignored (may hold NaN).
-    It is `bgmv_expand(y, bgmv_shrink(x, ...).astype(x.dtype), ...)`.
+    It computes `bgmv_expand(y, bgmv_shrink(x, ...).astype(x.dtype), ...)`, the expand
+    summing the shrink's parts itself.
 
     Args:
       y: [S, out], f32 or bf16; the updated copy is returned.
@@ -163,9 +168,10 @@ def bgmv(
     Returns:
       y's updated copy, [S, out], y.dtype.
     """
-    check_bgmv_args(y, x, a, b, idx, ranks)
-    v = bgmv_shrink(x, a, idx, ranks, layer, interpret=interpret)
-    return bgmv_expand(y, v.astype(x.dtype), b, idx, ranks, layer, interpret=interpret)
+    chunk = check_bgmv_args(y, x, a, b, idx, ranks)
+    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    parts = _shrink_parts(x, a, routing, chunk, interpret)
+    return _expand(y, parts, b, routing, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -179,25 +185,8 @@ def bgmv_shrink(
     [k, k + R) of every slot passes ranks clipped to them, `clip(ranks - k, 0, R)`.
     """
     chunk = _check_shrink_args(x, a, idx, ranks)
-    rows, fan_in = x.shape
-    rank_dim = a.shape[2]
-    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
     routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
-    parts = pl.pallas_call(
-        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
-        grid=(rows, rank_dim // chunk, fan_in // block_in),
-        in_specs=[
-            *(common.whole(r.shape) for r in routing),
-            common.whole(x.shape),
-            common.whole(a.shape),
-        ],
-        out_specs=pl.BlockSpec((None, None, chunk), lambda s, c, k: (s, k, c)),
-        out_shape=jax.ShapeDtypeStruct((rows, fan_in // block_in, rank_dim), jnp.float32),
-        compiler_params=common.triton_params(),
-        interpret=interpret,
-        name="bgmv_shrink",
-    )(*routing, x, a)
-    return jnp.sum(parts, axis=1)
+    return jnp.sum(_shrink_parts(x, a, routing, chunk, interpret), axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -217,17 +206,48 @@ def bgmv_expand(
     v: [S, R], y's dtype (the caller rounds `bgmv_shrink`'s f32 result, common.py).
     """
     _check_expand_args(y, v, b, idx, ranks)
+    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    return _expand(y, v[:, None, :], b, routing, interpret)
+
+
+def _shrink_parts(x, a, routing, chunk: int, interpret: bool) -> jax.Array:
+    """The shrink's parts of x @ A^T, f32[S, K, R] (module docstring, step 1)."""
+    rows, fan_in = x.shape
+    rank_dim = a.shape[2]
+    block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
+    in_parts = common.shrink_parts(fan_in, block_in)
+    kernel = functools.partial(
+        _shrink_kernel, chunk=chunk, block_in=block_in, in_blocks=fan_in // block_in
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(rows, rank_dim // chunk, in_parts),
+        in_specs=[
+            *(common.whole(r.shape) for r in routing),
+            common.whole(x.shape),
+            common.whole(a.shape),
+        ],
+        out_specs=pl.BlockSpec((None, None, chunk), lambda s, c, k: (s, k, c)),
+        out_shape=jax.ShapeDtypeStruct((rows, in_parts, rank_dim), jnp.float32),
+        compiler_params=common.triton_params(),
+        interpret=interpret,
+        name="bgmv_shrink",
+    )(*routing, x, a)
+
+
+def _expand(y, parts, b, routing, interpret: bool) -> jax.Array:
+    """y += (the summed parts, rounded) @ B, rows with an adapter (module docstring, step 2);
+    parts: [S, K, R], f32 parts or ([S, 1, R]) v in y's dtype."""
     chunk = min(EXPAND_CHUNK, b.shape[2])
     rows, fan_out = y.shape
     block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
-    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
     tile_spec = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
     return pl.pallas_call(
         functools.partial(_expand_kernel, chunk=chunk),
         grid=(rows, fan_out // block_out),
         in_specs=[
             *(common.whole(r.shape) for r in routing),
-            pl.BlockSpec((None, v.shape[1]), lambda s, t: (s, 0)),
+            pl.BlockSpec((None, *parts.shape[1:]), lambda s, t: (s, 0, 0)),
             common.whole(b.shape),
             tile_spec,
         ],
@@ -237,4 +257,4 @@ def bgmv_expand(
         compiler_params=common.triton_params(),
         interpret=interpret,
         name="bgmv_expand",
-    )(*routing, v, b, y)
+    )(*routing, parts, b, y)

@@ -2,19 +2,21 @@
 
 Two pallas_calls, as in Punica and S-LoRA. Shrink: one program per (row, chunk of
 rank rows, block of `in`) multiplies its block of x[s] by that chunk of the slot's A,
-gathered through the page table, into its part of f32[S, in / block_in, R]; programs
-at or past the slot's rank only write zeros, so the loads are proportional to the sum
-of the rows' ranks (never the batch's largest rank). The parts are summed (XLA) into
-v = x @ A. One load per program keeps thousands in flight: a loop per row over its
-chunks and blocks left the GPU waiting on each load in turn (bench/results/
-2026-11-27-h200-kernels.md). Expand: one program per (row, out tile) adds v[s] @ B to
-y in place, looping over the slot's rank chunks. A chunk's rank rows are gathered from
+gathered through the page table, into its part of f32[S, K, R] (K: the `in` blocks,
+rounded up to a power of two, `common.shrink_parts`); programs at or past the slot's
+rank only write zeros, so the loads are proportional to the sum of the rows' ranks
+(never the batch's largest rank). One load per program keeps thousands in flight: a
+loop per row over its chunks and blocks left the GPU waiting on each load in turn
+(bench/results/2026-11-27-h200-kernels.md). Expand: one program per (row, out tile)
+sums the row's parts into v = x @ A, rounded to x.dtype (`common.summed_parts`: no
+reduce launch of XLA's in between), and adds v[s] @ B to y in place, looping over the
+slot's rank chunks. A chunk's rank rows are gathered from
 the pool through the slot's page table; rows of the last chunk at or beyond the rank are
 masked out before they are multiplied, so whatever their pages hold (NaN included) is
 ignored.
 
-`mbgmv_shrink` and `mbgmv_expand` are the two halves alone, for a LoRA split across devices
-(a collective runs on v between them).
+`mbgmv_shrink` (the parts summed) and `mbgmv_expand` (from v) are the two halves alone,
+for a LoRA split across devices (a collective runs on v between them).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def _shrink_kernel(
     *,
     chunk: int,
     block_in: int,
+    in_blocks: int,
 ):
     row, c, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[row]
@@ -72,7 +75,7 @@ def _shrink_kernel(
     rank = ranks_ref[jnp.maximum(slot, 0)]
     v_ref[...] = jnp.zeros(v_ref.shape, jnp.float32)
 
-    @pl.when((slot >= 0) & (c * chunk < rank))
+    @pl.when((slot >= 0) & (c * chunk < rank) & (k < in_blocks))
     def _():
         chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
         cols = pl.ds(k * block_in, block_in)
@@ -87,7 +90,7 @@ def _expand_kernel(
     layer_ref,  # [1]
     ranks_ref,  # [N]
     pages_ref,  # [N, R]
-    v_ref,  # [R]: this row's x @ A, in x's dtype
+    v_ref,  # [K, R]: this row's parts of x @ A (f32), or v itself ([1, R], x's dtype)
     b_ref,  # [L, P, out]
     y_ref,  # [block_out]
     o_ref,  # [block_out], aliased to y
@@ -109,7 +112,7 @@ def _expand_kernel(
             chunk_pages, in_rank = _chunk_pages_and_mask(pages_ref, slot, rank, c, chunk, num_pages)
             b = b_ref[layer, chunk_pages, cols]  # [chunk, block_out]
             b = jnp.where(in_rank[:, None], b.astype(jnp.float32), 0.0)
-            v = v_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32)  # [chunk]
+            v = common.summed_parts(v_ref, c * chunk, chunk, o_ref.dtype)  # [chunk]
             return acc + jnp.sum(v[:, None] * b, axis=0)
 
         acc = lax.fori_loop(
@@ -143,11 +146,13 @@ def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = F
     Returns:
       [S, out] in y's dtype.
 
-    It is `mbgmv_expand(y, mbgmv_shrink(x, ...).astype(x.dtype), ...)`.
+    It computes `mbgmv_expand(y, mbgmv_shrink(x, ...).astype(x.dtype), ...)`, the
+    expand summing the shrink's parts itself.
     """
-    check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
-    v = mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, interpret=interpret)
-    return mbgmv_expand(y, v.astype(x.dtype), b_pool, idx, pages, ranks, layer, interpret=interpret)
+    chunk = check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
+    tables = (idx, common.as_layer(layer), ranks, pages)
+    parts = _shrink_parts(x, a_pool, tables, chunk, interpret)
+    return _expand(y, parts, b_pool, tables, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -157,14 +162,22 @@ def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False
     Returns f32[S, R] (R = pages.shape[1])."""
     common.expect_shrink_operands(x, "a_pool", a_pool, (None, None))
     chunk = _check_routing(idx, pages, ranks, x.shape[0])
-    rows, fan_in = x.shape
     tables = (idx, common.as_layer(layer), ranks, pages)
+    return jnp.sum(_shrink_parts(x, a_pool, tables, chunk, interpret), axis=1)
+
+
+def _shrink_parts(x, a_pool, tables, chunk: int, interpret: bool) -> jax.Array:
+    """The shrink's parts of x @ A, f32[S, K, R] (module docstring)."""
+    rows, fan_in = x.shape
     block_in = common.pow2_block(fan_in, IN_BLOCK_CAP)
-    rank_dim, in_blocks = pages.shape[1], fan_in // block_in
-    parts = pl.pallas_call(
-        functools.partial(_shrink_kernel, chunk=chunk, block_in=block_in),
-        out_shape=jax.ShapeDtypeStruct((rows, in_blocks, rank_dim), jnp.float32),
-        grid=(rows, rank_dim // chunk, in_blocks),
+    rank_dim, in_parts = tables[3].shape[1], common.shrink_parts(fan_in, block_in)
+    kernel = functools.partial(
+        _shrink_kernel, chunk=chunk, block_in=block_in, in_blocks=fan_in // block_in
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, in_parts, rank_dim), jnp.float32),
+        grid=(rows, rank_dim // chunk, in_parts),
         in_specs=[
             *(common.whole(t.shape) for t in tables),
             common.whole(x.shape),
@@ -175,7 +188,6 @@ def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False
         compiler_params=common.triton_params(),
         name="mbgmv_shrink",
     )(*tables, x, a_pool)
-    return jnp.sum(parts, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -185,9 +197,15 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
     are not written. v: [S, R] in y's dtype (the caller rounds `mbgmv_shrink`'s)."""
     common.expect_expand_operands(y, v, "b_pool", b_pool, (None,), pages.shape[1])
     _check_routing(idx, pages, ranks, y.shape[0])
-    chunk = min(EXPAND_CHUNK, pages.shape[1])
-    rows, fan_out = y.shape
     tables = (idx, common.as_layer(layer), ranks, pages)
+    return _expand(y, v[:, None, :], b_pool, tables, interpret)
+
+
+def _expand(y, parts, b_pool, tables, interpret: bool) -> jax.Array:
+    """y += (the summed parts, rounded) @ B, rows with an adapter; parts: [S, K, R], f32
+    parts or ([S, 1, R]) v in y's dtype."""
+    chunk = min(EXPAND_CHUNK, tables[3].shape[1])
+    rows, fan_out = y.shape
     block_out = common.pow2_block(fan_out, OUT_BLOCK_CAP)
     row_tile = pl.BlockSpec((None, block_out), lambda s, t: (s, t))
     return pl.pallas_call(
@@ -196,7 +214,7 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
         grid=(rows, fan_out // block_out),
         in_specs=[
             *(common.whole(t.shape) for t in tables),
-            pl.BlockSpec((None, pages.shape[1]), lambda s, t: (s, 0)),
+            pl.BlockSpec((None, *parts.shape[1:]), lambda s, t: (s, 0, 0)),
             common.whole(b_pool.shape),
             row_tile,
         ],
@@ -205,7 +223,7 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
         interpret=interpret,
         compiler_params=common.triton_params(),
         name="mbgmv_expand",
-    )(*tables, v, b_pool, y)
+    )(*tables, parts, b_pool, y)
 
 
 def _check_routing(idx, pages, ranks, rows: int) -> int:
