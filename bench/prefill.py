@@ -20,8 +20,8 @@ the adapters and the base model). Two systems per scenario, on the same engine:
   padded to the bucket holding its prompts (`packed_prefill_prompt_tokens` = 64: every
   prompt here joins a packed call).
 
-Both are warm (`warmup` first, then one untimed run of each); then `repeats` timed runs,
-alternating. Reported: prompt tokens/s (real tokens only), the compiled calls and the
+Both are warm (one untimed run of each first, which compiles the shapes it meets: the
+engines warm up on demand); then `repeats` timed runs, alternating. Reported: prompt tokens/s (real tokens only), the compiled calls and the
 tokens computed (padding included) per run, the median's ratio packed / one_per_call,
 and whether both systems gave every prompt the same first token (--json: every timing,
 its `phase` the scenario).
@@ -95,7 +95,12 @@ def make_engine(loaded: LoadedModel, plan: Plan, adapters: list[Path]) -> LlamaE
     for slot, path in enumerate(adapters):
         engine.stage_adapter(path.name, str(path))
         engine.install_adapter(path.name, slot, engine.load_adapter(path.name, slot))
-    engine.warmup(prompt_lengths=[plan.min_len, plan.max_len], max_length=plan.max_len)
+    # On demand: the untimed first run of each system compiles the shapes it meets, and
+    # nothing else (no decode steps, no cached-prefix variants): a GPU engine unrolls its
+    # layers, and a 7B engine's full warm-up compiled for longer than a device call.
+    engine.warmup(
+        prompt_lengths=[plan.min_len, plan.max_len], max_length=plan.max_len, on_demand=True
+    )
     return engine
 
 
