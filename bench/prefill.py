@@ -21,10 +21,11 @@ the adapters and the base model). Two systems per scenario, on the same engine:
   prompt here joins a packed call).
 
 Both are warm (one untimed run of each first, which compiles the shapes it meets: the
-engines warm up on demand); then `repeats` timed runs, alternating. Reported: prompt tokens/s (real tokens only), the compiled calls and the
-tokens computed (padding included) per run, the median's ratio packed / one_per_call,
-and whether both systems gave every prompt the same first token (--json: every timing,
-its `phase` the scenario).
+engines warm up on demand); then `repeats` timed runs, alternating. Reported: prompt
+tokens/s (real tokens only), the compiled calls and the tokens computed (padding
+included) per run, the median's ratio packed / one_per_call, and whether both systems
+gave every prompt the same first token (--json: every timing, its `phase` the
+scenario).
 """
 
 from __future__ import annotations
