@@ -111,7 +111,21 @@ def blas_core() -> str:
     return corename().decode()
 
 
-_NO_TRANSPOSE = 78  # ord("N")
+_NO_TRANSPOSE, _TRANSPOSE = 78, 84  # ord("N"), ord("T")
+
+
+@njit(inline="always")
+def sgemm(transpose_a, m, n, k, a, lda, b, ldb, beta, c, ldc):  # pragma: no cover - compiled
+    """Column-major C [m, n] = op(A) [m, k] @ B [k, n] + beta * C in fp32, by OpenBLAS's
+    sgemm, op(A) = A^T where `transpose_a`; a, b, c are arrays read and written at their
+    data pointers, with the leading dimensions given. A row-major P [r, s] is column-major
+    P^T [s, r], leading dimension s (its row stride)."""
+    d = np.array([m, n, k, lda, ldb, ldc], np.int32)
+    scalars = np.array([1.0, beta], np.float32)
+    trans = np.array([_TRANSPOSE if transpose_a else _NO_TRANSPOSE, _NO_TRANSPOSE], np.uint8)
+    _sgemm(trans[0:].ctypes, trans[1:].ctypes, d[0:].ctypes, d[1:].ctypes, d[2:].ctypes,
+           scalars[0:].ctypes, a.ctypes, d[3:].ctypes, b.ctypes, d[4:].ctypes,
+           scalars[1:].ctypes, c.ctypes, d[5:].ctypes)  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
@@ -131,17 +145,8 @@ def _product(x, a, b, out):  # pragma: no cover - compiled
         raise ValueError("lora_rows: out must have unit column stride and whole rows")
     ldc = out.strides[0] // 4 if rows > 1 else n_out
     xa = np.empty((rows, rank), np.float32)  # [rows, rank]
-    # m, n, k, lda, ldb, ldc of x @ a, then of xa @ b
-    dims = np.array([rank, rows, fan_in, rank, fan_in, rank, n_out, rows, rank, n_out, rank, ldc])
-    d = dims.astype(np.int32)
-    scalars = np.array([1.0, 0.0], np.float32)  # alpha, beta
-    trans = np.full(1, _NO_TRANSPOSE, np.uint8)
-    no = trans.ctypes
-    one, zero = scalars[0:].ctypes, scalars[1:].ctypes
-    _sgemm(no, no, d[0:].ctypes, d[1:].ctypes, d[2:].ctypes, one, a.ctypes, d[3:].ctypes,
-           x.ctypes, d[4:].ctypes, zero, xa.ctypes, d[5:].ctypes)  # fmt: skip
-    _sgemm(no, no, d[6:].ctypes, d[7:].ctypes, d[8:].ctypes, one, b.ctypes, d[9:].ctypes,
-           xa.ctypes, d[10:].ctypes, zero, out.ctypes, d[11:].ctypes)  # fmt: skip
+    sgemm(False, rank, rows, fan_in, a, rank, x, fan_in, 0.0, xa, rank)
+    sgemm(False, n_out, rows, rank, b, n_out, xa, rank, 0.0, out, ldc)
 
 
 @njit(

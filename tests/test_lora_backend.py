@@ -187,22 +187,44 @@ def test_the_reference_decode_form_follows_rows_and_slots():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "segment_slots, starts",
-    [([1], [0, 9]), ([-1], [0, 9]), ([2, -1, 0], [0, 3, 4, 7]), ([3, 1], [0, 0, 5])],
-    ids=["one", "none", "mixed-with-padding", "empty-segment"],
+    "segment_slots, starts, window",
+    [
+        ([1], [0, 9], None),
+        ([-1], [0, 9], None),
+        ([2, -1, 0], [0, 3, 4, 7], None),
+        ([3, 1], [0, 0, 5], None),
+        ([2, 2, -1, 0, 3, -1], [0, 3, 5, 6, 8, 9, 9], 3),
+    ],
+    ids=["one", "none", "mixed-with-padding", "empty-segment", "packed"],
 )
-def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts):
+@pytest.mark.parametrize("target", ["q_proj", "down_proj"])
+def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts, window, target):
+    """Each prefill form: the reference's loop over segments (each over every row, or a
+    packed call's over a window of rows), and over the KV cache's pages also the host
+    kernel (host_sgmv.py; fp32, in bfloat16 the loop again)."""
     (backend, weights), adapters = slots[0][dtype], slots[1]
     rows = 9
     row_slots = [-1] * rows
     for slot, begin, end in zip(segment_slots, starts, starts[1:], strict=False):
         row_slots[begin:end] = [slot] * (end - begin)
-    segments = Segments(slot=jnp.array(segment_slots), start=jnp.array(starts))
-    y, x = _activations(rows, "q_proj", 1, dtype)
-    out = backend.sgmv(weights, "q_proj", jnp.int32(1), x, y, segments)
-    expected = _naive(adapters, "q_proj", 1, y, x, row_slots, dtype)
-    assert_close(out, expected, dtype, dtype, scope="op")
-    assert_untouched(y, out, row_slots)
+    segments = Segments(slot=jnp.array(segment_slots), start=jnp.array(starts), window=window)
+    y, x = _activations(rows, target, 1, dtype)
+    expected = _naive(adapters, target, 1, y, x, row_slots, dtype)
+    for _form in _prefill_forms(backend):
+        out = backend.sgmv(weights, target, jnp.int32(1), x, y, segments)
+        assert_close(out, expected, dtype, dtype, scope="op")
+        assert_untouched(y, out, row_slots)
+
+
+def _prefill_forms(backend):
+    """Yields each prefill form the backend has, set on it while the caller runs it."""
+    yield "the backend's"
+    if hasattr(backend, "host_decode"):
+        try:
+            backend.host_decode = True
+            yield "the host kernel"
+        finally:
+            backend.__dict__.pop("host_decode", None)
 
 
 def _rows(form: str):

@@ -42,7 +42,7 @@ from jlora.model import ffi
 
 
 @njit(inline="always")
-def _span(base, table, s, half, start, done, count):  # pragma: no cover - compiled
+def page_span(base, table, s, half, start, done, count):  # pragma: no cover - compiled
     """Where values start + done, ... of the rows laid across row s's pages (`table[s]`,
     at layer offset `base`) lie in the flat cache half, and how many lie there before
     the page ends: (offset, n)."""
@@ -56,7 +56,7 @@ def _dot_rows(pool, base, table, s, half, start, x):  # pragma: no cover - compi
     acc = np.float32(0.0)
     done, count = 0, x.shape[0]
     while done < count:
-        at, n = _span(base, table, s, half, start, done, count)
+        at, n = page_span(base, table, s, half, start, done, count)
         values, xs = pool[at : at + n], x[done : done + n]  # j >= 0: no wraparound checks
         for j in range(n):
             acc += xs[j] * values[j]
@@ -69,7 +69,7 @@ def _add_rows(pool, base, table, s, half, start, w, out):  # pragma: no cover - 
     """out += w · the len(out) values from `start` on of those rows."""
     done, count = 0, out.shape[0]
     while done < count:
-        at, n = _span(base, table, s, half, start, done, count)
+        at, n = page_span(base, table, s, half, start, done, count)
         values, part = pool[at : at + n], out[done : done + n]
         for j in range(n):
             part[j] += w * values[j]

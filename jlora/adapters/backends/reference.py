@@ -16,7 +16,9 @@ slot once, in place; cost ∝ rows × slots × max_rank in flops). Where the slo
 many (adapters in the pool's pages), the product may run over the batch's own adapters
 instead, when they are at most `batch_slots` (decided at run time, else the gather).
 On a CPU, the adapters in the pool's pages decode by a Numba kernel that reads each
-row's pages in place instead (`PooledReferenceBackend.host_decode`, host_bgmv.py).
+row's pages in place instead (`PooledReferenceBackend.host_decode`, host_bgmv.py), and
+prefill by one that copies each segment's rank rows out of its pages and multiplies by
+BLAS (host_sgmv.py).
 A prefill's LoRA costs
 ∝ rows × max_rank times the segments that have an adapter (each is a masked product
 over every row, or over its `Segments.window` rows where the segments are bounded: a
@@ -34,7 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jlora.adapters.backends import host_bgmv
+from jlora.adapters.backends import host_bgmv, host_sgmv
 from jlora.adapters.backends.base import (
     POOL,
     KVPagesBackend,
@@ -262,8 +264,8 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     """
 
     a_dims = "ri"  # A^T, rank rows
-    # Decode by the host kernel (host_bgmv.py): the engine sets it where the cache is in
-    # host memory (one CPU device).
+    # Decode and prefill by the host kernels (host_bgmv.py, host_sgmv.py): the engine
+    # sets it where the cache is in host memory (one CPU device).
     host_decode = False
 
     def __init__(self, page_width: int) -> None:
@@ -330,6 +332,24 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
 
         def compute() -> jax.Array:
             return host_bgmv.bgmv(x, y, pool["k"], pool["v"], w["pages"][safe], rank, layer)
+
+        return _unless_none(rank > 0, compute, y)
+
+    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
+        """On a CPU (`host_decode`, fp32), the Numba kernel that copies each segment's
+        rank rows out of its pages and runs its products as BLAS calls (host_sgmv.py),
+        skipped where no segment's adapter adapts the target; elsewhere the reference
+        backend's loop."""
+        pool = weights[POOL]
+        if not (self.host_decode and host_bgmv.usable(x.dtype, pool["k"].dtype)):
+            return super().sgmv(weights, target, layer, x, y, segments)
+        w, slots = weights[target], jnp.asarray(segments.slot)
+        safe = jnp.maximum(slots, 0)
+        rank = jnp.where(slots >= 0, w["rank"][safe], 0)
+        table = w["pages"][safe]
+
+        def compute() -> jax.Array:
+            return host_sgmv.sgmv(x, y, pool["k"], pool["v"], table, rank, segments.start, layer)
 
         return _unless_none(rank > 0, compute, y)
 
