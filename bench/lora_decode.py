@@ -114,6 +114,12 @@ def _systems(plan: Plan) -> list[System]:
     return systems
 
 
+def spread(names: list[str], count: int, batch: int) -> list[str | None]:
+    """Each of `batch` rows' adapter: round-robin over the first `count` of `names`
+    (0: none, every row on the base model)."""
+    return [names[row % count] if count else None for row in range(batch)]
+
+
 def lora_targets(plan: Plan, slot_targets: str) -> tuple[str, ...]:
     """The projections a LoRA engine's slots cover (EngineConfig.lora_targets)."""
     return plan.targets if slot_targets == "adapters" else LORA_TARGETS
@@ -123,25 +129,22 @@ def make_engine(
     loaded: LoadedModel,
     plan: Plan,
     adapters: dict[str, Path],
-    backend: str = "reference",
+    system: System = System("reference", "reference"),
     on_demand: bool = False,
-    decode_form: str = "auto",
-    lora_pool: str = "kv",
     layer_loop: str = "auto",
-    slot_targets: str = "adapters",
 ) -> Orchestrator:
     """An engine for the plan's decode, warmed up for its prompts (with `on_demand`, each
-    shape compiles when first met: a run's untimed first pass compiles what it uses);
-    `decode_form` is the reference backend's (set before anything compiles); its slots
-    cover the adapters' targets, or all seven (`slot_targets`, SLOT_TARGETS)."""
+    shape compiles when first met: a run's untimed first pass compiles what it uses),
+    with `system`'s settings where it has adapters (the decode form set before anything
+    compiles)."""
     lora: dict[str, Any] = (
         {
             "max_loras": len(adapters),
             "max_lora_rank": plan.rank,
             "lora_mode": "cached",
-            "lora_backend": backend,
-            "lora_pool": lora_pool,
-            "lora_targets": lora_targets(plan, slot_targets),
+            "lora_backend": system.backend,
+            "lora_pool": system.pool,
+            "lora_targets": lora_targets(plan, system.slot_targets),
             "host_store_mib": store_mib(loaded.config, [plan.rank] * len(adapters), plan.targets),
         }
         if adapters
@@ -163,8 +166,8 @@ def make_engine(
             **lora,
         ),
     )
-    if decode_form != "auto":
-        engine.device.model.lora.decode_form = decode_form  # its instance's alone
+    if system.form != "auto":
+        engine.device.model.lora.decode_form = system.form  # its instance's alone
     for name, path in adapters.items():
         engine.register_adapter(name, str(path))
     engine.warmup(
@@ -272,23 +275,14 @@ def main(argv: list[str] | None = None) -> None:
         # compiles for minutes: bench/results/2026-11-28-h200-profile.md).
         engines = {"no-lora": make_engine(loaded, plan, {}, on_demand=True)}
         for system in _systems(plan):
-            engines[system.name] = make_engine(
-                loaded,
-                plan,
-                adapters,
-                system.backend,
-                on_demand=True,
-                decode_form=system.form,
-                lora_pool=system.pool,
-                slot_targets=system.slot_targets,
-            )
+            engines[system.name] = make_engine(loaded, plan, adapters, system, on_demand=True)
     names = list(adapters)
     runs = {
         "no-lora": functools.partial(jlora_decode, engines["no-lora"], prompts, plan.new_tokens)
     }
-    for system in (s.name for s in _systems(plan)):
+    for system in [name for name in engines if name != "no-lora"]:
         for k in (0, *plan.adapter_counts):
-            rows = [names[row % k] if k else None for row in range(plan.batch)]
+            rows = spread(names, k, plan.batch)
             runs[f"{system} k={k}"] = functools.partial(
                 jlora_decode, engines[system], prompts, plan.new_tokens, rows
             )

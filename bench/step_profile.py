@@ -60,7 +60,7 @@ from typing import Any
 import jax
 from jax.profiler import ProfileData
 
-from bench.lora_decode import SLOT_TARGETS, Plan, make_engine
+from bench.lora_decode import SLOT_TARGETS, Plan, System, make_engine, spread
 from bench.report import machine_facts, write_report
 from bench.throughput import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             seed=0,
         )
         adapters = {path.name: path for path in paths}
+        lora = System(args.backend, args.backend, slot_targets=args.slot_targets)
         systems = [("no-lora", 0, False)]
         systems += [(f"{args.backend} k={k}", k, True) for k in args.adapters]
         for variant in args.variants:  # one engine at a time, the tables rewritten after each
@@ -308,14 +309,11 @@ def main(argv: list[str] | None = None) -> None:
                         loaded,
                         plan,
                         adapters if with_adapters else {},
-                        args.backend,
+                        lora,
                         on_demand=True,
                         layer_loop=layer_loop,
-                        slot_targets=args.slot_targets,
                     )
-                    rows: list[str | None] | None = None
-                    if count:
-                        rows = [paths[i % count].name for i in range(plan.batch)]
+                    rows = spread(list(adapters), count, plan.batch)
                     run = functools.partial(jlora_decode, engine, prompts, plan.new_tokens, rows)
                     trace_dir = traces / re.sub(r"\W+", "_", name)
                     profiles.append(profile(name, run, plan.new_tokens, trace_dir))

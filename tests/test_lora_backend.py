@@ -169,11 +169,11 @@ def _decode_forms(backend):
         backend.batch_slots = 2
         backend.over_slots = lambda rows, slots: slots == backend.batch_slots
         yield "over the batch's slots"
-        if hasattr(backend, "host_decode"):  # adapters in the pages, on a CPU: fp32
-            backend.host_decode = True
+        if hasattr(backend, "on_host"):  # adapters in the pages, on a CPU: fp32
+            backend.on_host = True
             yield "the host kernel"
     finally:
-        for attribute in ("decode_form", "batch_slots", "over_slots", "host_decode"):
+        for attribute in ("decode_form", "batch_slots", "over_slots", "on_host"):
             backend.__dict__.pop(attribute, None)  # the class's again
 
 
@@ -219,12 +219,12 @@ def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts, window, targ
 def _prefill_forms(backend):
     """Yields each prefill form the backend has, set on it while the caller runs it."""
     yield "the backend's"
-    if hasattr(backend, "host_decode"):
+    if hasattr(backend, "on_host"):
         try:
-            backend.host_decode = True
+            backend.on_host = True
             yield "the host kernel"
         finally:
-            backend.__dict__.pop("host_decode", None)
+            backend.__dict__.pop("on_host", None)
 
 
 def _rows(form: str):

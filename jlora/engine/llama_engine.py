@@ -75,7 +75,6 @@ from flax import struct
 
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
-from cpu_offload.kernels import one_blas_thread
 from jlora.adapters.backends import KVPagesBackend, LoraWeights, Segments, make_backend
 from jlora.adapters.backends.reference import PooledReferenceBackend
 from jlora.adapters.device import DeviceSlots, Transfer
@@ -208,13 +207,8 @@ class LlamaEngine(DeviceEngine):
             if isinstance(self.lora.backend, PooledReferenceBackend):
                 self.lora.backend.batch_slots = cfg.max_loras
         if self.lora is not None and isinstance(self.lora.backend, PooledReferenceBackend):
-            # Its decode and prefill read the pages in place where they are in host memory,
-            # the prefill's products by OpenBLAS on XLA's calling thread alone (its helper
-            # threads would spin on the cores XLA's use: host_sgmv.py).
-            host = host_attention.usable(self.mesh, self.model.dtype)
-            self.lora.backend.host_decode = host
-            if host:
-                one_blas_thread()
+            # Its decode and prefill read the pages in place where they are in host memory.
+            self.lora.backend.on_host = host_attention.usable(self.mesh, self.model.dtype)
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(

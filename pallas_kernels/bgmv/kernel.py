@@ -72,6 +72,11 @@ def batch_rank(idx: jax.Array, ranks: jax.Array) -> jax.Array:
     return jnp.max(row_ranks, initial=0).reshape(1)
 
 
+def _routing(idx: jax.Array, ranks: jax.Array, layer: Any) -> tuple[jax.Array, ...]:
+    """What both kernels read first: idx, ranks, the layer as i32[1] and R_batch."""
+    return idx, ranks, common.as_layer(layer), batch_rank(idx, ranks)
+
+
 def _shrink_kernel(
     idx_ref,  # [S]
     ranks_ref,  # [N]
@@ -169,7 +174,7 @@ def bgmv(
       y's updated copy, [S, out], y.dtype.
     """
     chunk = check_bgmv_args(y, x, a, b, idx, ranks)
-    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    routing = _routing(idx, ranks, layer)
     parts = _shrink_parts(x, a, routing, chunk, interpret)
     return _expand(y, parts, b, routing, interpret)
 
@@ -185,7 +190,7 @@ def bgmv_shrink(
     [k, k + R) of every slot passes ranks clipped to them, `clip(ranks - k, 0, R)`.
     """
     chunk = _check_shrink_args(x, a, idx, ranks)
-    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    routing = _routing(idx, ranks, layer)
     return jnp.sum(_shrink_parts(x, a, routing, chunk, interpret), axis=1)
 
 
@@ -206,7 +211,7 @@ def bgmv_expand(
     v: [S, R], y's dtype (the caller rounds `bgmv_shrink`'s f32 result, common.py).
     """
     _check_expand_args(y, v, b, idx, ranks)
-    routing = (idx, ranks, common.as_layer(layer), batch_rank(idx, ranks))
+    routing = _routing(idx, ranks, layer)
     return _expand(y, v[:, None, :], b, routing, interpret)
 
 

@@ -150,7 +150,7 @@ def mbgmv(y, x, a_pool, b_pool, idx, pages, ranks, layer, *, interpret: bool = F
     expand summing the shrink's parts itself.
     """
     chunk = check_mbgmv_args(y, x, a_pool, b_pool, idx, pages, ranks)
-    tables = (idx, common.as_layer(layer), ranks, pages)
+    tables = _tables(idx, pages, ranks, layer)
     parts = _shrink_parts(x, a_pool, tables, chunk, interpret)
     return _expand(y, parts, b_pool, tables, interpret)
 
@@ -162,7 +162,7 @@ def mbgmv_shrink(x, a_pool, idx, pages, ranks, layer, *, interpret: bool = False
     Returns f32[S, R] (R = pages.shape[1])."""
     common.expect_shrink_operands(x, "a_pool", a_pool, (None, None))
     chunk = _check_routing(idx, pages, ranks, x.shape[0])
-    tables = (idx, common.as_layer(layer), ranks, pages)
+    tables = _tables(idx, pages, ranks, layer)
     return jnp.sum(_shrink_parts(x, a_pool, tables, chunk, interpret), axis=1)
 
 
@@ -197,7 +197,7 @@ def mbgmv_expand(y, v, b_pool, idx, pages, ranks, layer, *, interpret: bool = Fa
     are not written. v: [S, R] in y's dtype (the caller rounds `mbgmv_shrink`'s)."""
     common.expect_expand_operands(y, v, "b_pool", b_pool, (None,), pages.shape[1])
     _check_routing(idx, pages, ranks, y.shape[0])
-    tables = (idx, common.as_layer(layer), ranks, pages)
+    tables = _tables(idx, pages, ranks, layer)
     return _expand(y, v[:, None, :], b_pool, tables, interpret)
 
 
@@ -224,6 +224,11 @@ def _expand(y, parts, b_pool, tables, interpret: bool) -> jax.Array:
         compiler_params=common.triton_params(),
         name="mbgmv_expand",
     )(*tables, parts, b_pool, y)
+
+
+def _tables(idx, pages, ranks, layer) -> tuple[jax.Array, ...]:
+    """What both kernels read first: idx, the layer as i32[1], ranks and pages."""
+    return idx, common.as_layer(layer), ranks, pages
 
 
 def _check_routing(idx, pages, ranks, rows: int) -> int:

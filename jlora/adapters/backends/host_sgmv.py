@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from numba import cfunc, njit, types
 
-from cpu_offload.kernels import sgemm
+from cpu_offload.kernels import one_blas_thread, sgemm
 from jlora.adapters.backends.host_bgmv import page_span
 from jlora.model import ffi
 
@@ -78,7 +78,9 @@ _TARGET = "jlora_sgmv_pages"
 @functools.cache
 def _handler() -> Any:
     """The FFI target (compiled in each process, as `host_bgmv`'s): args x, y, k, v,
-    table, rank, starts, layer; result out."""
+    table, rank, starts, layer; result out. OpenBLAS gets one thread in the process
+    first (the module docstring)."""
+    one_blas_thread()
 
     @cfunc(types.int64(types.voidptr))
     def handle(frame):  # pragma: no cover - compiled

@@ -16,7 +16,7 @@ slot once, in place; cost ∝ rows × slots × max_rank in flops). Where the slo
 many (adapters in the pool's pages), the product may run over the batch's own adapters
 instead, when they are at most `batch_slots` (decided at run time, else the gather).
 On a CPU, the adapters in the pool's pages decode by a Numba kernel that reads each
-row's pages in place instead (`PooledReferenceBackend.host_decode`, host_bgmv.py), and
+row's pages in place instead (`PooledReferenceBackend.on_host`, host_bgmv.py), and
 prefill by one that copies each segment's rank rows out of its pages and multiplies by
 BLAS (host_sgmv.py).
 A prefill's LoRA costs
@@ -266,7 +266,7 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     a_dims = "ri"  # A^T, rank rows
     # Decode and prefill by the host kernels (host_bgmv.py, host_sgmv.py): the engine
     # sets it where the cache is in host memory (one CPU device).
-    host_decode = False
+    on_host = False
 
     def __init__(self, page_width: int) -> None:
         super().__init__(page_width)
@@ -320,38 +320,45 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
         return flat.reshape(layers, count, *half.shape[2:])
 
     def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
-        """On a CPU (`host_decode`, fp32), the Numba kernel that reads each row's pages in
+        """On a CPU (`on_host`, fp32), the Numba kernel that reads each row's pages in
         place (host_bgmv.py), skipped where no row's adapter adapts the target (as the
         other forms are: q/v adapters decoded 3-4% faster than with the kernel copying y
         for the other five targets); elsewhere the reference backend's forms."""
         pool = weights[POOL]
-        if not (self.host_decode and host_bgmv.usable(x.dtype, pool["k"].dtype)):
+        if not self._hosted(x, pool):
             return super().bgmv(weights, target, layer, x, y, idx)
-        w, safe = weights[target], jnp.maximum(idx, 0)
-        rank = jnp.where(idx >= 0, w["rank"][safe], 0)
+        table, rank = self._tables(weights[target], idx)
 
         def compute() -> jax.Array:
-            return host_bgmv.bgmv(x, y, pool["k"], pool["v"], w["pages"][safe], rank, layer)
+            return host_bgmv.bgmv(x, y, pool["k"], pool["v"], table, rank, layer)
 
         return _unless_none(rank > 0, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        """On a CPU (`host_decode`, fp32), the Numba kernel that copies each segment's
+        """On a CPU (`on_host`, fp32), the Numba kernel that copies each segment's
         rank rows out of its pages and runs its products as BLAS calls (host_sgmv.py),
         skipped where no segment's adapter adapts the target; elsewhere the reference
         backend's loop."""
         pool = weights[POOL]
-        if not (self.host_decode and host_bgmv.usable(x.dtype, pool["k"].dtype)):
+        if not self._hosted(x, pool):
             return super().sgmv(weights, target, layer, x, y, segments)
-        w, slots = weights[target], jnp.asarray(segments.slot)
-        safe = jnp.maximum(slots, 0)
-        rank = jnp.where(slots >= 0, w["rank"][safe], 0)
-        table = w["pages"][safe]
+        table, rank = self._tables(weights[target], jnp.asarray(segments.slot))
 
         def compute() -> jax.Array:
             return host_sgmv.sgmv(x, y, pool["k"], pool["v"], table, rank, segments.start, layer)
 
         return _unless_none(rank > 0, compute, y)
+
+    def _hosted(self, x: jax.Array, pool) -> bool:
+        """Whether the host kernels serve these products: `on_host`, in fp32."""
+        return self.on_host and host_bgmv.usable(x.dtype, pool["k"].dtype)
+
+    @staticmethod
+    def _tables(w, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The host kernels' page tables and ranks of `slots` (-1: rank 0) for target
+        weights `w`."""
+        safe = jnp.maximum(slots, 0)
+        return w["pages"][safe], jnp.where(slots >= 0, w["rank"][safe], 0)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         a, b = self._stored(weights, target, layer, slots)
