@@ -11,16 +11,9 @@ import pytest
 # A cold run (CI's: a fresh clone) spends about half its time compiling. XLA:CPU at
 # LLVM's -O0 compiles about a fifth faster, and the steps of the models under test run
 # nearly as fast (tests/test_parity_hf.py and test_cpu_assist.py cold: 154 s at the
-# default, 123 s at -O0). XLA:CPU's older fusion emitters and LLVM without its
-# expensive passes compile faster again, at the same step speed at -O0: SmolLM2's
-# 20-step warm-up spent 18.0 s in XLA's compiler, 5.8 s with them; a cpu-tiny MBGMV
-# engine's (Pallas interpreted) 32.4 s, 16.9 s. Set before jax starts its backend, so
-# the tests' own processes inherit them too (test_sharding's `fake_devices` adds to
-# them rather than replacing them).
-XLA_TEST_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    " --xla_llvm_disable_expensive_passes=true"
-)
+# default, 123 s at -O0). Set before jax starts its backend, so the tests' own processes
+# inherit it too (test_sharding's `fake_devices` adds to it rather than replacing it).
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
