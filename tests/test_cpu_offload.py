@@ -403,6 +403,26 @@ def test_run_on_local_threads_reads_x_where_it_is(arena, threads):
         assert np.array_equal(pool.collect(ticket), result)
 
 
+def test_jobs_checked_once_are_checked_again_in_another_layout(arena):
+    """A pool remembers the jobs it checked (a prefill repeats them every layer), by
+    everything a check reads: the same jobs in other columns get those columns, and a
+    bad layout of them still fails, however often the good ones ran."""
+    with _local_pool(arena) as pool:
+        (aq, bq, q), (av, bv, v) = arena.weights[1, "q"], arena.weights[1, "v"]
+        x = _x(5, 64, seed=9)
+        for _ in range(2):
+            side_by_side = pool.run(x, [q, v])
+            swapped = pool.run(x, [q, v], columns=[32, 0], out_total=100)
+            for columns, bad in ([0, 32], "overlap"), (None, "out_total"):
+                with pytest.raises(ValueError, match=bad):
+                    pool.run(x, [q, v], columns=columns, out_total=None if columns else 2048)
+        assert side_by_side.shape == (5, 96) and swapped.shape == (5, 100)
+        for out, (q_at, v_at) in (side_by_side, (0, 64)), (swapped, (32, 0)):
+            np.testing.assert_allclose(out[:, q_at : q_at + 64], _reference(x, aq, bq), atol=ATOL)
+            np.testing.assert_allclose(out[:, v_at : v_at + 32], _reference(x, av, bv), atol=ATOL)
+        assert (swapped[:, 96:] == 0).all()
+
+
 def test_run_on_worker_processes_is_a_submit_and_its_collect(pool, arena):
     a, b, job = arena.weights[0, "v"]
     x = _x(9, 64, seed=8)
