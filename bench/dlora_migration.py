@@ -94,9 +94,12 @@ class Plan:
     router_seed: int = 0
     seed: int = 0
     request_timeout_s: float = 300.0
+    warmup: str = "ahead"  # the workers' --warmup
 
 
-QUICK = Plan(requests=8, rate_per_s=2.0)  # a smoke run: every part, little waiting
+# A smoke run: every part, little waiting; the workers compile what it meets (its
+# figures include compiles).
+QUICK = Plan(requests=8, rate_per_s=2.0, long_tokens=(32, 48), warmup="on-demand")
 
 
 def make_workload(plan: Plan, tokenizer: TextTokenizer) -> Workload:
@@ -164,6 +167,7 @@ def start_workers(plan: Plan, adapters: Path, state: Path) -> list[ServerProcess
                 sys.executable, "-m", "jlora.cli.main", "serve", "--model", plan.model,
                 "--dtype", "float32", "--port", "0", "--max-seq-len", str(plan.max_seq_len),
                 "--max-slots", str(plan.slots), "--adapters-dir", str(adapters),
+                "--warmup", plan.warmup,
             ]  # fmt: skip
             print(f"bench: starting worker {index}", file=sys.stderr, flush=True)
             workers.append(ServerProcess(argv, WORKER_READY, env={"JAX_PLATFORMS": "cpu"}))

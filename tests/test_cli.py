@@ -250,6 +250,23 @@ def test_up_passes_the_layer_loop_to_its_workers(tmp_path):
     assert worker.layer_loop == "scan"
 
 
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_the_warmup_flag_parses_refuses_a_bad_value_and_reaches_up_s_workers(
+    command, tmp_path, capsys
+):
+    parser = build_parser()
+    assert parser.parse_args([command]).warmup == "ahead"
+    args = parser.parse_args([command, "--warmup", "on-demand"])
+    assert args.warmup == "on-demand"
+    if command == "up":
+        args.state_dir = tmp_path
+        assert parser.parse_args(up._worker_command(args, None, 50099)[3:]).warmup == "on-demand"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([command, "--warmup", "eager"])
+    assert exited.value.code == 2
+    assert "--warmup: invalid choice: 'eager'" in capsys.readouterr().err
+
+
 # -- per-line settings in a prompts file (in this process) ----------------------------
 
 MOCK_VOCAB = 1000  # MockEngine's default

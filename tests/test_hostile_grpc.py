@@ -378,7 +378,7 @@ class ServeProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny",
                  "--port", "0", "--port-file", str(self.port_file), "--max-seq-len", "32",
-                 "--max-slots", "2", "--max-lora-rank", "8", *flags],
+                 "--max-slots", "2", "--max-lora-rank", "8", "--warmup", "on-demand", *flags],
                 cwd=ROOT, stderr=stderr, text=True,
             )  # fmt: skip
         deadline = time.monotonic() + 300

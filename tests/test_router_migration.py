@@ -374,6 +374,8 @@ def test_two_smollm2_workers_continue_a_moved_stream_exactly(tmp_path):
                     "2",
                     "--adapters-dir",
                     str(adapters_dir),
+                    "--warmup",
+                    "on-demand",
                 ],
                 cwd=root,
                 env=env,

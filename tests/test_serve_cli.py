@@ -45,6 +45,7 @@ def worker(demo, tmp_path_factory):
         [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny", "--port", "0",
          "--port-file", str(port_file), "--max-seq-len", "64", "--max-slots", "4",
          "--max-loras", "1", "--max-lora-rank", "16", "--adapters-dir", str(adapters_dir),
+         "--warmup", "on-demand",
          "--lora-modules", f"org/tiny:v1={first}",
          json.dumps({"name": "json-form", "path": str(first), "base_model_name": "cpu-tiny"})],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,

@@ -365,7 +365,7 @@ class ProcessGroup:
         common = [
             sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny",
             "--sharding", "tp4", "--port", "0", "--max-seq-len", "128", "--max-slots", "4",
-            "--max-loras", "2", "--max-lora-rank", "32",
+            "--max-loras", "2", "--max-lora-rank", "32", "--warmup", "on-demand",
             *(flag for path in adapters for flag in ("--adapter", f"{path.name}={path}")),
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", *flags,
         ]  # fmt: skip

@@ -28,12 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Up:
-    """A `jlora up` process; `.grpc` and `.http` are where its router listens."""
+    """A `jlora up` process; `.grpc` and `.http` are where its router listens. Its workers
+    compile what the test's requests need, when they need it (`--warmup on-demand`)."""
 
     def __init__(self, state_dir: Path, *args: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jlora.cli.main", "up", "--port", "0", "--http-port", "0",
-             "--state-dir", str(state_dir), *args],
+             "--state-dir", str(state_dir), "--warmup", "on-demand", *args],
             cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
         self.log: list[str] = []

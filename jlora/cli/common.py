@@ -92,6 +92,21 @@ def sharding_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--lora-sharding", args.lora_sharding] if args.lora_sharding else [])
 
 
+WARMUPS = ("ahead", "on-demand")
+
+
+def add_warmup_arg(group: argparse._ActionsContainer) -> None:
+    """--warmup: when a server compiles its step shapes."""
+    group.add_argument(
+        "--warmup",
+        choices=WARMUPS,
+        default=WARMUPS[0],
+        help="ahead: compile every step shape before listening, so no request waits for "
+        "a compile (the default); on-demand: listen at once and compile each shape when a "
+        "request first needs it (a quick start for trying the server; that request waits)",
+    )
+
+
 def add_api_key_arg(group: argparse._ActionsContainer) -> None:
     """--api-key (read back with `jlora.contract.auth.resolve_api_key`)."""
     group.add_argument(

@@ -4,11 +4,12 @@
    adapters given by `--adapter NAME=PATH` or vLLM's `--lora-modules NAME=PATH ...`,
    every adapter directory under `--adapters-dir` and every entry of the shared
    `--registry` (each checked against the registry's sha256 on the bytes loaded), and
-   compile every step shape (warm-up). An adapter named on the command line that cannot
-   be served stops the start (exit 2), as in vLLM; one found in `--adapters-dir` or the
-   registry that cannot (corrupt, truncated, a file linking out of the directory, a
-   changed sha256) is left out with a warning naming it and why, and the rest are
-   served (the router answers requests for it with the reason).
+   compile every step shape (warm-up; with `--warmup on-demand`, each shape when a
+   request first needs it). An adapter named on the command line that cannot be served
+   stops the start (exit 2), as in vLLM; one found in `--adapters-dir` or the registry
+   that cannot (corrupt, truncated, a file linking out of the directory, a changed
+   sha256) is left out with a warning naming it and why, and the rest are served (the
+   router answers requests for it with the reason).
 2. Serve (`jlora.server.serve`) and say on stderr where it listens (and write the
    port to `--port-file`, which is how `jlora up` finds a worker started on port 0).
 3. On SIGTERM or SIGINT, stop taking requests, let the running ones finish (up to
@@ -35,6 +36,7 @@ from jlora.cli.common import (
     add_lora_engine_args,
     add_model_args,
     add_sharding_args,
+    add_warmup_arg,
     cache_config,
     lora_engine_config,
     resolve_dtype,
@@ -61,6 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")
     add_cache_args(engine)
+    add_warmup_arg(engine)
     lora = parser.add_argument_group("adapters")
     add_adapter_args(lora)
     lora.add_argument(
@@ -259,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     from jlora.server import serve
 
     several = _process_group(args)
+    on_demand = args.warmup == "on-demand"
     if args.port and args.process_id == 0:  # before minutes of loading and compiling
         from jlora.contract.grpc_server import bind_failure
 
@@ -303,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if several and args.process_id > 0:
         try:
-            local.warmup()
+            local.warmup(on_demand=on_demand)
             return follow(local, args.coordinator, args.process_id)
         finally:
             local.close()
@@ -319,8 +323,9 @@ def run(args: argparse.Namespace) -> int:
         registered = _register_adapters(
             engine, adapters, expected, required=required, skipped=skipped
         )
-        print("jlora serve: compiling...", file=sys.stderr, flush=True)
-        engine.warmup()
+        if not on_demand:
+            print("jlora serve: compiling...", file=sys.stderr, flush=True)
+        engine.warmup(on_demand=on_demand)
         server = serve(
             engine,
             host=args.host,

@@ -38,6 +38,7 @@ from jlora.cli.common import (
     add_lora_engine_args,
     add_model_args,
     add_sharding_args,
+    add_warmup_arg,
     cache_flags,
     model_config,
     sharding_flags,
@@ -88,6 +89,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-slots", type=int, default=8)
     engine.add_argument("--max-lora-rank", type=int, default=64)
     add_cache_args(engine)
+    add_warmup_arg(engine)
     add_adapter_args(engine)
     engine.add_argument("--adapters-dir", type=Path, metavar="DIR")
     add_lora_engine_args(engine)
@@ -119,6 +121,7 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
         "--cpu-workers", str(args.cpu_workers),
         "--cpu-lora", args.cpu_lora,
         "--emulated-link-gbps", str(args.emulated_link_gbps), "--merge", args.merge,
+        "--warmup", args.warmup,
     ]  # fmt: skip
     command += sharding_flags(args) + cache_flags(args)
     if args.max_loras is not None:
