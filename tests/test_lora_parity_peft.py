@@ -154,7 +154,13 @@ def _serve_mixed_batch(
     )
     for name, path in peft_dirs.items():
         engine.register_adapter(name, str(path))
-    engine.warmup(prompt_lengths=[len(ids) for ids in prompt_ids], max_length=64)
+    # Each shape compiles when first met, except where CPU assistance must find every
+    # adapter cold: a compile mid-run would let adapters land first.
+    engine.warmup(
+        prompt_lengths=[len(ids) for ids in prompt_ids],
+        max_length=64,
+        on_demand=engine.config.lora_mode != "cpu-assist",
+    )
     ours = run_to_completion(
         engine,
         prompt_ids,
