@@ -531,8 +531,10 @@ def test_one_batch_mixes_adapters_from_a_jsonl_prompts_file(tmp_path, cli_env, s
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     default = str(tmp_path / "adapters" / "demo-01-r16")
     outputs = {}
-    # The cached run also takes the MBGMV backend (its kernels interpreted on CPU).
-    for mode, backend in (("ondemand", "reference"), ("cached", "mbgmv")):
+    # The runs also keep adapters apart: in slots of their own, and in the KV cache's
+    # pages (the default). The Pallas backends meet a mixed batch of SmolLM2 in
+    # tests/test_lora_parity_peft.py.
+    for mode, pool in (("ondemand", "slots"), ("cached", "kv")):
         result = _jlora(
             cli_env,
             "generate",
@@ -544,8 +546,8 @@ def test_one_batch_mixes_adapters_from_a_jsonl_prompts_file(tmp_path, cli_env, s
             default,
             "--lora-mode",
             mode,
-            "--lora-backend",
-            backend,
+            "--lora-pool",
+            pool,
             "--output",
             "jsonl",
             "--max-tokens",
