@@ -88,6 +88,7 @@ class Plan:
     seed: int = 0
     warmup_requests: int = 3
     request_timeout_s: float = 600.0
+    warmup: str = "ahead"  # jlora's --warmup (on-demand: a smoke run, compiles timed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,7 @@ def _jlora(mode: str, backend: str = "reference") -> Callable[[Plan, Path, Path]
             "--adapters-dir", str(adapters), "--lora-mode", mode, "--lora-backend", backend,
             "--max-loras", str(slots), "--max-lora-rank", str(max(plan.ranks)),
             "--max-slots", str(plan.max_slots), "--emulated-link-gbps", str(plan.link_gbps),
+            "--warmup", plan.warmup,
         ]  # fmt: skip
 
     return command

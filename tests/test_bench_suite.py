@@ -25,6 +25,7 @@ TINY = dataclasses.replace(
     max_loras=2,
     warmup_requests=1,
     request_timeout_s=120.0,
+    warmup="on-demand",
 )
 
 
