@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -11,10 +13,20 @@ import pytest
 # A cold run (CI's: a fresh clone) spends about half its time compiling. XLA:CPU at
 # LLVM's -O0 compiles about a fifth faster, and the steps of the models under test run
 # nearly as fast (tests/test_parity_hf.py and test_cpu_assist.py cold: 154 s at the
-# default, 123 s at -O0). Set before jax starts its backend, so the tests' own processes
-# inherit it too (test_sharding's `fake_devices` adds to it rather than replacing it).
-XLA_TEST_FLAGS = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
+# default, 123 s at -O0). XLA:CPU's older fusion emitters compile faster again at the
+# same step speed (SmolLM2's 20-step warm-up: 18.0 s in XLA's compiler, 6.7 s with
+# them; the whole cold run 27 min -> 22 min on 2 cores). The product compiles with the
+# default emitters, and a test that compares two different programs bit for bit checks
+# how XLA fuses them, so such a test is marked `product_codegen` and runs in a process
+# of its own with the default emitters (`pytest_pyfunc_call` below). Set before jax
+# starts its backend, so the tests' own processes inherit them too (test_sharding's
+# `fake_devices` adds to them rather than replacing them).
+PRODUCT_CODEGEN = os.environ.get("JLORA_TEST_CODEGEN") == "product"
+XLA_TEST_FLAGS = "--xla_backend_optimization_level=0" + (
+    "" if PRODUCT_CODEGEN else " --xla_cpu_use_fusion_emitters=false"
+)
+GIVEN_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = f"{GIVEN_XLA_FLAGS} {XLA_TEST_FLAGS}".strip()
 
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
 # every compilation after the first into a load from disk (tracing still happens, so the
@@ -26,6 +38,24 @@ jax.config.update(
     ),
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A `product_codegen` test runs in a pytest process of its own with the product's
+    XLA:CPU emitters (this process's fixtures are set up for nothing), unless this is
+    that process."""
+    if PRODUCT_CODEGEN or pyfuncitem.get_closest_marker("product_codegen") is None:
+        return None
+    env = {**os.environ, "XLA_FLAGS": GIVEN_XLA_FLAGS, "JLORA_TEST_CODEGEN": "product"}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert child.returncode == 0, f"{pyfuncitem.nodeid} with the product's emitters:\n" + (
+        child.stdout[-6000:] + child.stderr[-2000:]
+    )
+    return True
 
 
 @pytest.fixture(scope="session")

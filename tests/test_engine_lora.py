@@ -134,6 +134,7 @@ def test_tokens_do_not_depend_on_the_layer_loop(tiny, demo):
     auto.close()
 
 
+@pytest.mark.product_codegen
 def test_base_rows_are_bit_identical_in_the_model(tiny, demo):
     """Logits of rows without an adapter, next to adapted rows, equal the base model's."""
     engine = _engine(tiny, demo, max_loras=3, lora_mode="cached")
