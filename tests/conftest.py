@@ -25,7 +25,9 @@ PRODUCT_CODEGEN = os.environ.get("JLORA_TEST_CODEGEN") == "product"
 XLA_TEST_FLAGS = "--xla_backend_optimization_level=0" + (
     "" if PRODUCT_CODEGEN else " --xla_cpu_use_fusion_emitters=false"
 )
-GIVEN_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+# The flags this run was given, before the first conftest added the tests' (pytest-xdist's
+# workers inherit both: they add theirs to the given flags, not to the controller's).
+GIVEN_XLA_FLAGS = os.environ.setdefault("JLORA_GIVEN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{GIVEN_XLA_FLAGS} {XLA_TEST_FLAGS}".strip()
 
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
