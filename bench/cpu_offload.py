@@ -24,8 +24,11 @@ the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
    device is the CPU; `run`, straight from x), and n worker processes (how it runs
    beside an accelerator, and how it ran on a CPU until 2026-11-27; a submit, which
    copies x into shared memory and hands off, and a collect). Torch's n threads
-   include its calling thread. A and B live in a shared-memory arena laid out as the
-   host store lays it out; torch reads the same memory (`torch.from_numpy`, no copy).
+   include its calling thread. With every core, the pool of threads also runs as the
+   engine calls it, picking its threads (`threads_for`: one, unless the product takes
+   more than `target_ms` on one core). A and B live in a shared-memory arena laid
+   out as the host store lays it out; torch reads the same memory
+   (`torch.from_numpy`, no copy).
 4. Host-callback overhead per CPU-routed layer (SmolLM2-135M, 128 tokens, 30 layers,
    an adapter on all 7 targets): a jitted scan in which each layer makes the four
    input groups' callback pairs (q/k/v, o, gate/up, down; f32[128, in] out, f32[128,
@@ -230,8 +233,9 @@ def products(arena: Arena, iters: int) -> list[str]:
     thread_counts = sorted({1, cores})
     lines = [
         "| rows | rank | out | threads | pool of threads (µs) | pool of processes (µs) "
-        "| torch x@A@B (µs) | torch / threads | torch / processes |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| torch x@A@B (µs) | torch / threads | torch / processes "
+        f"| pool of threads, its pick of <= {cores} (µs) | torch / its pick |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     sizes = {"max_rows": max(ROWS), "max_in": HIDDEN, "max_out": max(OUTS)}
     with (
@@ -251,12 +255,21 @@ def products(arena: Arena, iters: int) -> list[str]:
                     "processes": functools.partial(_pooled, processes, x, job, threads, y),
                     "torch": functools.partial(_product, x_t, a_t, b_t),
                 }
+                if threads == cores:  # as the engine calls it: the pool picks the threads
+                    calls["pick"] = functools.partial(threads_pool.run, x, [job], out=y)
                 samples = _interleaved_us(calls, iters, block=BLOCK, gap_s=BLOCK_GAP_S)
                 us = {name: _median(times) for name, times in samples.items()}
+                picked = (
+                    f"{us['pick']:.0f} ({threads_pool.threads_for(rows, HIDDEN, rank, out)}) "
+                    f"| {us['torch'] / us['pick']:.2f}"
+                    if "pick" in us
+                    else "- | -"
+                )
                 lines.append(
                     f"| {rows} | {rank} | {out} | {threads} | {us['threads']:.0f} "
                     f"| {us['processes']:.0f} | {us['torch']:.0f} "
-                    f"| {us['torch'] / us['threads']:.2f} | {us['torch'] / us['processes']:.2f} |"
+                    f"| {us['torch'] / us['threads']:.2f} | {us['torch'] / us['processes']:.2f} "
+                    f"| {picked} |"
                 )
         lines.append(
             f"\nShares the calling process computed for late workers (processes): "
