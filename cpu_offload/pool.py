@@ -508,7 +508,7 @@ class CpuLoraPool:
             return self.collect(ticket, out=out)
         checked, rows, wanted = self._checked("run", x, jobs, columns, out_total, threads)
         result = _output(out, rows, checked.out_total)
-        # The kernel takes writable C-ordered rows: a callback's buffer is (an
+        # The kernel takes writable C-ordered rows, as a callback's buffer is (an
         # io_callback's read-only argument is copied).
         if not (x.flags.c_contiguous and x.flags.writeable):
             x = np.array(x)
