@@ -117,16 +117,10 @@ class _Jobs:
     with what each call of them needs worked out once: a prefill makes the same calls,
     one per layer and input group, for every prompt of an adapter."""
 
-    in_features: int
-    jobs: tuple[LoraJob, ...]
-    columns: tuple[int, ...]
-    out_total: int
+    whole: Task  # every row of a submit: rows [0, its rows), set per call
     gaps: tuple[tuple[int, int], ...]  # the output's column ranges no job writes
     flops_per_token: int
-    job_rows: np.ndarray  # Task.job_rows, the kernels' descriptor
-
-    def task(self, rows: int) -> Task:
-        return Task(0, rows, self.in_features, self.out_total, self.jobs, self.columns)
+    job_rows: np.ndarray  # whole.job_rows(), the kernels' descriptor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +433,7 @@ class CpuLoraPool:
                    fewer workers are ready. With none ready the caller computes all.
         """
         checked, rows, wanted = self._checked("submit", x, jobs, columns, out_total, threads)
-        whole = checked.task(rows)
+        whole = dataclasses.replace(checked.whole, row_end=rows)
         self._block.x(rows, whole.in_features)[...] = x
         shares = []
         with self._lock:
@@ -507,7 +501,7 @@ class CpuLoraPool:
             ticket = self.submit(x, jobs, columns=columns, out_total=out_total, threads=threads)
             return self.collect(ticket, out=out)
         checked, rows, wanted = self._checked("run", x, jobs, columns, out_total, threads)
-        result = _output(out, rows, checked.out_total)
+        result = _output(out, rows, checked.whole.out_total)
         # The kernel takes writable C-ordered rows, as a callback's buffer is (an
         # io_callback's read-only argument is copied).
         if not (x.flags.c_contiguous and x.flags.writeable):
@@ -599,14 +593,12 @@ class CpuLoraPool:
             return found
         self._check_jobs(jobs, in_features)
         columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
+        whole = Task(0, 0, in_features, out_total, jobs, columns)
         checked = _Jobs(
-            in_features,
-            jobs,
-            columns,
-            out_total,
+            whole,
             gaps,
             sum(2 * job.rank * (in_features + job.out_features) for job in jobs),
-            Task(0, 0, in_features, out_total, jobs, columns).job_rows(),
+            whole.job_rows(),
         )
         if key is not None:
             if len(self._checked_jobs) >= CHECKED_JOBS_KEPT:
