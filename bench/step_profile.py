@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per run")
     parser.add_argument("--markdown", type=Path, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH")
-    parser.add_argument("--trace-dir", type=Path, metavar="DIR", help="keep the traces here")
+    parser.add_argument(
+        "--trace-dir", type=Path, metavar="DIR", help="keep the traces here (else they are deleted)"
+    )
     parser.add_argument(
         "--variants",
         type=names_from(VARIANTS),
@@ -284,9 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     print("loading the model, writing adapters, compiling...", file=sys.stderr, flush=True)
     loaded = load_model(plan.model, plan.dtype)
     prompts = make_prompts(loaded, plan.batch, plan.prompt_len)
-    traces = args.trace_dir or Path(tempfile.mkdtemp(prefix="jlora-trace-"))
     profiles: list[StepProfile] = []
     with tempfile.TemporaryDirectory() as tmp:
+        traces = args.trace_dir or Path(tmp, "traces")
         paths = make_demo_adapters(
             loaded.config,
             tmp,

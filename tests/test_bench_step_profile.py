@@ -5,6 +5,7 @@ what it patched."""
 from __future__ import annotations
 
 import json
+import tempfile
 from types import SimpleNamespace
 
 import jax
@@ -38,11 +39,14 @@ def test_summarise_names_the_ops_of_a_real_trace(tmp_path):
     assert times == sorted(times, reverse=True)
 
 
-def test_variants_run_and_are_undone(tmp_path):
+def test_variants_run_and_are_undone(tmp_path, monkeypatch):
     """copies-unrolled decodes with per-layer copies and the loop unrolled, and undoes the
     copies' patch; the reference backend, as interpreted Pallas kernels would take
-    minutes to compile cold."""
+    minutes to compile cold. Without --trace-dir the traces are deleted."""
     init, split = CompiledSteps.__init__, layer_views.split_layers
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "profile.json"
     step_profile.main(
         ["--model", "cpu-tiny", "--dtype", "float32", "--batch", "2", "--adapters", "2",
@@ -55,6 +59,7 @@ def test_variants_run_and_are_undone(tmp_path):
     ]  # fmt: skip
     assert "| reference k=2, copies-unrolled |" in (tmp_path / "profile.md").read_text()
     assert (CompiledSteps.__init__, layer_views.split_layers) == (init, split)
+    assert not list(scratch.iterdir())
 
 
 def test_a_lora_engine_with_no_adapter_in_the_batch_is_a_system_of_its_own(tmp_path):
