@@ -24,7 +24,8 @@ the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
    device is the CPU; `run`, straight from x), and n worker processes (how it runs
    beside an accelerator, and how it ran on a CPU until 2026-11-27; a submit, which
    copies x into shared memory and hands off, and a collect). Torch's n threads
-   include its calling thread. With every core, the pool of threads also runs as the
+   include its calling thread; the pool's are its calling thread and its team's
+   helpers (`cpu_offload.team`). With every core, the pool of threads also runs as the
    engine calls it, picking its threads (`threads_for`: one, unless the product takes
    more than `target_ms` on one core). A and B live in a shared-memory arena laid
    out as the host store lays it out; torch reads the same memory
@@ -70,12 +71,12 @@ from multiprocessing import shared_memory  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
 from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
 from cpu_offload.kernels import blas_core  # noqa: E402
+from cpu_offload.team import TEAM_SPIN_S  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
@@ -498,7 +499,7 @@ def main() -> None:
         **machine_facts(),
         "openblas_core": blas_core(),  # the workers' too: they inherit the environment
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(not set)"),
-        "numba_threading_layer": numba.threading_layer(),  # the engine's (cpu_offload.threads)
+        "team_spin_ms": TEAM_SPIN_S * 1e3,  # how long a pool's helper threads stay awake
     }
     arena = Arena()
     try:

@@ -6,15 +6,16 @@ shared-memory arena (CaraServe §4, Toppings §4). `CpuLoraPool` owns the worker
 processes (one per core, started with `spawn`; or none, computing on threads of the
 calling process where the device is the CPU), `protocol` is the shared-memory
 control block they poll, `kernels` holds the compiled kernels: `lora_rows` (one
-product, two direct sgemm calls into strided output columns), `lora_task` (every
-job of one worker's task in one call) and `lora_task_threads` (the same over threads),
-and `threads` the lock that lets one parallel Numba kernel launch at a time in a
-process.
+product, two direct sgemm calls into strided output columns) and `lora_task` (every
+job of one worker's task in one call), `team` the calling process's helper threads
+that split a task's rows where the pool computes on threads, and `threads` the lock
+that lets one parallel Numba kernel launch at a time in a process (jlora's FFI
+kernels on XLA's threads).
 
 Never imports jax: it receives plain numbers (segment names, byte offsets, shapes).
 """
 
-from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads
+from cpu_offload.kernels import lora_rows, lora_task
 from cpu_offload.pool import CpuLoraPool, Profile, Ticket
 from cpu_offload.protocol import MAX_JOBS, LoraJob
 
@@ -26,5 +27,4 @@ __all__ = [
     "Ticket",
     "lora_rows",
     "lora_task",
-    "lora_task_threads",
 ]

@@ -3,7 +3,7 @@
 One call runs on one core: parallelism comes from the pool, which gives each worker
 process its own rows (CaraServe §4.2, profiling-guided parallelization: one process
 per core) and starts it with one BLAS thread, or, where the device is the CPU, from
-`lora_task_threads`, which splits the rows over threads of the calling process.
+the pool's `team.Team`, which splits the rows over threads of the calling process.
 
 Both products are single-precision GEMMs of OpenBLAS (SciPy's, the library Numba's
 own `np.dot` calls), made directly from the compiled function through its Fortran
@@ -34,10 +34,8 @@ import ctypes
 
 import numpy as np
 from llvmlite import binding
-from numba import float32, int64, njit, prange, types, void
+from numba import float32, int64, njit, types, void
 from numba.extending import get_cython_function_address
-
-from cpu_offload.threads import lock, unlock
 
 # Fortran sgemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc): every
 # argument by pointer. Registered under our own name so that cached code links to it.
@@ -197,32 +195,3 @@ def lora_task(arena, x, y, jobs):  # pragma: no cover - compiled
     for j in range(jobs.shape[0]):
         a, b, column = _job(arena, jobs, j, x.shape[1])
         _product(x, a, b, y[:, column : column + b.shape[1]])
-
-
-@njit(
-    void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64),
-    cache=True,
-    nogil=True,
-    parallel=True,
-)
-def lora_task_threads(arena, x, y, jobs, threads):  # pragma: no cover - compiled
-    """`lora_task` over `threads` contiguous row ranges (sizes differing by <= 1), each on
-    a thread of this process (Numba's workqueue, `threads.py`), each product one sgemm
-    pair of its rows as in `lora_task`. A caller that may share its process with other
-    parallel kernels calls `lora_task_threads_alone`."""
-    rows = x.shape[0]
-    for i in prange(threads):
-        start, end = rows * i // threads, rows * (i + 1) // threads
-        for j in range(jobs.shape[0]):
-            a, b, column = _job(arena, jobs, j, x.shape[1])
-            _product(x[start:end], a, b, y[start:end, column : column + b.shape[1]])
-
-
-@njit(void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64), nogil=True)
-def lora_task_threads_alone(arena, x, y, jobs, threads):  # pragma: no cover - compiled
-    """`lora_task_threads` holding the process's launch lock (`cpu_offload.threads`): no
-    other parallel kernel launches meanwhile, from Python's threads or from XLA's.
-    Compiled at import, not cached (it takes the lock)."""
-    lock()
-    lora_task_threads(arena, x, y, jobs, threads)
-    unlock()

@@ -20,17 +20,16 @@ Threads instead of processes (`local_threads`): where the device is the CPU itse
 the products have nothing to overlap (the device's base projections run on the same
 cores), and the processes' copies and hand-offs are pure cost. A pool made with
 `local_threads` has no worker processes: `collect` computes every submit in the calling
-process, on up to that many of its threads (`kernels.lora_task_threads`, Numba's
-threads), straight into the caller's buffer; `run`, for a caller with nothing to
-overlap, computes at once from x where it lies, without copying it. Measured on this
-project's 2-core EPYC against PyTorch's `x @ A @ B` on the same threads, everything
-the engine pays included (bench/results/2026-11-27-cpu-offload-apply.md): `run` on
-threads 1.16-1.34x at the median, where worker processes reached 0.75-0.81x. Beside
-an accelerator the processes stay: their products run while the device computes the
-base projections. No two parallel kernels launch at once in a process (the launch
-lock, `threads.py`), which Numba's workqueue layer would not allow; a launch costs
-about 0.1 ms there, so a product under about `target_ms` on one core stays on one
-thread (`threads_for`).
+process, on up to that many of its threads (the calling thread and the helpers of its
+`team.Team`, which stay awake between products), straight into the caller's buffer;
+`run`, for a caller with nothing to overlap, computes at once from x where it lies,
+without copying it. Measured on this project's 2-core EPYC against PyTorch's
+`x @ A @ B` on the same threads, everything the engine pays included
+(bench/results/2026-11-29-cpu-team.md): on two threads 1.12-4.57x, where worker
+processes reached 0.29-1.01x. Beside an accelerator the processes stay: their products
+run while the device computes the base projections. A product under about `target_ms`
+on one core stays on one thread (`threads_for`): 1 ms for processes, 0.05 ms for the
+team.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
@@ -67,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from cpu_offload.kernels import lora_rows, lora_task, lora_task_threads_alone, one_blas_thread
+from cpu_offload.kernels import lora_rows, lora_task, one_blas_thread
 from cpu_offload.protocol import (
     CLAIMED,
     DONE,
@@ -82,6 +81,7 @@ from cpu_offload.protocol import (
     Task,
     attach,
 )
+from cpu_offload.team import Team
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,10 @@ COLLECT_SPIN_S = 5e-3
 # A running worker takes its task within microseconds of the submit; one that has not
 # after this long is descheduled or asleep, and `collect` computes its rows itself.
 STEAL_AFTER_S = 5e-5
+# `target_ms`'s defaults: a product splits over worker processes past 1 ms of work on
+# one core, over the team's threads past 0.05 ms (bench/results/2026-11-29-cpu-team.md:
+# at 25 µs a split did not pay, at 62 µs two threads took 37 µs).
+PROCESSES_TARGET_MS, THREADS_TARGET_MS = 1.0, 0.05
 # The most checked submits `_jobs` keeps: a prefill's layers and input groups for many
 # adapters (30 layers x 3 groups each for SmolLM2).
 CHECKED_JOBS_KEPT = 4096
@@ -168,24 +172,6 @@ def _arena_floats(arena: mmap.mmap) -> np.ndarray:
     return np.frombuffer(arena, np.float32, count=len(arena) // 4)
 
 
-def _products(
-    arena: np.ndarray, x: np.ndarray, y: np.ndarray, jobs: np.ndarray, threads: int
-) -> None:
-    """Every row of x through every job (`Task.job_rows`) into y, on `threads` threads
-    of the calling process."""
-    if threads > 1:
-        lora_task_threads_alone(arena, x, y, jobs, threads)
-    else:
-        lora_task(arena, x, y, jobs)
-
-
-def _compute(x: np.ndarray, arena: np.ndarray, task: Task, y: np.ndarray, threads: int) -> None:
-    """Step 4 of the protocol in the calling process: the task's rows of x (f32[>= its
-    last row, in]) through every job, into the same rows of y, on `threads` threads."""
-    rows = slice(task.row_start, task.row_end)
-    _products(arena, x[rows], y[rows], task.job_rows(), threads)
-
-
 def _worker_main(
     control_name: str,
     arena_name: str,
@@ -247,11 +233,13 @@ class _Resources:
     arena: Any
     workers: list[_Worker]
     stop: threading.Event
+    team: Team  # the calling process's threads (one, unless `local_threads`)
     watchdog: threading.Thread | None = None
 
 
 def _release(resources: _Resources) -> None:
     resources.stop.set()
+    resources.team.close()
     watchdog = resources.watchdog
     if watchdog is not None and watchdog is not threading.current_thread():
         watchdog.join()
@@ -279,7 +267,9 @@ class CpuLoraPool:
     max_in:     largest in_features of a submit.
     max_out:    most output columns one submit produces (the sum over its jobs).
     target_ms:  how long one share should take; `threads_for` gives a submit as many
-                threads as that takes, by the start-up profile.
+                threads as that takes, by the start-up profile. Default: 1 ms for
+                worker processes (a hand-off costs tens of microseconds), 0.05 ms for
+                local threads (a helper that is awake takes its share in microseconds).
     local_threads: no worker processes (`workers` must be 0): the calling process
                 computes every submit itself, on up to this many of its threads (see
                 the module docstring); 0: the workers do.
@@ -296,7 +286,7 @@ class CpuLoraPool:
         max_rows: int,
         max_in: int,
         max_out: int,
-        target_ms: float = 1.0,
+        target_ms: float | None = None,
         hang_after: float = 5.0,
         steal_after: float | None = STEAL_AFTER_S,
         local_threads: int = 0,
@@ -319,6 +309,8 @@ class CpuLoraPool:
                 f"workers={workers} with local_threads={local_threads}: a pool computes "
                 "in worker processes or on the caller's threads, not both (workers=0)"
             )
+        if target_ms is None:
+            target_ms = THREADS_TARGET_MS if local_threads else PROCESSES_TARGET_MS
         for field, seconds in [
             ("target_ms", target_ms),
             ("hang_after", hang_after),
@@ -360,7 +352,8 @@ class CpuLoraPool:
         self._block.write_header()
         self._block.slots[:] = 0
         self._floats = _arena_floats(arena)
-        self._resources = _Resources(control, self._block, arena, [], threading.Event())
+        self._team = Team(max(local_threads, 1))
+        self._resources = _Resources(control, self._block, arena, [], threading.Event(), self._team)
         self._finalizer = weakref.finalize(self, _release, self._resources)
         self._workers = self._resources.workers
         self._workers += [self._spawn(index, generation=1) for index in range(workers)]
@@ -506,7 +499,7 @@ class CpuLoraPool:
         # io_callback's read-only argument is copied).
         if not (x.flags.c_contiguous and x.flags.writeable):
             x = np.array(x)
-        _products(self._floats, x, result, checked.job_rows, min(wanted, self.local_threads))
+        self._team.run(self._floats, x, result, checked.job_rows, wanted)
         for start, stop in checked.gaps:
             result[:, start:stop] = 0.0
         return result
@@ -676,7 +669,8 @@ class CpuLoraPool:
         region, or into `into` (the caller's output)."""
         x = self._block.x(task.row_end, task.in_features)
         y = self._block.y(task.row_end, task.out_total) if into is None else into
-        _compute(x, self._floats, task, y, threads)
+        rows = slice(task.row_start, task.row_end)
+        self._team.run(self._floats, x[rows], y[rows], task.job_rows(), threads)
 
     def _served(self, share: Share, submitted: float) -> bool:
         """True once a worker's share is in the output region (computing here those of a

@@ -9,14 +9,14 @@ with a parallel kernel imports this one first. A launch costs about 0.1 ms (a 2-
 product against its 1-thread time, bench/results/2026-11-28-cpu-offload-workqueue.md):
 callers split work over threads only where it is worth more.
 
-The workqueue aborts the process when two threads launch parallel kernels at once. Two
-kinds of thread launch them: Python threads (a pool of threads' `lora_task_threads`,
-through `kernels.lora_task_threads_alone`) and XLA's threads (jlora's FFI kernels,
-`jlora.model.host_attention`), where no Python runs and no Python lock can be taken.
-So the lock is a word of this process's memory that compiled code finds by its
-symbol's name: `lock` takes it (spinning while another thread holds it), `unlock` frees
-it; both are compiled code, called from compiled code that holds no other lock, so a
-holder always gets to free it.
+The workqueue aborts the process when two threads launch parallel kernels at once.
+XLA's threads launch them (jlora's FFI kernels, `jlora.model.host_attention`), several
+at once where steps run side by side, and no Python runs there and no Python lock can
+be taken. (A pool of threads splits its products with helper threads of its own,
+`cpu_offload.team`, not with parallel kernels.) So the lock is a word of this
+process's memory that compiled code finds by its symbol's name: `lock` takes it
+(spinning while another thread holds it), `unlock` frees it; both are compiled code,
+called from compiled code that holds no other lock, so a holder always gets to free it.
 
 Code that takes the lock is compiled in each process, never cached on disk (a cached
 FFI handler crashed the next process); the kernels it calls may be cached.

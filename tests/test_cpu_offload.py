@@ -12,14 +12,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
 
-from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task, lora_task_threads
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task
+from cpu_offload import team as team_module
 from cpu_offload.protocol import DONE
+from cpu_offload.team import Team
 
 ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
 LAYERS = 2
@@ -453,30 +456,97 @@ def test_a_bad_run_names_the_field_and_changes_nothing(arena, field, call):
         np.testing.assert_allclose(pool.run(x, [job]), _reference(x, a, b), atol=ATOL)
 
 
-def test_each_thread_computes_its_row_range_as_the_one_thread_kernel_would(arena):
-    """Each of `threads` contiguous row ranges gets, bit for bit, what the one-thread kernel
-    gives that range alone, and the whole equals the float64 product. Not bit for bit
-    against one call over all rows: OpenBLAS chooses its sgemm kernels by the matrix's
-    size (Haswell's, picked on Zen 5, round a row by how many rows share the call)."""
+def _two_jobs(arena):
+    """The q and k targets of layer 0 into columns 0-63 and 70-101 of 110: f32 arena,
+    the jobs' rows (`Task.job_rows`), and the float64 product of x."""
     floats = np.frombuffer(arena.shm.buf, np.float32)
     chosen = ((arena.weights[0, "q"], 0), (arena.weights[0, "k"], 70))
     jobs = np.array(
         [[j.a_offset, j.b_offset, j.rank, j.out_features, column] for (_, _, j), column in chosen],
         np.int64,
     )
-    x = _x(37, 64, seed=6)
-    expected = np.zeros((37, 110))
-    for (a, b, _), column in chosen:
-        expected[:, column : column + b.shape[1]] = _reference(x, a, b)
-    for threads in (2, 3, 5):
-        threaded = np.zeros((37, 110), np.float32)
-        lora_task_threads(floats, x, threaded, jobs, threads)
-        for i in range(threads):
-            start, end = 37 * i // threads, 37 * (i + 1) // threads
-            alone = np.zeros((end - start, 110), np.float32)
-            lora_task(floats, x[start:end], alone, jobs)
-            assert np.array_equal(threaded[start:end], alone), (threads, i)
-        np.testing.assert_allclose(threaded, expected, atol=ATOL)
+
+    def expected(x):
+        product = np.zeros((x.shape[0], 110))
+        for (a, b, _), column in chosen:
+            product[:, column : column + b.shape[1]] = _reference(x, a, b)
+        return product
+
+    return floats, jobs, expected
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_team_computes_each_share_as_the_one_thread_kernel_would(arena, threads):
+    """Each of `threads` contiguous row ranges gets, bit for bit, what the one-thread
+    kernel gives that range alone (not against one call over all rows: OpenBLAS picks
+    its sgemm kernels by the matrix's size), the whole equals the float64 product, and
+    no column beyond y's or between the jobs' is written. Called until the helpers,
+    woken by the first calls, have computed shares of their own."""
+    floats, jobs, expected = _two_jobs(arena)
+    team = Team(threads)
+    try:
+        for rows in (1, 2, 37):
+            x = _x(rows, 64, seed=6)
+            parts = min(threads, rows)
+            alone = np.zeros((rows, 110), np.float32)
+            for i in range(parts):
+                start, end = rows * i // parts, rows * (i + 1) // parts
+                lora_task(floats, x[start:end], alone[start:end], jobs)
+            np.testing.assert_allclose(alone, expected(x), atol=ATOL)
+            deadline = time.monotonic() + 10
+            helped = team.helped
+            while team.helped == helped and time.monotonic() < deadline and rows > 1:
+                wide = np.zeros((rows, 120), np.float32)  # y: a strided view of it
+                wide[:, 110:] = 7.0
+                team.run(floats, x, wide[:, :110], jobs, threads)
+                np.testing.assert_array_equal(wide[:, :110], alone)
+                assert (wide[:, 110:] == 7.0).all()
+            assert rows == 1 or team.helped > helped, "no helper took a share in 10 s"
+    finally:
+        team.close()
+    del floats
+
+
+def test_a_caller_takes_back_the_shares_no_helper_claimed(arena):
+    """The caller never waits for a helper that has not claimed its share: with helpers
+    awake but not polling, it takes back and computes both posted ranges itself; with
+    none awake it posts nothing. The same bits either way."""
+    floats, jobs, expected = _two_jobs(arena)
+    x = _x(37, 64, seed=7)
+    results = []
+    for awake, counts in ((1, (0, 2)), (0, (0, 0))):
+        mail = np.zeros((2, team_module.BOX), np.int64)
+        mail[:, team_module.AWAKE] = awake
+        y = np.zeros((37, 110), np.float32)
+        assert team_module._split(floats, x, y, jobs, mail, 2) == counts
+        assert (mail[:, team_module.TASK] == team_module.EMPTY).all()
+        results.append(y)
+    np.testing.assert_allclose(results[0], expected(x), atol=ATOL)
+    np.testing.assert_array_equal(results[0], results[1])
+    del floats
+
+
+def test_a_busy_or_closed_team_computes_every_range_on_the_calling_thread(arena):
+    """A second caller while another has the team, or a caller after close(), computes
+    the same row ranges itself, so the same bits; close() ends the helper threads."""
+    floats, jobs, _ = _two_jobs(arena)
+    x = _x(37, 64, seed=8)
+    ranges = np.zeros((37, 110), np.float32)
+    for start, end in ((0, 18), (18, 37)):
+        lora_task(floats, x[start:end], ranges[start:end], jobs)
+    team = Team(2)
+    assert any(t.name == "jlora-lora-helper-1" for t in threading.enumerate())
+    with team._busy:
+        y = np.zeros((37, 110), np.float32)
+        team.run(floats, x, y, jobs, 2)
+    np.testing.assert_array_equal(y, ranges)
+    assert (team.helped, team.taken_back) == (0, 0)
+    team.close()
+    assert not any(t.name == "jlora-lora-helper-1" for t in threading.enumerate())
+    y = np.zeros((37, 110), np.float32)
+    team.run(floats, x, y, jobs, 2)
+    np.testing.assert_array_equal(y, ranges)
+    assert (team.helped, team.taken_back) == (0, 0)
     del floats
 
 

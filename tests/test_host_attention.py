@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from cpu_offload.kernels import lora_task_threads_alone
+from cpu_offload.team import Team
 from jlora.engine.api import SamplingParams
 from jlora.model import host_attention
 from jlora.model.attention import paged_decode_attention
@@ -130,11 +130,12 @@ def test_two_threads_may_decode_at_once():
         np.testing.assert_array_equal(result, expected)
 
 
-def test_a_decode_and_a_pool_of_threads_launch_in_turn():
-    """An engine's decode (on an XLA thread) beside a pool of threads' CPU LoRA (on a
-    Python thread) in one process: both launch parallel Numba kernels, which Numba's
-    workqueue would abort the process for if two launches overlapped; one launch lock
-    (cpu_offload.threads) serves both, and both compute what they compute alone."""
+def test_two_decodes_launch_in_turn_beside_a_pool_of_threads():
+    """Two decodes (each on an XLA thread) and a pool of threads' CPU LoRA (on a Python
+    thread and its team's helper) in one process: the decodes launch parallel Numba
+    kernels, which Numba's workqueue would abort the process for if two launches
+    overlapped, so they take turns (the launch lock, cpu_offload.threads); the team
+    launches none. Each computes what it computes alone."""
     cache = KVCache(
         k=jnp.asarray(random((2, 64, 16, 3, 64), 4)), v=jnp.asarray(random((2, 64, 16, 3, 64), 5))
     )
@@ -148,8 +149,9 @@ def test_a_decode_and_a_pool_of_threads_launch_in_turn():
     arena = np.concatenate([a.ravel(), b.ravel()]).astype(np.float32)
     jobs = np.array([[0, a.size * 4, 8, 48, 0]], np.int64)
     x = random((40, 64), 9)
+    team = Team(2)
     lora = np.zeros((40, 48), np.float32)
-    lora_task_threads_alone(arena, x, lora, jobs, 2)
+    team.run(arena, x, lora, jobs, 2)
     np.testing.assert_allclose(lora, x @ a @ b, rtol=1e-4, atol=1e-4)
     outputs: dict[str, list[np.ndarray]] = {"attention": [], "lora": []}
 
@@ -161,15 +163,16 @@ def test_a_decode_and_a_pool_of_threads_launch_in_turn():
     def offload() -> None:
         for _ in range(600):
             y = np.zeros((40, 48), np.float32)
-            lora_task_threads_alone(arena, x, y, jobs, 2)
+            team.run(arena, x, y, jobs, 2)
             outputs["lora"].append(y)
 
-    threads = [threading.Thread(target=decode), threading.Thread(target=offload)]
+    threads = [threading.Thread(target=f) for f in (decode, decode, offload)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(outputs["attention"]) == 60 and len(outputs["lora"]) == 600
+    team.close()
+    assert len(outputs["attention"]) == 120 and len(outputs["lora"]) == 600
     for result in outputs["attention"]:
         np.testing.assert_array_equal(result, attended)
     for y in outputs["lora"]:

@@ -1,0 +1,310 @@
+"""A team of helper threads that stay awake between products: a split that costs microseconds.
+
+A pool of threads (`CpuLoraPool(local_threads=N)`) splits a product's rows over N
+threads of the engine's process. Numba's workqueue did that at a cost of about 0.1 ms
+a launch on this project's 2-core VMs (its threads sleep on a condition variable, and
+a sleeping vCPU wakes late), more than half of a mid-sized product: 512 rows at rank
+16 took 263 µs on two threads, 275 µs on one, where PyTorch's two OpenMP threads,
+which spin between calls, took 164 µs (bench/results/2026-11-29-cpu-offload.md). With
+a team, two threads took 200 µs against torch's 251, and the pool on two threads was
+1.12-4.57x torch on two at all 12 shapes of that table (`2026-11-29-cpu-team.md`).
+
+A `Team` keeps N - 1 helper threads. A helper that has computed a share stays awake,
+in compiled code polling its mailbox (no GIL), while a caller is computing and for
+`spin_s` after, so the next product of a prefill, a layer later, finds it awake; then
+it sleeps on an Event. Its poll yields the core (`sched_yield`) to any other thread
+the scheduler runs there. The caller never waits for a helper that has not started:
+
+- a helper that is asleep gets no share: the caller wakes it, for the next product,
+  and computes without it (one woken now would start late, and the caller would wait
+  for the share it claimed). Linux wakes a thread on its waker's core, where it would
+  take turns with the caller while the other core idles, so a woken helper first
+  moves itself off the caller's core (`sched_setaffinity`, every core but that one);
+- to a helper that is awake the caller posts its share, computes its own, then takes
+  back a share still unclaimed and computes it too, or waits for the helper's.
+
+Each helper's mailbox is one row of an int64 array: the task's state, which moves
+EMPTY -> POSTED (the caller) -> CLAIMED (the helper) -> DONE (the helper) -> EMPTY
+(the caller), or POSTED -> EMPTY when the caller takes it back, every move an atomic
+compare-exchange or a release store; whether the helper is awake and a caller busy;
+and the share's arrays as addresses and shapes, which the helper views in place
+(`numba.carray`). One caller at a time: a caller that finds the team busy computes
+its product alone. Each row range is computed by the same one-thread kernel whoever
+computes it, so a product's bits depend on how many threads it was split for, not on
+which took each share.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+
+import numpy as np
+from llvmlite import binding
+from numba import carray, float32, int64, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from cpu_offload.kernels import lora_task
+
+# How long a helper stays awake after the last product: longer than the gap between
+# two products of a prefill (a layer's base projections), short beside a request.
+TEAM_SPIN_S = 1e-3
+
+# A mailbox: the task's state, whether the helper is awake, whether the team stops,
+# whether a caller is computing and on which core it woke the helper; the share.
+(TASK, AWAKE, STOP, CALLER, CALLER_CPU) = range(5)
+(ARENA, ARENA_LEN, X, ROWS, IN, Y, Y_STRIDE, Y_COLS, JOBS, N_JOBS) = range(6, 16)
+BOX = 16  # int64 words a mailbox takes: 128 bytes, two cache lines of its own
+EMPTY, POSTED, CLAIMED, DONE = range(4)
+
+_CLOCK_MONOTONIC = 1  # Linux's
+_LIBC = ctypes.CDLL(None)
+for _name in ("clock_gettime", "sched_yield"):
+    binding.add_symbol(f"jlora_{_name}", ctypes.cast(getattr(_LIBC, _name), ctypes.c_void_p).value)
+_clock_gettime = types.ExternalFunction(
+    "jlora_clock_gettime", types.int32(types.int32, types.voidptr)
+)
+_sched_yield = types.ExternalFunction("jlora_sched_yield", types.int32())
+
+
+def _word(context, builder, array_type, array, index):
+    """The address of array[index] (an int64[::1])."""
+    view = context.make_array(array_type)(context, builder, value=array)
+    return cgutils.gep(builder, view.data, index)
+
+
+@intrinsic
+def _load(typingctx, array, index):  # pragma: no cover - compiled
+    """array[index], an acquire load."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_word(context, builder, sig.args[0], *args), "acquire", 8)
+
+    return types.int64(array, index), codegen
+
+
+@intrinsic
+def _store(typingctx, array, index, value):  # pragma: no cover - compiled
+    """array[index] = value, a release store."""
+
+    def codegen(context, builder, sig, args):
+        word = _word(context, builder, sig.args[0], args[0], args[1])
+        builder.store_atomic(args[2], word, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(array, index, value), codegen
+
+
+@intrinsic
+def _swap_if(typingctx, array, index, expected, value):  # pragma: no cover - compiled
+    """array[index] = value if it was `expected`, atomically: whether it was."""
+
+    def codegen(context, builder, sig, args):
+        word = _word(context, builder, sig.args[0], args[0], args[1])
+        result = builder.cmpxchg(word, args[2], args[3], "acq_rel", "acquire")
+        return builder.extract_value(result, 1)
+
+    return types.boolean(array, index, expected, value), codegen
+
+
+@intrinsic
+def _floats_at(typingctx, address):  # pragma: no cover - compiled
+    """An address as a float32 pointer, for `carray`."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(types.float32)(address), codegen
+
+
+@intrinsic
+def _ints_at(typingctx, address):  # pragma: no cover - compiled
+    """An address as an int64 pointer, for `carray`."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return types.CPointer(types.int64)(address), codegen
+
+
+@njit(inline="always")
+def _now_ns(timespec):  # pragma: no cover - compiled
+    _clock_gettime(_CLOCK_MONOTONIC, timespec.ctypes)
+    return timespec[0] * 1_000_000_000 + timespec[1]
+
+
+@njit(inline="always")
+def _share(box):  # pragma: no cover - compiled
+    """The posted share's arrays, viewed where the caller's lie."""
+    arena = carray(_floats_at(box[ARENA]), (box[ARENA_LEN],))
+    x = carray(_floats_at(box[X]), (box[ROWS], box[IN]))
+    y = carray(_floats_at(box[Y]), (box[ROWS], box[Y_STRIDE]))[:, : box[Y_COLS]]
+    jobs = carray(_ints_at(box[JOBS]), (box[N_JOBS], 5))
+    return arena, x, y, jobs
+
+
+@njit(int64(int64[::1], int64), nogil=True, cache=True)
+def _serve(box, spin_ns):  # pragma: no cover - compiled
+    """A helper awake: compute each share posted in `box` until none has come for
+    `spin_ns` or the team stops; how many it computed."""
+    timespec = np.zeros(2, np.int64)
+    _store(box, AWAKE, 1)
+    served = 0
+    deadline = _now_ns(timespec) + spin_ns
+    while _load(box, STOP) == 0:
+        if _load(box, TASK) == POSTED and _swap_if(box, TASK, POSTED, CLAIMED):
+            arena, x, y, jobs = _share(box)
+            lora_task(arena, x, y, jobs)
+            _store(box, TASK, DONE)
+            served += 1
+            deadline = _now_ns(timespec) + spin_ns
+        elif _load(box, CALLER):  # a product is under way: its end starts the spin
+            deadline = _now_ns(timespec) + spin_ns
+            _sched_yield()
+        elif _now_ns(timespec) > deadline:
+            break
+        else:
+            _sched_yield()  # a thread the scheduler put on this core runs first
+    _store(box, AWAKE, 0)
+    return served
+
+
+@njit(inline="always")
+def _rows(rows, parts, i):  # pragma: no cover - compiled
+    """Range i of `parts` contiguous row ranges whose sizes differ by <= 1."""
+    return rows * i // parts, rows * (i + 1) // parts
+
+
+@njit(
+    types.UniTuple(int64, 2)(
+        float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64[:, ::1], int64
+    ),
+    nogil=True,
+    cache=True,
+)
+def _split(arena, x, y, jobs, mail, helpers):  # pragma: no cover - compiled
+    """`lora_task` over helpers + 1 row ranges (`_rows`): range h + 1 posted to helper h
+    if it is awake, the others computed here, then each posted range still unclaimed
+    taken back and computed here; (ranges the helpers computed, ranges taken back)."""
+    rows, fan_in = x.shape
+    parts = helpers + 1
+    stride = y.strides[0] // 4
+    posted = np.zeros(helpers, np.bool_)
+    for h in range(helpers):
+        box = mail[h]
+        if not _load(box, AWAKE):
+            continue
+        start, end = _rows(rows, parts, h + 1)
+        box[ARENA], box[ARENA_LEN] = arena.ctypes.data, arena.shape[0]
+        box[X], box[ROWS], box[IN] = x.ctypes.data + 4 * start * fan_in, end - start, fan_in
+        box[Y], box[Y_STRIDE], box[Y_COLS] = y.ctypes.data + 4 * start * stride, stride, y.shape[1]
+        box[JOBS], box[N_JOBS] = jobs.ctypes.data, jobs.shape[0]
+        _store(box, TASK, POSTED)
+        posted[h] = True
+    for i in range(parts):
+        if i == 0 or not posted[i - 1]:
+            start, end = _rows(rows, parts, i)
+            lora_task(arena, x[start:end], y[start:end], jobs)
+    helped = taken_back = 0
+    for h in range(helpers):
+        box = mail[h]
+        if not posted[h]:
+            continue
+        if _swap_if(box, TASK, POSTED, EMPTY):  # not started: ours
+            start, end = _rows(rows, parts, h + 1)
+            lora_task(arena, x[start:end], y[start:end], jobs)
+            taken_back += 1
+        else:
+            while _load(box, TASK) != DONE:
+                _sched_yield()  # the helper, if the scheduler put it on this core
+            _store(box, TASK, EMPTY)
+            helped += 1
+    return helped, taken_back
+
+
+class Team:
+    """The calling thread and `threads - 1` helpers, splitting `lora_task`'s rows.
+
+    run:        `lora_task(arena, x, y, jobs)` over up to `threads` threads.
+    helped:     row ranges the helpers computed; taken_back: ranges the caller posted
+                to a helper, found unclaimed and computed itself.
+    close(): stops the helpers (also when the team is collected).
+    """
+
+    def __init__(self, threads: int, spin_s: float = TEAM_SPIN_S) -> None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads={threads!r} must be an int >= 1")
+        self.threads = threads
+        self.spin_ns = int(spin_s * 1e9)
+        self.helped = self.taken_back = 0
+        self._mail = np.zeros((threads - 1, BOX), np.int64)
+        self._nobody = np.zeros_like(self._mail)  # mailboxes no helper reads: none awake
+        self._wake = [threading.Event() for _ in range(threads - 1)]
+        self._busy = threading.Lock()
+        helpers = [
+            threading.Thread(
+                target=_helper,
+                args=(self._mail[h], self._wake[h], self.spin_ns),
+                name=f"jlora-lora-helper-{h + 1}",
+                daemon=True,
+            )
+            for h in range(threads - 1)
+        ]
+        for helper in helpers:
+            helper.start()
+        self._finalizer = weakref.finalize(self, _stop, self._mail, self._wake, helpers)
+
+    def run(
+        self, arena: np.ndarray, x: np.ndarray, y: np.ndarray, jobs: np.ndarray, threads: int
+    ) -> None:
+        """Every row of x (f32[rows, in], C-ordered) through every job (`Task.job_rows`)
+        into y (f32[rows, out], unit column stride), in min(threads, rows) row ranges
+        (`_rows`), on as many threads as helpers are awake (none where another caller
+        has the team)."""
+        helpers = min(threads, self.threads, x.shape[0]) - 1
+        if helpers < 1:
+            lora_task(arena, x, y, jobs)
+            return
+        if not self._busy.acquire(blocking=False):  # every range here: the same bits
+            _split(arena, x, y, jobs, self._nobody[:helpers], helpers)
+            return
+        self._mail[:helpers, CALLER] = 1
+        try:
+            for h in range(helpers):  # a helper asleep is woken for the next product
+                if not self._mail[h, AWAKE]:
+                    self._mail[h, CALLER_CPU] = _LIBC.sched_getcpu()
+                    self._wake[h].set()
+            helped, taken_back = _split(arena, x, y, jobs, self._mail, helpers)
+            self.helped += helped
+            self.taken_back += taken_back
+        finally:
+            self._mail[:helpers, CALLER] = 0
+            self._busy.release()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _helper(box: np.ndarray, wake: threading.Event, spin_ns: int) -> None:
+    """A helper thread: sleep until woken, then serve until idle for spin_ns."""
+    cores = os.sched_getaffinity(0)
+    while True:
+        wake.wait()
+        wake.clear()
+        if box[STOP]:
+            return
+        others = cores - {int(box[CALLER_CPU])}
+        if others:
+            os.sched_setaffinity(0, others)
+        _serve(box, spin_ns)
+
+
+def _stop(mail: np.ndarray, wake: list[threading.Event], helpers: list[threading.Thread]) -> None:
+    mail[:, STOP] = 1
+    for event in wake:
+        event.set()
+    for helper in helpers:
+        helper.join()
