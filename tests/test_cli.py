@@ -195,6 +195,29 @@ def test_bad_input_exits_2_and_names_the_problem(tmp_path, cli_env, args, fragme
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi", "--temperature", "-1"],
+        ["serve", "--model", "cpu-tiny", "--adapter", "x"],
+        ["profile", "--model", "cpu-tiny", "--out", "p.json", "--repeats", "0"],
+        ["convert", "--model", "cpu-tiny", "--out", "not-a-dir"],
+    ],
+    ids=["generate", "serve", "profile", "convert"],
+)
+def test_a_bad_flag_fails_before_jax_is_imported(tmp_path, argv):
+    """Each command checks its flags before it imports JAX and the engine (0.7 s), and
+    the error handler looks WeightsError up rather than import it."""
+    (tmp_path / "not-a-dir").write_text("")
+    code = "import sys; from jlora.cli.main import main; rc = main(sys.argv[1:]); "
+    code += "print(rc, 'jax' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.stdout.split() == ["2", "False"], result.stderr
+    assert "error: " in result.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "fragments"),
     [
         (["--lora-modules", "no-equals-sign"], ["--lora-modules 'no-equals-sign'", "NAME=PATH"]),

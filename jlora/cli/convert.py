@@ -19,16 +19,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.out.is_dir():  # before JAX is imported
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UsageError(f"--out {args.out}: directory exists and is not empty")
+    dtype = resolve_dtype(args.dtype)
+
     from tqdm import tqdm
 
     from jlora.model.checkpoint import save_checkpoint
     from jlora.model.loading import load_model
 
-    if args.out.exists() and not args.out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a directory")
-    if args.out.exists() and any(args.out.iterdir()):
-        raise UsageError(f"--out {args.out}: directory exists and is not empty")
-    dtype = resolve_dtype(args.dtype)
     with tqdm(desc=f"reading {args.model}", unit="tensor", file=sys.stderr) as bar:
 
         def progress(done: int, total: int) -> None:

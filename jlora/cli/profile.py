@@ -67,6 +67,14 @@ def _ints(flag: str, text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    batches = _ints("--batches", args.batches)  # the flags before JAX is imported
+    ranks = _ints("--ranks", args.ranks)
+    prompt_lens = _ints("--prompt-lens", args.prompt_lens)
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be at least 1")
+    kind = args.kind or ("mbgmv" if args.lora_backend == "mbgmv" else "bgmv")
+    sharding = sharding_config(args)
+
     from configs import EngineConfig
     from jlora.adapters.peft import make_demo_adapters
     from jlora.engine.api import Request, SamplingParams
@@ -74,13 +82,6 @@ def run(args: argparse.Namespace) -> int:
     from jlora.model.loading import load_model
     from router.perf_model import PerfProfile, fit
 
-    batches = _ints("--batches", args.batches)
-    ranks = _ints("--ranks", args.ranks)
-    prompt_lens = _ints("--prompt-lens", args.prompt_lens)
-    if args.repeats < 1:
-        raise UsageError(f"--repeats {args.repeats}: must be at least 1")
-    kind = args.kind or ("mbgmv" if args.lora_backend == "mbgmv" else "bgmv")
-    sharding = sharding_config(args)
     loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     longest = max(prompt_lens) + args.repeats + 2
     max_seq_len = -(-longest // 16) * 16

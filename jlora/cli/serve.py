@@ -253,26 +253,9 @@ def _register_adapters(
 
 
 def run(args: argparse.Namespace) -> int:
-    from configs import EngineConfig
-    from jlora.contract.auth import resolve_api_key
-    from jlora.engine.device import DeviceEngine
-    from jlora.engine.llama_engine import LlamaEngine
-    from jlora.engine.orchestrator import Orchestrator
-    from jlora.model.loading import load_model
-    from jlora.server import serve
-
+    # The flags first, before JAX and the engine are imported: a bad one fails at once.
     several = _process_group(args)
     on_demand = args.warmup == "on-demand"
-    if args.port and args.process_id == 0:  # before minutes of loading and compiling
-        from jlora.contract.grpc_server import bind_failure
-
-        if why := bind_failure(args.host, args.port):
-            raise UsageError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: {why}")
-    if several:  # before anything else touches jax
-        from jlora.engine.multiprocess import Leader, follow, join
-
-        join(args.coordinator, args.num_processes, args.process_id)
-
     for flag, value, low in (
         ("--max-seq-len", args.max_seq_len, 16),
         ("--max-slots", args.max_slots, 1),
@@ -286,6 +269,24 @@ def run(args: argparse.Namespace) -> int:
     adapters = adapters_to_register(given, args.adapters_dir, skipped)
     expected = _registry_entries(args.registry, args.adapters_dir, adapters, skipped)
     sharding = sharding_config(args)
+    if args.port and args.process_id == 0:  # before minutes of loading and compiling
+        from jlora.contract.grpc_server import bind_failure
+
+        if why := bind_failure(args.host, args.port):
+            raise UsageError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: {why}")
+    if several:  # before anything else touches jax
+        from jlora.engine.multiprocess import Leader, follow, join
+
+        join(args.coordinator, args.num_processes, args.process_id)
+
+    from configs import EngineConfig
+    from jlora.contract.auth import resolve_api_key
+    from jlora.engine.device import DeviceEngine
+    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.engine.orchestrator import Orchestrator
+    from jlora.model.loading import load_model
+    from jlora.server import serve
+
     loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
     config = EngineConfig(
