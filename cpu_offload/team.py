@@ -6,8 +6,9 @@ a launch on this project's 2-core VMs (its threads sleep on a condition variable
 a sleeping vCPU wakes late), more than half of a mid-sized product: 512 rows at rank
 16 took 263 µs on two threads, 275 µs on one, where PyTorch's two OpenMP threads,
 which spin between calls, took 164 µs (bench/results/2026-11-29-cpu-offload.md). With
-a team, two threads took 200 µs against torch's 251, and the pool on two threads was
-1.12-4.57x torch on two at all 12 shapes of that table (`2026-11-29-cpu-team.md`).
+a team, two threads took 184 µs against torch's 244, and over three runs the pool on
+two threads was 0.98-4.57x torch on two at the 12 shapes of that table: at parity at
+rank 64, 1.07x and more at ranks 8 and 16 (`2026-11-29-cpu-team.md`).
 
 A `Team` keeps N - 1 helper threads. A helper that has computed a share stays awake,
 in compiled code polling its mailbox (no GIL), while a caller is computing and for
