@@ -58,7 +58,7 @@ TEAM_SPIN_S = 1e-3
 # whether a caller is computing and on which core it woke the helper; the share.
 (TASK, AWAKE, STOP, CALLER, CALLER_CPU) = range(5)
 (ARENA, ARENA_LEN, X, ROWS, IN, Y, Y_STRIDE, Y_COLS, JOBS, N_JOBS) = range(6, 16)
-BOX = 16  # int64 words a mailbox takes: 128 bytes, two cache lines of its own
+BOX = 16  # int64 words a mailbox takes: 128 bytes, two cache lines (`_mailboxes`)
 EMPTY, POSTED, CLAIMED, DONE = range(4)
 
 _CLOCK_MONOTONIC = 1  # Linux's
@@ -241,7 +241,7 @@ class Team:
         self.threads = threads
         self.spin_ns = int(spin_s * 1e9)
         self.helped = self.taken_back = 0
-        self._mail = np.zeros((threads - 1, BOX), np.int64)
+        self._mail = _mailboxes(threads - 1)
         self._nobody = np.zeros_like(self._mail)  # mailboxes no helper reads: none awake
         self._wake = [threading.Event() for _ in range(threads - 1)]
         self._busy = threading.Lock()
@@ -287,6 +287,14 @@ class Team:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _mailboxes(count: int) -> np.ndarray:
+    """int64[count, BOX], zeros, the first on a cache line's start: no two helpers'
+    mailboxes share a line."""
+    flat = np.zeros(count * BOX + 8, np.int64)
+    skip = (-flat.ctypes.data % 64) // 8
+    return flat[skip : skip + count * BOX].reshape(count, BOX)
 
 
 def _helper(box: np.ndarray, wake: threading.Event, spin_ns: int) -> None:

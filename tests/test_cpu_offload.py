@@ -271,6 +271,21 @@ def test_threads_for_follows_the_profile(pool):
     assert small <= large
 
 
+def test_a_pool_of_threads_splits_what_a_pool_of_processes_keeps_whole(pool, arena):
+    """target_ms's defaults: a product of ~0.3 ms on one core is split over a pool of
+    threads' three (a helper that is awake takes its share in microseconds) and stays on
+    one worker process (a hand-off costs tens of microseconds)."""
+    flops = 2 * 16 * (576 + 576)  # rank 16, in 576, out 576
+
+    def rows_for(p: CpuLoraPool, ms: float) -> int:
+        return int(ms * p.profile.tokens_per_ms * p.profile.flops_per_token / flops)
+
+    with _local_pool(arena) as local:
+        assert (local.target_ms, pool.target_ms) == (0.05, 1.0)
+        assert local.threads_for(rows_for(local, 0.3), 576, 16, 576) == 3
+        assert pool.threads_for(rows_for(pool, 0.3), 576, 16, 576) == 1
+
+
 def _big_product(pool, arena):
     a, b, job = arena.weights[1, "big"]
     x = _x(512, 1024, seed=3)
