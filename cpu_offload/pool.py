@@ -26,10 +26,10 @@ process, on up to that many of its threads (the calling thread and the helpers o
 without copying it. Measured on this project's 2-core EPYC against PyTorch's
 `x @ A @ B` on the same threads, everything the engine pays included
 (bench/results/2026-11-29-cpu-team.md): on two threads 0.98-4.57x over three runs,
-where worker processes reached 0.30-1.33x. Beside an accelerator the processes stay: their products
-run while the device computes the base projections. A product under about `target_ms`
-on one core stays on one thread (`threads_for`): 1 ms for processes, 0.05 ms for the
-team.
+where worker processes reached 0.30-1.33x. Beside an accelerator the processes stay:
+their products run while the device computes the base projections. A product under
+about `target_ms` on one core stays on one thread (`threads_for`): 1 ms for
+processes, 0.05 ms for the team.
 
 Faults lose nothing (DESIGN.md, Reliability). A watchdog thread polls every worker:
 one whose process is gone, or which holds a task longer than `hang_after` seconds,
