@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jlora.cli import generate, up
+from jlora.cli import generate, profile, up
 from jlora.cli.common import UsageError
 from jlora.cli.main import build_parser
 from jlora.engine.api import SamplingParams
@@ -650,16 +650,27 @@ def test_help_exits_0(tmp_path, cli_env, args, expected):
         assert fragment in result.stdout
 
 
+@pytest.mark.parametrize(
+    "backend, kind, form",
+    [("mbgmv", None, "mbgmv"), ("bgmv", None, "bgmv"), ("reference", None, "bgmv"),
+     ("reference", "mbgmv", "mbgmv"), ("mbgmv", "bgmv", "bgmv")],
+)  # fmt: skip
+def test_profile_fits_the_form_of_its_backend_unless_told(backend, kind, form):
+    assert profile.model_kind(backend, kind) == form
+
+
 def test_profile_writes_a_profile_the_router_loads(tmp_path, cli_env):
     """`jlora profile` on cpu-tiny: both models fitted over every profiled batch, printed
-    with R², and saved in the format `router.perf_model.PerfProfile.load` reads."""
+    with R², and saved in the format `router.perf_model.PerfProfile.load` reads. On the
+    reference backend, with the MBGMV form asked for: interpreted Pallas kernels would
+    time nothing a GPU runs, and compile 8 s longer."""
     from router.perf_model import PerfProfile
 
     out = tmp_path / "profile.json"
     result = _jlora(
         cli_env, "profile", "--model", "cpu-tiny", "--out", str(out), "--batches", "1,3",
         "--ranks", "4,16", "--prompt-lens", "16,32", "--repeats", "2",
-        "--lora-backend", "mbgmv", cwd=tmp_path,
+        "--lora-backend", "reference", "--kind", "mbgmv", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     profile = PerfProfile.load(out)

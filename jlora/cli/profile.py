@@ -66,13 +66,19 @@ def _ints(flag: str, text: str) -> list[int]:
     return values
 
 
+def model_kind(backend: str, kind: str | None) -> str:
+    """The performance model's form: `--kind`, else mbgmv for the mbgmv backend, else
+    bgmv."""
+    return kind or ("mbgmv" if backend == "mbgmv" else "bgmv")
+
+
 def run(args: argparse.Namespace) -> int:
     batches = _ints("--batches", args.batches)  # the flags before JAX is imported
     ranks = _ints("--ranks", args.ranks)
     prompt_lens = _ints("--prompt-lens", args.prompt_lens)
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: must be at least 1")
-    kind = args.kind or ("mbgmv" if args.lora_backend == "mbgmv" else "bgmv")
+    kind = model_kind(args.lora_backend, args.kind)
     sharding = sharding_config(args)
 
     from configs import EngineConfig
