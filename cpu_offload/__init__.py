@@ -8,7 +8,8 @@ calling process where the device is the CPU), `protocol` is the shared-memory
 control block they poll, `kernels` holds the compiled kernels: `lora_rows` (one
 product, two direct sgemm calls into strided output columns) and `lora_task` (every
 job of one worker's task in one call), `team` the calling process's helper threads
-that split a task's rows where the pool computes on threads, and `threads` the lock
+that split a task's rows where the pool computes on threads (over the raw-memory
+primitives of `native`, which jlora's FFI kernels share), and `threads` the lock
 that lets one parallel Numba kernel launch at a time in a process (jlora's FFI
 kernels on XLA's threads).
 

@@ -45,10 +45,9 @@ import weakref
 import numpy as np
 from llvmlite import binding
 from numba import carray, float32, int64, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from cpu_offload.kernels import lora_task
+from cpu_offload.native import load, pointer, store, swap_if
 
 # How long a helper stays awake after the last product: longer than the gap between
 # two products of a prefill (a layer's base projections), short beside a request.
@@ -71,66 +70,6 @@ _clock_gettime = types.ExternalFunction(
 _sched_yield = types.ExternalFunction("jlora_sched_yield", types.int32())
 
 
-def _word(context, builder, array_type, array, index):
-    """The address of array[index] (an int64[::1])."""
-    view = context.make_array(array_type)(context, builder, value=array)
-    return cgutils.gep(builder, view.data, index)
-
-
-@intrinsic
-def _load(typingctx, array, index):  # pragma: no cover - compiled
-    """array[index], an acquire load."""
-
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(_word(context, builder, sig.args[0], *args), "acquire", 8)
-
-    return types.int64(array, index), codegen
-
-
-@intrinsic
-def _store(typingctx, array, index, value):  # pragma: no cover - compiled
-    """array[index] = value, a release store."""
-
-    def codegen(context, builder, sig, args):
-        word = _word(context, builder, sig.args[0], args[0], args[1])
-        builder.store_atomic(args[2], word, "release", 8)
-        return context.get_dummy_value()
-
-    return types.none(array, index, value), codegen
-
-
-@intrinsic
-def _swap_if(typingctx, array, index, expected, value):  # pragma: no cover - compiled
-    """array[index] = value if it was `expected`, atomically: whether it was."""
-
-    def codegen(context, builder, sig, args):
-        word = _word(context, builder, sig.args[0], args[0], args[1])
-        result = builder.cmpxchg(word, args[2], args[3], "acq_rel", "acquire")
-        return builder.extract_value(result, 1)
-
-    return types.boolean(array, index, expected, value), codegen
-
-
-@intrinsic
-def _floats_at(typingctx, address):  # pragma: no cover - compiled
-    """An address as a float32 pointer, for `carray`."""
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return types.CPointer(types.float32)(address), codegen
-
-
-@intrinsic
-def _ints_at(typingctx, address):  # pragma: no cover - compiled
-    """An address as an int64 pointer, for `carray`."""
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return types.CPointer(types.int64)(address), codegen
-
-
 @njit(inline="always")
 def _now_ns(timespec):  # pragma: no cover - compiled
     _clock_gettime(_CLOCK_MONOTONIC, timespec.ctypes)
@@ -140,10 +79,10 @@ def _now_ns(timespec):  # pragma: no cover - compiled
 @njit(inline="always")
 def _share(box):  # pragma: no cover - compiled
     """The posted share's arrays, viewed where the caller's lie."""
-    arena = carray(_floats_at(box[ARENA]), (box[ARENA_LEN],))
-    x = carray(_floats_at(box[X]), (box[ROWS], box[IN]))
-    y = carray(_floats_at(box[Y]), (box[ROWS], box[Y_STRIDE]))[:, : box[Y_COLS]]
-    jobs = carray(_ints_at(box[JOBS]), (box[N_JOBS], 5))
+    arena = carray(pointer(box[ARENA]), (box[ARENA_LEN],), dtype=np.float32)
+    x = carray(pointer(box[X]), (box[ROWS], box[IN]), dtype=np.float32)
+    y = carray(pointer(box[Y]), (box[ROWS], box[Y_STRIDE]), dtype=np.float32)[:, : box[Y_COLS]]
+    jobs = carray(pointer(box[JOBS]), (box[N_JOBS], 5), dtype=np.int64)
     return arena, x, y, jobs
 
 
@@ -152,24 +91,24 @@ def _serve(box, spin_ns):  # pragma: no cover - compiled
     """A helper awake: compute each share posted in `box` until none has come for
     `spin_ns` or the team stops; how many it computed."""
     timespec = np.zeros(2, np.int64)
-    _store(box, AWAKE, 1)
+    store(box, AWAKE, 1)
     served = 0
     deadline = _now_ns(timespec) + spin_ns
-    while _load(box, STOP) == 0:
-        if _load(box, TASK) == POSTED and _swap_if(box, TASK, POSTED, CLAIMED):
+    while load(box, STOP) == 0:
+        if load(box, TASK) == POSTED and swap_if(box, TASK, POSTED, CLAIMED):
             arena, x, y, jobs = _share(box)
             lora_task(arena, x, y, jobs)
-            _store(box, TASK, DONE)
+            store(box, TASK, DONE)
             served += 1
             deadline = _now_ns(timespec) + spin_ns
-        elif _load(box, CALLER):  # a product is under way: its end starts the spin
+        elif load(box, CALLER):  # a product is under way: its end starts the spin
             deadline = _now_ns(timespec) + spin_ns
             _sched_yield()
         elif _now_ns(timespec) > deadline:
             break
         else:
             _sched_yield()  # a thread the scheduler put on this core runs first
-    _store(box, AWAKE, 0)
+    store(box, AWAKE, 0)
     return served
 
 
@@ -196,14 +135,14 @@ def _split(arena, x, y, jobs, mail, helpers):  # pragma: no cover - compiled
     posted = np.zeros(helpers, np.bool_)
     for h in range(helpers):
         box = mail[h]
-        if not _load(box, AWAKE):
+        if not load(box, AWAKE):
             continue
         start, end = _rows(rows, parts, h + 1)
         box[ARENA], box[ARENA_LEN] = arena.ctypes.data, arena.shape[0]
         box[X], box[ROWS], box[IN] = x.ctypes.data + 4 * start * fan_in, end - start, fan_in
         box[Y], box[Y_STRIDE], box[Y_COLS] = y.ctypes.data + 4 * start * stride, stride, y.shape[1]
         box[JOBS], box[N_JOBS] = jobs.ctypes.data, jobs.shape[0]
-        _store(box, TASK, POSTED)
+        store(box, TASK, POSTED)
         posted[h] = True
     for i in range(parts):
         if i == 0 or not posted[i - 1]:
@@ -214,14 +153,14 @@ def _split(arena, x, y, jobs, mail, helpers):  # pragma: no cover - compiled
         box = mail[h]
         if not posted[h]:
             continue
-        if _swap_if(box, TASK, POSTED, EMPTY):  # not started: ours
+        if swap_if(box, TASK, POSTED, EMPTY):  # not started: ours
             start, end = _rows(rows, parts, h + 1)
             lora_task(arena, x[start:end], y[start:end], jobs)
             taken_back += 1
         else:
-            while _load(box, TASK) != DONE:
+            while load(box, TASK) != DONE:
                 _sched_yield()  # the helper, if the scheduler put it on this core
-            _store(box, TASK, EMPTY)
+            store(box, TASK, EMPTY)
             helped += 1
     return helped, taken_back
 

@@ -25,9 +25,9 @@ argument's shape and dtype, so a handler trusts them.
 
 A handler that runs a parallel Numba kernel holds the process's launch lock around it
 (`cpu_offload.threads`: Numba's workqueue threads abort the process when two threads
-launch at once, as two engines in one process, or an engine's decode beside a pool of
-threads' CPU LoRA, would). A handler is compiled in each process (a copy cached on disk
-crashed the next one); the kernels it calls are cached.
+launch at once, as two engines decoding in one process would). A handler is compiled
+in each process (a copy cached on disk crashed the next one); the kernels it calls are
+cached. Addresses become pointers by `cpu_offload.native.pointer`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from numba import carray, njit, types
-from numba.extending import intrinsic
+from numba import carray, njit
+
+from cpu_offload.native import pointer
 
 ARGS, RETS = 9, 14  # words of the call frame holding the args' and rets' pointer arrays
 _STAGE, _EXECUTE = 4, 3
@@ -46,21 +47,10 @@ _METADATA = 1  # XLA_FFI_Extension_Metadata
 _API_VERSION = (0, 1)  # the FFI version handlers report
 
 
-@intrinsic
-def _pointer(typingctx, address):  # pragma: no cover - compiled
-    """The int64 `address` as a void* (what `carray` reads)."""
-    signature = types.voidptr(types.int64)
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-
-    return signature, codegen
-
-
 @njit(inline="always")
 def words(address, count):  # pragma: no cover - compiled
     """`count` int64 words from `address` (an int64; the frame itself is a void*)."""
-    return carray(_pointer(address), count, dtype=np.int64)
+    return carray(pointer(address), count, dtype=np.int64)
 
 
 @njit(inline="always")
@@ -73,9 +63,9 @@ def answered_metadata(frame):  # pragma: no cover - compiled
         base = words(extension, 4)  # struct_size, type (+ padding), next, metadata
         if base[1] & 0xFFFFFFFF == _METADATA:
             metadata = base[3]
-            version = carray(_pointer(metadata + 24), 2, dtype=np.int32)
+            version = carray(pointer(metadata + 24), 2, dtype=np.int32)
             version[0], version[1] = _API_VERSION
-            carray(_pointer(metadata + 32), 1, dtype=np.uint32)[0] = 0  # no traits
+            carray(pointer(metadata + 32), 1, dtype=np.uint32)[0] = 0  # no traits
         return True
     return header[_STAGE] & 0xFFFFFFFF != _EXECUTE
 
@@ -93,7 +83,7 @@ def buffer(frame, word, index):  # pragma: no cover - compiled
 def array_1d(frame, word, index, dtype):  # pragma: no cover - compiled
     """Argument or result `index` of 1 dim, in place."""
     data, dims = buffer(frame, word, index)
-    return carray(_pointer(data), (words(dims, 1)[0],), dtype=dtype)
+    return carray(pointer(data), (words(dims, 1)[0],), dtype=dtype)
 
 
 @njit(inline="always")
@@ -101,7 +91,7 @@ def array_2d(frame, word, index, dtype):  # pragma: no cover - compiled
     """Argument or result `index` of 2 dims, in place."""
     data, dims = buffer(frame, word, index)
     d = words(dims, 2)
-    return carray(_pointer(data), (d[0], d[1]), dtype=dtype)
+    return carray(pointer(data), (d[0], d[1]), dtype=dtype)
 
 
 @njit(inline="always")
@@ -109,7 +99,7 @@ def array_3d(frame, word, index, dtype):  # pragma: no cover - compiled
     """Argument or result `index` of 3 dims, in place."""
     data, dims = buffer(frame, word, index)
     d = words(dims, 3)
-    return carray(_pointer(data), (d[0], d[1], d[2]), dtype=dtype)
+    return carray(pointer(data), (d[0], d[1], d[2]), dtype=dtype)
 
 
 @njit(inline="always")
@@ -117,14 +107,14 @@ def array_5d(frame, word, index, dtype):  # pragma: no cover - compiled
     """Argument or result `index` of 5 dims, in place."""
     data, dims = buffer(frame, word, index)
     d = words(dims, 5)
-    return carray(_pointer(data), (d[0], d[1], d[2], d[3], d[4]), dtype=dtype)
+    return carray(pointer(data), (d[0], d[1], d[2], d[3], d[4]), dtype=dtype)
 
 
 @njit(inline="always")
 def scalar(frame, word, index, dtype):  # pragma: no cover - compiled
     """Argument or result `index`, a scalar (its dims are not read: rank 0)."""
     data, _ = buffer(frame, word, index)
-    return carray(_pointer(data), 1, dtype=dtype)[0]
+    return carray(pointer(data), 1, dtype=dtype)[0]
 
 
 @functools.cache
