@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import io
 import os
 import statistics
 import sys
@@ -57,6 +56,7 @@ import torch
 import transformers
 
 from bench import report
+from bench.baselines import hf_model
 from configs import EngineConfig, load_preset
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import build_engine
@@ -196,13 +196,7 @@ def jlora_decode(
 
 
 def load_transformers() -> torch.nn.Module:
-    path = load_preset(MODEL).weights.resolve_path()
-    transformers.utils.logging.disable_progress_bar()
-    with contextlib.redirect_stderr(io.StringIO()):  # GGUF dequantization's own tqdm bar
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    return model.eval()
+    return hf_model.model(load_preset(MODEL).weights.resolve_path())
 
 
 def transformers_prefill(model: torch.nn.Module, prompt: list[int]) -> float:

@@ -10,6 +10,8 @@ wrong RoPE frequency changes them by less than the fp32 tolerance (measured: 2e-
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,6 +393,40 @@ def test_gguf_of_our_own_making_matches_transformers_reading_it(tmp_path):
         assert_close(ours, hf_last_logits(oracle, ids), jnp.float32, np.float32, scope="model")
         # Quantization moved the weights; a permutation bug would move the logits more.
         assert np.abs(ours - hf_last_logits(hf_model, ids)).max() < 0.5
+
+
+def test_the_baselines_copy_of_transformers_reading_is_made_once_and_equals_it(
+    tmp_path, monkeypatch
+):
+    """bench.baselines.hf_model: the saved conversion holds transformers' own tensors; a
+    second load reads the copy; a changed file gets a conversion of its own. (Its
+    tokenizer is checked against jlora's in test_tokenizer.py: this file's has none that
+    transformers reads.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.baselines import hf_model
+
+    monkeypatch.setattr(hf_model, "CACHE", tmp_path / "cache")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, _save_tiny_hf(tmp_path / "hf", tie=False))
+    where = dict(pretrained_model_name_or_path=str(tmp_path), gguf_file=path.name)
+    direct = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).state_dict()
+    copy = hf_model.model(path).state_dict()
+    assert copy.keys() == direct.keys()
+    assert all(torch.equal(copy[name], direct[name]) for name in direct)
+
+    def no_conversion(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(hf_model, "_convert", no_conversion)
+    again = hf_model.model(path, torch.bfloat16).state_dict()
+    assert all(torch.equal(again[name], direct[name].bfloat16()) for name in direct)
+    first = hf_model.converted(path, "model")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    with pytest.raises(AssertionError, match="converted again"):
+        hf_model.converted(path, "model")
+    assert first.is_dir()
 
 
 def _reference_gguf(path):

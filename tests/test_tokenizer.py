@@ -18,11 +18,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm2_gguf_path):
-    from transformers import AutoTokenizer
+    from bench.baselines import hf_model
 
-    return AutoTokenizer.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name
-    )
+    return hf_model.tokenizer(smollm2_gguf_path)
 
 
 @pytest.mark.parametrize("text", TEXTS)

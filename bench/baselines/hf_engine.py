@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from bench.baselines import hf_model
 from jlora.engine.detokenizer import Detokenizer
 
 log = logging.getLogger("hf_server")
@@ -94,11 +95,9 @@ class HfEngine:
 
     def __init__(self, gguf_path: Path, adapters: dict[str, Path], dtype: torch.dtype) -> None:
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        where = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
-        base = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(**where)
+        base = hf_model.model(gguf_path, dtype)
+        self.tokenizer = hf_model.tokenizer(gguf_path)
         self.peft_names = {name: f"lora{i}" for i, name in enumerate(adapters)}
         model: Any = base
         for index, (name, path) in enumerate(adapters.items()):

@@ -7,13 +7,14 @@ would serve them.
         [--dtype float32] [--threads N]
 
 Startup: transformers loads the preset's GGUF file (dequantized to --dtype, as the
-tests' `hf_smollm2` oracle loads it) and its tokenizer from the same file; PEFT loads
+tests' `hf_smollm2` oracle loads it) and its tokenizer from the same file, through the
+machine's copy of its conversion (`bench.baselines.hf_model`); PEFT loads
 every adapter (`PeftModel.from_pretrained`, then `load_adapter`), named as `jlora serve`
 names them: each subdirectory of --adapters-dir holding an adapter_config.json under
 its directory name, then each --adapter NAME=PATH. One warm-up batch runs the base
 model and every adapter, then `hf_server listening on http://HOST:PORT` is printed on
-stdout (`LISTENING`); about 30 s on two cores, most of it transformers reading the
-GGUF file (its metadata is parsed once for the model and twice for the tokenizer).
+stdout (`LISTENING`); a few seconds on two cores, or about 30 s more the first time a
+machine reads the GGUF file.
 Routes: GET /v1/models, POST /v1/completions, GET /health (200 with the batches and
 requests run so far; 503 if the scheduler died). SIGTERM or SIGINT: every request
 still here is answered 503 (no drain) and the process exits.
