@@ -30,14 +30,6 @@ XLA_TEST_FLAGS = "--xla_backend_optimization_level=0" + (
 GIVEN_XLA_FLAGS = os.environ.setdefault("JLORA_GIVEN_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = f"{GIVEN_XLA_FLAGS} {XLA_TEST_FLAGS}".strip()
 
-# pytest-xdist's two workers share two cores. torch's OpenMP threads spin while they wait
-# for each other, and with the other worker on a core each of torch's products waits on
-# a thread that is not running: transformers' greedy decode in test_parity_hf took 130 s
-# beside one busy core with torch's two threads, 20 s with one. So a worker's torch (and
-# its subprocesses', where they do not set it) runs one thread.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 # Many tests build engines for the same model and buckets: XLA's persistent cache turns
 # every compilation after the first into a load from disk (tracing still happens, so the
 # compilation-count test sees a missing warm-up). Local to the checkout.
