@@ -419,7 +419,7 @@ def test_the_baselines_copy_of_transformers_reading_is_made_once_and_equals_it(
     def no_conversion(*args):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(hf_model, "_convert", no_conversion)
+    monkeypatch.setitem(hf_model._SAVE, "model", no_conversion)
     again = hf_model.model(path, torch.bfloat16).state_dict()
     assert all(torch.equal(again[name], direct[name].bfloat16()) for name in direct)
     first = hf_model.converted(path, "model")

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.processes import ROOT
+
 CACHE = Path(os.environ.get("JLORA_HF_CACHE", ROOT / ".cache" / "hf"))
 
 
@@ -58,26 +59,37 @@ def converted(gguf_path: Path, part: str) -> Path:
         if not target.is_dir():
             partial = target.with_name(part + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            _convert(gguf_path, part, partial)
+            _SAVE[part](gguf_path, partial)
             partial.rename(target)
     return target
 
 
-def _convert(gguf_path: Path, part: str, where_to: Path) -> None:
-    """transformers' load of the GGUF file's `part` (the model in fp32), saved to `where_to`."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _where(gguf_path: Path) -> dict[str, str]:
+    """transformers' arguments naming the GGUF file."""
+    return dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
 
-    where = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
-    if part == "tokenizer":
-        AutoTokenizer.from_pretrained(**where).save_pretrained(str(where_to))
-        return
+
+def _save_model(gguf_path: Path, where_to: Path) -> None:
+    """transformers' load of the GGUF file's model in fp32, saved to `where_to`."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
     transformers.utils.logging.disable_progress_bar()
     with contextlib.redirect_stderr(io.StringIO()):  # dequantization's tqdm bar
-        loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(**_where(gguf_path), dtype=torch.float32)
     # transformers tags a model read from GGUF as quantized and will not save it, though
     # it holds plain dequantized tensors: the tag goes, the tensors stay.
     loaded.hf_quantizer = None
     if hasattr(loaded.config, "quantization_config"):
         del loaded.config.quantization_config
     loaded.save_pretrained(str(where_to))
+
+
+def _save_tokenizer(gguf_path: Path, where_to: Path) -> None:
+    """transformers' load of the GGUF file's tokenizer, saved to `where_to`."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(**_where(gguf_path)).save_pretrained(str(where_to))
+
+
+_SAVE = {"model": _save_model, "tokenizer": _save_tokenizer}  # `converted`'s parts
