@@ -60,6 +60,27 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+def _torch_on_one_thread() -> None:
+    """In an xdist worker, torch's operations (the oracles: transformers, PEFT) run on one
+    thread. Its two OpenMP threads spin waiting for each other while the other worker
+    holds a core: the greedy HF parity test took 94 s in a cold `make test` and 12 s
+    alone. Beside each other, five oracle-heavy files under `-n 2` took 149 and 136 s
+    with two threads, 127 and 127 s with one (2026-11-29). Torch alone: setting
+    OMP_NUM_THREADS=1 for the whole worker slowed the mix (df5c93c)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _torch_on_one_thread()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    _torch_on_one_thread()  # again: the test's fixtures may have imported torch
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The default model as the CLI loads it: LoadedModel(config, params, tokenizer, source)."""
