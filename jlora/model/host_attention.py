@@ -58,14 +58,15 @@ def _pair(q, k, v, layer, tables, positions, out, job):  # pragma: no cover - co
     first = h * group
     queries = q[s, first : first + group] * scale
     weights = np.empty((group, length), np.float32)
-    for t in range(length):
-        block = min(tables[s, t // block_size], num_blocks - 1)
-        key = k[layer, block, t % block_size, h]
-        for g in range(group):
-            acc = np.float32(0.0)
-            for d in range(dim):
-                acc += queries[g, d] * key[d]
-            weights[g, t] = acc
+    for start in range(0, length, block_size):  # block by block: no division a key
+        block = min(tables[s, start // block_size], num_blocks - 1)
+        for i in range(min(block_size, length - start)):
+            key = k[layer, block, i, h]
+            for g in range(group):
+                acc = np.float32(0.0)
+                for d in range(dim):
+                    acc += queries[g, d] * key[d]
+                weights[g, start + i] = acc
     for g in range(group):
         top = weights[g, 0]
         for t in range(1, length):
@@ -77,13 +78,14 @@ def _pair(q, k, v, layer, tables, positions, out, job):  # pragma: no cover - co
         for t in range(length):
             weights[g, t] /= total
     acc_out = np.zeros((group, dim), np.float32)
-    for t in range(length):
-        block = min(tables[s, t // block_size], num_blocks - 1)
-        value = v[layer, block, t % block_size, h]
-        for g in range(group):
-            w = weights[g, t]
-            for d in range(dim):
-                acc_out[g, d] += w * value[d]
+    for start in range(0, length, block_size):
+        block = min(tables[s, start // block_size], num_blocks - 1)
+        for i in range(min(block_size, length - start)):
+            value = v[layer, block, i, h]
+            for g in range(group):
+                w = weights[g, start + i]
+                for d in range(dim):
+                    acc_out[g, d] += w * value[d]
     out[s, first : first + group] = acc_out
 
 
