@@ -410,8 +410,9 @@ def test_the_baselines_copy_of_transformers_reading_is_made_once_and_equals_it(
     monkeypatch.setattr(hf_model, "CACHE", tmp_path / "cache")
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, _save_tiny_hf(tmp_path / "hf", tie=False))
-    where = dict(pretrained_model_name_or_path=str(tmp_path), gguf_file=path.name)
-    direct = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).state_dict()
+    direct = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
     copy = hf_model.model(path).state_dict()
     assert copy.keys() == direct.keys()
     assert all(torch.equal(copy[name], direct[name]) for name in direct)
