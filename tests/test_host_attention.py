@@ -65,16 +65,18 @@ def test_each_row_attends_to_its_own_keys_in_the_scanned_layer(heads, kv_heads):
     assert_close(host, xla, np.float32, np.float32, scope="op")
 
 
-def test_the_calling_thread_and_numbas_threads_give_the_same_rows():
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_the_calling_thread_and_numbas_threads_give_the_same_rows(parts):
     """The two drivers of the kernel (`_attend` below PARALLEL_KEYS keys, `_attend_parallel`
-    from there) compute each (row, KV head) pair alike."""
+    from there, each row's 3 KV heads split into `parts` jobs, unevenly at 2) compute each
+    (row, KV head) pair alike."""
     k, v = random((2, 16, 4, 3, 16), 7), random((2, 16, 4, 3, 16), 8)
     q = random((5, 9, 16), 9)
     tables = np.arange(5 * 4, dtype=np.int32).reshape(5, 4) % 16
     positions = np.array([0, 3, 9, 15, 12], np.int32)
     serial, parallel = np.zeros_like(q), np.full_like(q, np.nan)
     host_attention._attend(q, k, v, 1, tables, positions, serial)
-    host_attention._attend_parallel(q, k, v, 1, tables, positions, parallel)
+    host_attention._attend_parallel(q, k, v, 1, tables, positions, parallel, parts)
     np.testing.assert_array_equal(parallel, serial)
     assert np.isfinite(serial).all()
 

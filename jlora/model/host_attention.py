@@ -11,8 +11,9 @@ machine; the replay in bench/results/2026-11-27-cpu-replay.md runs it).
 
 How: an XLA FFI handler (`jlora.model.ffi`: a Numba cfunc that XLA calls itself, no
 Python in between) is handed the whole cache's buffers without a copy, with the layer's
-index, inside the scan over the layers. It runs the (row, KV head) pairs on the calling
-thread, or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). Until
+index, inside the scan over the layers. It runs the rows on the calling thread, each
+with all its heads (a block's keys for every KV head lie side by side: one run of
+memory), or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). Until
 2026-11-28 it was a `buffer_callback` (Python, the GIL and a thread launch each layer,
 about 0.1-0.4 ms), which did not pay below 16 rows; through FFI it pays at any batch:
 SmolLM2 decode against transformers on 2 cores went from 2.05x / 1.77x / 1.19x to
@@ -34,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numba
 import numpy as np
 from jax.sharding import Mesh
 from numba import cfunc, njit, prange, types
@@ -44,30 +46,30 @@ from jlora.model.kv_cache import KVCache
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _pair(q, k, v, layer, tables, positions, out, job):  # pragma: no cover - compiled
-    """(Row, KV head) pair `job`: scores of its query heads against the row's keys,
-    softmax, the weighted sum of its values. q, out: f32[S, H, D]; k, v: f32[L, NB, BS,
-    KVH, D]; tables: i32[S, MB]; positions: i32[S]."""
-    heads, dim = q.shape[1], q.shape[2]
+def _heads(q, k, v, layer, tables, positions, out, s, first, last):  # pragma: no cover - compiled
+    """Row s, KV heads first..last - 1: scores of their query heads against the row's
+    keys, softmax, the weighted sum of its values. q, out: f32[S, H, D]; k, v: f32[L, NB,
+    BS, KVH, D]; tables: i32[S, MB]; positions: i32[S]. A block's keys and values for
+    all KV heads lie side by side, so a row's whole heads read each block in one run."""
+    dim = q.shape[2]
     num_blocks, block_size, kv_heads = k.shape[1], k.shape[2], k.shape[3]
-    group = heads // kv_heads
+    group = q.shape[1] // kv_heads
     scale = np.float32(1.0 / math.sqrt(dim))
-    s = job // kv_heads
-    h = job - s * kv_heads
     length = positions[s] + 1
-    first = h * group
-    queries = q[s, first : first + group] * scale
-    weights = np.empty((group, length), np.float32)
+    queries = q[s, first * group : last * group] * scale
+    heads = queries.shape[0]
+    weights = np.empty((heads, length), np.float32)
     for start in range(0, length, block_size):  # block by block: no division a key
         block = min(tables[s, start // block_size], num_blocks - 1)
         for i in range(min(block_size, length - start)):
-            key = k[layer, block, i, h]
-            for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += queries[g, d] * key[d]
-                weights[g, start + i] = acc
-    for g in range(group):
+            for h in range(first, last):
+                key = k[layer, block, i, h]
+                for g in range((h - first) * group, (h - first + 1) * group):
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += queries[g, d] * key[d]
+                    weights[g, start + i] = acc
+    for g in range(heads):
         top = weights[g, 0]
         for t in range(1, length):
             top = max(top, weights[g, t])
@@ -77,30 +79,36 @@ def _pair(q, k, v, layer, tables, positions, out, job):  # pragma: no cover - co
             total += weights[g, t]
         for t in range(length):
             weights[g, t] /= total
-    acc_out = np.zeros((group, dim), np.float32)
+    acc_out = np.zeros((heads, dim), np.float32)
     for start in range(0, length, block_size):
         block = min(tables[s, start // block_size], num_blocks - 1)
         for i in range(min(block_size, length - start)):
-            value = v[layer, block, i, h]
-            for g in range(group):
-                w = weights[g, start + i]
-                for d in range(dim):
-                    acc_out[g, d] += w * value[d]
-    out[s, first : first + group] = acc_out
+            for h in range(first, last):
+                value = v[layer, block, i, h]
+                for g in range((h - first) * group, (h - first + 1) * group):
+                    w = weights[g, start + i]
+                    for d in range(dim):
+                        acc_out[g, d] += w * value[d]
+    out[s, first * group : last * group] = acc_out
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _attend(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
-    """Every (row, KV head) pair (`_pair`) in turn, on the calling thread."""
-    for job in range(q.shape[0] * k.shape[3]):
-        _pair(q, k, v, layer, tables, positions, out, job)
+    """Every row, all its heads at once (`_heads`), in turn, on the calling thread."""
+    for s in range(q.shape[0]):
+        _heads(q, k, v, layer, tables, positions, out, s, 0, k.shape[3])
 
 
 @njit(parallel=True, fastmath=True, nogil=True, cache=True)
-def _attend_parallel(q, k, v, layer, tables, positions, out):  # pragma: no cover - compiled
-    """`_attend`, the pairs split over Numba's threads (one launch at a time: `threads.lock`)."""
-    for job in prange(q.shape[0] * k.shape[3]):
-        _pair(q, k, v, layer, tables, positions, out, job)
+def _attend_parallel(q, k, v, layer, tables, positions, out, parts):  # pragma: no cover - compiled
+    """`_attend` split over Numba's threads (one launch at a time: `threads.lock`), each
+    row's KV heads in `parts` jobs (more than one where there are fewer rows than threads)."""
+    rows, kv_heads = q.shape[0], k.shape[3]
+    for job in prange(rows * parts):
+        s = job // parts
+        part = job - s * parts
+        first = part * kv_heads // parts
+        _heads(q, k, v, layer, tables, positions, out, s, first, (part + 1) * kv_heads // parts)
 
 
 # Keys a step's rows read in all (the sum of their positions) from which the pairs run on
@@ -129,8 +137,9 @@ def _handler() -> Any:
         if positions.sum() + positions.shape[0] < PARALLEL_KEYS:
             _attend(q, k, v, layer, tables, positions, out)
         else:
+            parts = 1 if positions.shape[0] >= numba.get_num_threads() else k.shape[3]
             threads.lock()
-            _attend_parallel(q, k, v, layer, tables, positions, out)
+            _attend_parallel(q, k, v, layer, tables, positions, out, parts)
             threads.unlock()
         return 0
 
