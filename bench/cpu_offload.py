@@ -39,8 +39,11 @@ the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
    pairs doing no work (the new mechanism's floor), and copying x out and a result in
    as the real callbacks do (the callback overhead proper: the comparable figure);
    one `buffer_callback` a group doing no work (the floor of `CpuAssist.apply`, the
-   one callback a group makes where the products run on the engine's threads);
-   and `CpuAssist`'s real ops over the real pool (this path), next to its products
+   one callback a group makes where the products run on the engine's threads, until
+   it became an XLA FFI handler on 2026-11-29: jlora/engine/cpu_apply.py, whose
+   floor is a few µs a layer); and `CpuAssist`'s real ops over the real pool (this
+   path: the FFI handler on the engine's threads, the callback pairs with worker
+   processes), next to its products
    computed alone in this process on one thread, at rank 1 and 16, with the products
    on threads of this process and on worker processes. This path minus its products
    is the overhead with the hand-off included (the scan has no base projections for

@@ -116,7 +116,7 @@ class Profile:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Jobs:
+class CheckedJobs:
     """A submit's jobs checked against the arena and its output (`CpuLoraPool._jobs`),
     with what each call of them needs worked out once: a prefill makes the same calls,
     one per layer and input group, for every prompt of an adapter."""
@@ -340,7 +340,7 @@ class CpuLoraPool:
         self._lock = threading.Lock()
         self._seq = 0
         self._inflight: Ticket | None = None
-        self._checked_jobs: dict[tuple, _Jobs] = {}  # see _jobs
+        self._checked_jobs: dict[tuple, CheckedJobs] = {}  # see _jobs
 
         control = shared_memory.SharedMemory(
             name=f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(4)}",
@@ -392,6 +392,29 @@ class CpuLoraPool:
     def max_threads(self) -> int:
         """The most threads a submit can have: the caller's, or the workers."""
         return self.local_threads or self.num_workers
+
+    @property
+    def arena(self) -> np.ndarray:
+        """The arena as float32 words, where the jobs' offsets point."""
+        return self._floats
+
+    @property
+    def team(self) -> Team:
+        """The calling process's threads (`local_threads`; one, the caller, without)."""
+        return self._team
+
+    def check(
+        self,
+        jobs: Sequence[LoraJob],
+        in_features: int,
+        *,
+        columns: Sequence[int] | None = None,
+        out_total: int | None = None,
+    ) -> CheckedJobs:
+        """A submit's jobs checked as `submit` checks them (ValueError naming the field),
+        with what its calls need: the kernel's job rows, the columns no job writes, the
+        work a token takes."""
+        return self._jobs(tuple(jobs), in_features, columns, out_total)
 
     def threads_for(self, rows: int, in_features: int, rank: int, out_features: int) -> int:
         """How many threads a product of this shape needs to finish in ~target_ms."""
@@ -548,7 +571,7 @@ class CpuLoraPool:
         columns: Sequence[int] | None,
         out_total: int | None,
         threads: int | None,
-    ) -> tuple[_Jobs, int, int]:
+    ) -> tuple[CheckedJobs, int, int]:
         """A submit's (or run's) arguments, checked: (its jobs, its rows, the threads it
         gets, at most one per row)."""
         rows, in_features = self._check_input(x)
@@ -569,7 +592,7 @@ class CpuLoraPool:
         in_features: int,
         columns: Sequence[int] | None,
         out_total: int | None,
-    ) -> _Jobs:
+    ) -> CheckedJobs:
         """The jobs of a submit, checked, or found among those checked before (about
         15 µs of Python a call less, a fifth of a small product on this project's CPU)."""
         key: tuple | None = (
@@ -587,7 +610,7 @@ class CpuLoraPool:
         self._check_jobs(jobs, in_features)
         columns, out_total, gaps = self._check_columns(jobs, columns, out_total)
         whole = Task(0, 0, in_features, out_total, jobs, columns)
-        checked = _Jobs(
+        checked = CheckedJobs(
             whole,
             gaps,
             sum(2 * job.rank * (in_features + job.out_features) for job in jobs),

@@ -13,8 +13,9 @@ rank 64, 1.07x and more at ranks 8 and 16 (`2026-11-29-cpu-team.md`).
 A `Team` keeps N - 1 helper threads. A helper that has computed a share stays awake,
 in compiled code polling its mailbox (no GIL), while a caller is computing and for
 `spin_s` after, so the next product of a prefill, a layer later, finds it awake; then
-it sleeps on an Event. Its poll yields the core (`sched_yield`) to any other thread
-the scheduler runs there. The caller never waits for a helper that has not started:
+it sleeps on a POSIX semaphore. Its poll yields the core (`sched_yield`) to any other
+thread the scheduler runs there. The caller never waits for a helper that has not
+started:
 
 - a helper that is asleep gets no share: the caller wakes it, for the next product,
   and computes without it (one woken now would start late, and the caller would wait
@@ -33,6 +34,10 @@ and the share's arrays as addresses and shapes, which the helper views in place
 its product alone. Each row range is computed by the same one-thread kernel whoever
 computes it, so a product's bits depend on how many threads it was split for, not on
 which took each share.
+
+The caller's side is compiled too (`run_team`: the team's words, the posts, the
+wake-ups by `sem_post`), so a step's FFI handler, which runs no Python, uses the team
+as `Team.run` does (jlora/engine/cpu_apply.py).
 """
 
 from __future__ import annotations
@@ -55,19 +60,27 @@ TEAM_SPIN_S = 1e-3
 
 # A mailbox: the task's state, whether the helper is awake, whether the team stops,
 # whether a caller is computing and on which core it woke the helper; the share.
-(TASK, AWAKE, STOP, CALLER, CALLER_CPU) = range(5)
-(ARENA, ARENA_LEN, X, ROWS, IN, Y, Y_STRIDE, Y_COLS, JOBS, N_JOBS) = range(6, 16)
-BOX = 16  # int64 words a mailbox takes: 128 bytes, two cache lines (`_mailboxes`)
+# A mailbox: the task's state, whether the helper is awake, whether the team stops,
+# whether a caller is computing and on which core it woke the helper, whether a wake-up
+# is pending and the address of the helper's semaphore; the share.
+(TASK, AWAKE, STOP, CALLER, CALLER_CPU, WAKE) = range(6)
+(ARENA, ARENA_LEN, X, ROWS, IN, Y, Y_STRIDE, Y_COLS, JOBS, N_JOBS, SEM) = range(6, 17)
+BOX = 24  # int64 words a mailbox takes: 192 bytes, three cache lines (`_mailboxes`)
 EMPTY, POSTED, CLAIMED, DONE = range(4)
+# The team's own words: whether a caller has it, and the counts `Team` reports.
+(BUSY, HELPED, TAKEN_BACK) = range(3)
+_SEM_BYTES = 64  # room for a sem_t (32 bytes on Linux)
 
 _CLOCK_MONOTONIC = 1  # Linux's
 _LIBC = ctypes.CDLL(None)
-for _name in ("clock_gettime", "sched_yield"):
+for _name in ("clock_gettime", "sched_yield", "sched_getcpu", "sem_post"):
     binding.add_symbol(f"jlora_{_name}", ctypes.cast(getattr(_LIBC, _name), ctypes.c_void_p).value)
 _clock_gettime = types.ExternalFunction(
     "jlora_clock_gettime", types.int32(types.int32, types.voidptr)
 )
 _sched_yield = types.ExternalFunction("jlora_sched_yield", types.int32())
+_sched_getcpu = types.ExternalFunction("jlora_sched_getcpu", types.int32())
+_sem_post = types.ExternalFunction("jlora_sem_post", types.int32(types.voidptr))
 
 
 @njit(inline="always")
@@ -165,13 +178,73 @@ def _split(arena, x, y, jobs, mail, helpers):  # pragma: no cover - compiled
     return helped, taken_back
 
 
+@njit(inline="always")
+def _wake(box):  # pragma: no cover - compiled
+    """Wake the helper of `box` (asleep) for the next product: once, whoever calls."""
+    box[CALLER_CPU] = _sched_getcpu()
+    if swap_if(box, WAKE, 0, 1):
+        _sem_post(pointer(box[SEM]))
+
+
+@njit(inline="always")
+def _alone(arena, x, y, jobs, helpers):  # pragma: no cover - compiled
+    """`_split`'s row ranges for `helpers`, every one computed here: the same bits."""
+    if helpers < 1:
+        lora_task(arena, x, y, jobs)
+    else:
+        _split(arena, x, y, jobs, np.zeros((helpers, BOX), np.int64), helpers)
+
+
+@njit(
+    types.void(
+        float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64[:, ::1], int64[::1],
+        int64,
+    ),
+    nogil=True,
+    cache=True,
+)  # fmt: skip
+def run_team(arena, x, y, jobs, mail, team, threads):  # pragma: no cover - compiled
+    """`lora_task(arena, x, y, jobs)` in min(threads, helpers + 1, rows) row ranges
+    (`_rows`), with the helpers of `mail` that are awake (none where another caller has
+    the team: `team`'s BUSY word); those asleep are woken for the next product. Compiled,
+    so that Python (`Team.run`) and a step's FFI handler (no Python there) call the same
+    code."""
+    helpers = min(threads, mail.shape[0] + 1, x.shape[0]) - 1
+    if helpers < 1 or not swap_if(team, BUSY, 0, 1):
+        _alone(arena, x, y, jobs, helpers)
+        return
+    for h in range(helpers):
+        store(mail[h], CALLER, 1)
+    for h in range(helpers):
+        if not load(mail[h], AWAKE):
+            _wake(mail[h])
+    helped, taken_back = _split(arena, x, y, jobs, mail, helpers)
+    team[HELPED] += helped
+    team[TAKEN_BACK] += taken_back
+    for h in range(helpers):
+        store(mail[h], CALLER, 0)
+    store(team, BUSY, 0)
+
+
+@njit(
+    types.void(float32[::1], float32[:, ::1], float32[:, :], int64[:, ::1], int64),
+    nogil=True,
+    cache=True,
+)
+def run_alone(arena, x, y, jobs, helpers):  # pragma: no cover - compiled
+    _alone(arena, x, y, jobs, helpers)
+
+
 class Team:
     """The calling thread and `threads - 1` helpers, splitting `lora_task`'s rows.
 
-    run:        `lora_task(arena, x, y, jobs)` over up to `threads` threads.
+    run:        `lora_task(arena, x, y, jobs)` over up to `threads` threads (`run_team`).
     helped:     row ranges the helpers computed; taken_back: ranges the caller posted
                 to a helper, found unclaimed and computed itself.
-    close(): stops the helpers (also when the team is collected).
+    mail, words: the helpers' mailboxes and the team's words, for `run_team` (a
+                compiled caller holds the team while it uses them).
+    close(): stops the helpers (also when the team is collected); a later `run`
+    computes every range on the calling thread.
     """
 
     def __init__(self, threads: int, spin_s: float = TEAM_SPIN_S) -> None:
@@ -179,15 +252,18 @@ class Team:
             raise ValueError(f"threads={threads!r} must be an int >= 1")
         self.threads = threads
         self.spin_ns = int(spin_s * 1e9)
-        self.helped = self.taken_back = 0
-        self._mail = _mailboxes(threads - 1)
-        self._nobody = np.zeros_like(self._mail)  # mailboxes no helper reads: none awake
-        self._wake = [threading.Event() for _ in range(threads - 1)]
-        self._busy = threading.Lock()
+        self.mail = _mailboxes(threads - 1)
+        self.words = np.zeros(8, np.int64)
+        self._sems = ctypes.create_string_buffer(_SEM_BYTES * max(threads - 1, 1))
+        for h in range(threads - 1):
+            sem = ctypes.addressof(self._sems) + h * _SEM_BYTES
+            if _LIBC.sem_init(ctypes.c_void_p(sem), 0, 0) != 0:
+                raise OSError("sem_init failed")
+            self.mail[h, SEM] = sem
         helpers = [
             threading.Thread(
                 target=_helper,
-                args=(self._mail[h], self._wake[h], self.spin_ns),
+                args=(self.mail[h], self.spin_ns),
                 name=f"jlora-lora-helper-{h + 1}",
                 daemon=True,
             )
@@ -195,7 +271,15 @@ class Team:
         ]
         for helper in helpers:
             helper.start()
-        self._finalizer = weakref.finalize(self, _stop, self._mail, self._wake, helpers)
+        self._finalizer = weakref.finalize(self, _stop, self.mail, self._sems, helpers)
+
+    @property
+    def helped(self) -> int:
+        return int(self.words[HELPED])
+
+    @property
+    def taken_back(self) -> int:
+        return int(self.words[TAKEN_BACK])
 
     def run(
         self, arena: np.ndarray, x: np.ndarray, y: np.ndarray, jobs: np.ndarray, threads: int
@@ -203,26 +287,11 @@ class Team:
         """Every row of x (f32[rows, in], C-ordered) through every job (`Task.job_rows`)
         into y (f32[rows, out], unit column stride), in min(threads, rows) row ranges
         (`_rows`), on as many threads as helpers are awake (none where another caller
-        has the team)."""
-        helpers = min(threads, self.threads, x.shape[0]) - 1
-        if helpers < 1:
-            lora_task(arena, x, y, jobs)
-            return
-        if not self._busy.acquire(blocking=False):  # every range here: the same bits
-            _split(arena, x, y, jobs, self._nobody[:helpers], helpers)
-            return
-        self._mail[:helpers, CALLER] = 1
-        try:
-            for h in range(helpers):  # a helper asleep is woken for the next product
-                if not self._mail[h, AWAKE]:
-                    self._mail[h, CALLER_CPU] = _LIBC.sched_getcpu()
-                    self._wake[h].set()
-            helped, taken_back = _split(arena, x, y, jobs, self._mail, helpers)
-            self.helped += helped
-            self.taken_back += taken_back
-        finally:
-            self._mail[:helpers, CALLER] = 0
-            self._busy.release()
+        has the team, or once it is closed)."""
+        if self._finalizer.alive:
+            run_team(arena, x, y, jobs, self.mail, self.words, threads)
+        else:
+            run_alone(arena, x, y, jobs, min(threads, self.threads, x.shape[0]) - 1)
 
     def close(self) -> None:
         self._finalizer()
@@ -236,23 +305,28 @@ def _mailboxes(count: int) -> np.ndarray:
     return flat[skip : skip + count * BOX].reshape(count, BOX)
 
 
-def _helper(box: np.ndarray, wake: threading.Event, spin_ns: int) -> None:
-    """A helper thread: sleep until woken, then serve until idle for spin_ns."""
+def _helper(box: np.ndarray, spin_ns: int) -> None:
+    """A helper thread: sleep on its semaphore until woken (ctypes lets the GIL go
+    meanwhile), then serve until idle for spin_ns."""
     cores = os.sched_getaffinity(0)
+    sem = ctypes.c_void_p(int(box[SEM]))
     while True:
-        wake.wait()
-        wake.clear()
+        while _LIBC.sem_wait(sem) != 0:  # EINTR: a signal, not a wake-up
+            pass
         if box[STOP]:
             return
+        box[WAKE] = 0  # a caller from now on wakes it again, at worst once too often
         others = cores - {int(box[CALLER_CPU])}
         if others:
             os.sched_setaffinity(0, others)
         _serve(box, spin_ns)
 
 
-def _stop(mail: np.ndarray, wake: list[threading.Event], helpers: list[threading.Thread]) -> None:
+def _stop(mail: np.ndarray, sems: ctypes.Array, helpers: list[threading.Thread]) -> None:
     mail[:, STOP] = 1
-    for event in wake:
-        event.set()
+    for box in mail:
+        _LIBC.sem_post(ctypes.c_void_p(int(box[SEM])))
     for helper in helpers:
         helper.join()
+    for box in mail:
+        _LIBC.sem_destroy(ctypes.c_void_p(int(box[SEM])))

@@ -116,13 +116,14 @@ def _route_switch(engine):
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["submit-collect", "apply"])
-@pytest.mark.parametrize("in_place", [True, False], ids=["buffer-callback", "io-callback"])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "io-callback"])
 def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_place, threads):
     """The jitted ops alone, for every adapter, input group and a first and a last
     layer: the real rows' x·A·B in the columns of the projections the adapter adapts,
     zeros in the others' columns and in the padding rows; a group the adapter leaves
     alone makes no hand-off (the collect is skipped on the device) and adds zeros. Both
-    kinds of callback: in place (the CPU's) and with host copies (an accelerator's);
+    kinds of callback: in place (the CPU's: buffer_callbacks, and for `apply` an FFI
+    handler, jlora/engine/cpu_apply.py) and with host copies (an accelerator's);
     both paths: a submit and a collect around the base projections (worker
     processes), and one `apply` (threads of this process, where nothing overlaps)."""
     shapes = target_shapes(tiny.config)
@@ -290,8 +291,8 @@ def test_a_worker_killed_mid_prefill_loses_nothing_and_is_respawned(tiny, adapte
 
 
 def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, device_only):
-    """The pool itself breaks inside a prefill's callback (beyond a dead worker, which it
-    recovers): that request ends with an error, its KV blocks freed; the engine's device
+    """The pool itself breaks inside a prefill (beyond a dead worker, which it recovers):
+    that request ends with an error, its KV blocks freed; the engine's device
     state is intact, so the other requests and the next one get the device-only tokens."""
     prompts = _prompts([25, 9, 14])
     rows = ["all-r12", None, "qv-r4"]
@@ -309,14 +310,16 @@ def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, d
 
             return call
 
-        pool.collect, pool.run = once_broken(pool.collect), once_broken(pool.run)
+        pool.collect, pool.check = once_broken(pool.collect), once_broken(pool.check)
         for i, (ids, adapter) in enumerate(zip(prompts, rows, strict=True)):
             engine.add_request(Request(f"r{i}", ids, GREEDY, adapter=adapter))
         events: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished:
             for event in engine.step():
                 events[event.request_id].append(event)
-        assert broken == ["run"]  # on a CPU the products run on the engine's threads
+        # On a CPU the products run on the engine's threads, from a plan the pool checks
+        # once a prefill (jlora/engine/cpu_apply.py).
+        assert broken == ["check"]
         [failed] = events["r0"]  # the first assisted prefill met the broken pool
         assert failed.finish_reason == "error" and failed.error.reason == "CPU_ASSIST_FAILED"
         assert "control block is gone" in failed.error.message

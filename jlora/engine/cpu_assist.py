@@ -32,8 +32,10 @@ the products run on threads of the engine's process instead (`threads`, EngineCo
 `cpu_lora`): nothing overlaps there, and the processes' copies and hand-offs only
 cost. On one device a group then makes one callback, `apply` (the model calls it
 when `overlapped` is false), which computes the products from x where it lies in the
-device's buffer straight into its output buffer (`CpuLoraPool.run`): no copy, half the
-callbacks. The callbacks are unordered
+device's buffer straight into its output buffer: no copy, half the callbacks. On the
+CPU backend `apply` is an XLA FFI handler, no Python in the step (cpu_apply.py: the
+prefill's plan is made and checked in `begin`); elsewhere a callback that calls
+`CpuLoraPool.run`. The callbacks are unordered
 (no token threaded through the scan): the data already orders them (the base
 projections take h from an optimization barrier with the ticket, the collect takes
 the ticket from one with their outputs, and the next group's input depends on this
@@ -43,7 +45,9 @@ group's output). Measured per CPU-routed layer at 128 tokens on SmolLM2, 2-core 
 2026-11-22); the whole path, hand-off to the workers included, 0.75-1.3 ms beyond the
 products, where the previous one paid about 5 ms. With one `apply` a group on the
 engine's threads (bench/results/2026-11-27-cpu-offload-apply.md): 0.22-0.28 ms beyond
-the products, everything included.
+the products, everything included; on the Intel VM of 2026-11-29, 0.65-0.72 ms as a
+`buffer_callback`, 0.15-0.34 ms as the FFI handler
+(bench/results/2026-11-29-cpu-intel-offload-ffi.md).
 
 On a mesh (tensor parallel) every shard makes both callbacks, in the same order, on
 threads of its own. Shard 0's submit hands the whole input to the workers (a
@@ -83,6 +87,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from cpu_offload import CpuLoraPool, LoraJob, Ticket
 from jlora.adapters.store import StoredAdapter
 from jlora.adapters.targets import INPUT_GROUPS
+from jlora.engine.cpu_apply import CpuApply
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +164,13 @@ class CpuAssist:
             max_out=max(self.widths),
             hang_after=hang_after,
         )
-        self.handoffs = 0  # submits (or runs) that reached the pool
+        self._handoffs = 0  # submits (or Python runs) that reached the pool
         self.in_place = jax.default_backend() == "cpu"  # see _host_op
         # Threads of this process compute the products at the collect anyway, so on one
-        # device a group makes one callback (`apply`) instead of a submit and a collect.
+        # device a group makes one callback (`apply`) instead of a submit and a collect:
+        # where it is `in_place`, an FFI handler (cpu_apply.py).
         self.overlapped = not threads or self.shards.size > 1
+        self._ffi = None if self.overlapped else CpuApply(self.pool)
         self._adapter: StoredAdapter | None = None
         self._plan: list[list[_Placement]] = []
         self._ticket: Ticket | None = None  # in flight (shard 0's last submit)
@@ -209,9 +216,32 @@ class CpuAssist:
                     )
                 column += self.shapes[name][1]
             self._plan.append(placements)
+        if self._ffi is not None:
+            try:
+                self._ffi.set(
+                    [self._group_at_layer_0(group) for group in range(len(self.held))],
+                    adapter.num_layers,
+                    adapter.layer_stride,
+                )
+            except Exception as err:  # never into the compiled step: see the module docstring
+                self._failed("begin", err)
+
+    def _group_at_layer_0(self, group: int) -> tuple[list[LoraJob], list[int], int, int] | None:
+        """(jobs, columns, width, fan-in) of a group the adapter adapts, at layer 0."""
+        if not self._plan[group]:
+            return None
+        jobs, columns = self.layer_jobs(group, 0)
+        return jobs, columns, self.widths[group], self.shapes[self.held[group][0]][0]
 
     def end(self) -> None:
         self._adapter, self._plan, self._ticket = None, [], None
+        if self._ffi is not None:
+            self._ffi.clear()
+
+    @property
+    def handoffs(self) -> int:
+        """Submits, or applies, that reached the pool (or the team)."""
+        return self._handoffs + (0 if self._ffi is None else self._ffi.calls)
 
     # -- the jitted side (CpuLora) -------------------------------------------------
 
@@ -251,6 +281,8 @@ class CpuAssist:
     ) -> jax.Array:
         """Steps 1 to 3 in one callback, traced, where nothing overlaps the products
         (`overlapped` is false): `collect`'s result from `submit`'s arguments."""
+        if self._ffi is not None and self.in_place:
+            return self._ffi.call(group, layer, x, length, shape)
         call = self._host_op(
             partial(self._apply_host, group), jax.ShapeDtypeStruct(shape, jnp.float32)
         )
@@ -314,7 +346,7 @@ class CpuAssist:
         self._ticket = self.pool.submit(
             x[: int(np.asarray(length))], jobs, columns=columns, out_total=self.widths[group]
         )
-        self.handoffs += 1
+        self._handoffs += 1
         return self._ticket
 
     def _collect_host(self, group: int, ctx: Any, out: Any, shard: Any, ticket: Any) -> None:
@@ -370,7 +402,7 @@ class CpuAssist:
                     out_total=self.widths[group], out=buffer,
                 )  # fmt: skip
                 filled = rows
-                self.handoffs += 1
+                self._handoffs += 1
             except Exception as err:  # never into the compiled step: see the module docstring
                 self._failed("run", err)
         buffer[filled:] = 0.0
@@ -428,9 +460,13 @@ class CpuAssist:
         jitted function (a submit/collect pair, or one apply where not `overlapped`):
         the callback and hand-off overhead a CPU-routed input group pays."""
         assert self.shapes, "no projections"
+        assert self._adapter is None, "measure_handoff_s during a prefill"
         result = jax.ShapeDtypeStruct((1, max(self.widths)), jnp.float32)
+        ffi = self._ffi if self.in_place else None
 
         def group(x):
+            if ffi is not None:
+                return ffi.call(0, jnp.int32(0), x, jnp.int32(1), result.shape)
             if not self.overlapped:
                 return self._host_op(self._probe_run, result)(x)
             ticket = self._host_op(self._probe_submit, jax.ShapeDtypeStruct((), jnp.int32))(x)
@@ -438,12 +474,19 @@ class CpuAssist:
 
         probe = jax.jit(group)
         x = jnp.zeros((1, 8), jnp.float32)
-        jax.block_until_ready(probe(x))
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        if ffi is not None:  # the probe's job in group 0's plan, for its calls only
+            calls = ffi.calls
+            ffi.set([([_PROBE_JOB], [0], result.shape[1], 8)], 1, 0)
+        try:
             jax.block_until_ready(probe(x))
-            samples.append(time.perf_counter() - start)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(probe(x))
+                samples.append(time.perf_counter() - start)
+        finally:
+            if ffi is not None:
+                ffi.clear(calls)
         return float(np.median(samples))
 
     def _probe_submit(self, ctx: Any, flag: Any, x: Any) -> None:
@@ -460,4 +503,6 @@ class CpuAssist:
         np.asarray(out)[...] = 0.0
 
     def close(self) -> None:
+        if self._ffi is not None:
+            self._ffi.clear()  # a step called after this writes zeros, touching no team
         self.pool.close()
