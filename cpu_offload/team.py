@@ -59,8 +59,6 @@ from cpu_offload.native import load, pointer, store, swap_if
 TEAM_SPIN_S = 1e-3
 
 # A mailbox: the task's state, whether the helper is awake, whether the team stops,
-# whether a caller is computing and on which core it woke the helper; the share.
-# A mailbox: the task's state, whether the helper is awake, whether the team stops,
 # whether a caller is computing and on which core it woke the helper, whether a wake-up
 # is pending and the address of the helper's semaphore; the share.
 (TASK, AWAKE, STOP, CALLER, CALLER_CPU, WAKE) = range(6)
@@ -69,6 +67,7 @@ BOX = 24  # int64 words a mailbox takes: 192 bytes, three cache lines (`_mailbox
 EMPTY, POSTED, CLAIMED, DONE = range(4)
 # The team's own words: whether a caller has it, and the counts `Team` reports.
 (BUSY, HELPED, TAKEN_BACK) = range(3)
+TEAM_WORDS = 8
 _SEM_BYTES = 64  # room for a sem_t (32 bytes on Linux)
 
 _CLOCK_MONOTONIC = 1  # Linux's
@@ -232,6 +231,7 @@ def run_team(arena, x, y, jobs, mail, team, threads):  # pragma: no cover - comp
     cache=True,
 )
 def run_alone(arena, x, y, jobs, helpers):  # pragma: no cover - compiled
+    """`_alone`, for a closed team's `run`."""
     _alone(arena, x, y, jobs, helpers)
 
 
@@ -253,7 +253,7 @@ class Team:
         self.threads = threads
         self.spin_ns = int(spin_s * 1e9)
         self.mail = _mailboxes(threads - 1)
-        self.words = np.zeros(8, np.int64)
+        self.words = np.zeros(TEAM_WORDS, np.int64)
         self._sems = ctypes.create_string_buffer(_SEM_BYTES * max(threads - 1, 1))
         for h in range(threads - 1):
             sem = ctypes.addressof(self._sems) + h * _SEM_BYTES

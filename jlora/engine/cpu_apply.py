@@ -40,7 +40,8 @@ from numba import carray, cfunc, njit, types
 
 from cpu_offload import CpuLoraPool, LoraJob
 from cpu_offload.native import pointer
-from cpu_offload.team import BOX, run_team
+from cpu_offload.protocol import JOB_WORDS
+from cpu_offload.team import BOX, TEAM_WORDS, run_team
 from jlora.adapters.targets import INPUT_GROUPS
 from jlora.model import ffi
 
@@ -50,7 +51,7 @@ from jlora.model import ffi
 HEADER = 10
 MAX_JOBS, MAX_GAPS = 3, 4  # an input group's projections (q, k, v), and the gaps around them
 (N_JOBS, FLOPS_PER_TOKEN, JOBS) = range(3)
-N_GAPS = JOBS + 5 * MAX_JOBS
+N_GAPS = JOBS + JOB_WORDS * MAX_JOBS
 GAPS = N_GAPS + 1
 GROUP_WORDS = GAPS + 2 * MAX_GAPS
 PLAN_WORDS = HEADER + len(INPUT_GROUPS) * GROUP_WORDS
@@ -64,11 +65,11 @@ def _apply(plan, group, x, rows, layer, out):  # pragma: no cover - compiled
     if plan[ACTIVE] == 0 or words[N_JOBS] == 0:
         out[:] = 0.0
         return
-    jobs = np.empty((words[N_JOBS], 5), np.int64)
+    jobs = np.empty((words[N_JOBS], JOB_WORDS), np.int64)
     shift = layer * plan[LAYER_STRIDE]
     for j in range(words[N_JOBS]):
-        for w in range(5):
-            jobs[j, w] = words[JOBS + 5 * j + w]
+        for w in range(JOB_WORDS):
+            jobs[j, w] = words[JOBS + JOB_WORDS * j + w]
         jobs[j, 0] += shift
         jobs[j, 1] += shift
     arena = carray(pointer(plan[ARENA]), (plan[ARENA_FLOATS],), dtype=np.float32)
@@ -76,7 +77,7 @@ def _apply(plan, group, x, rows, layer, out):  # pragma: no cover - compiled
     wanted = int(math.ceil(rows * words[FLOPS_PER_TOKEN] / max(per_thread, 1e-9)))
     threads = max(1, min(wanted, plan[MAX_THREADS]))
     mail = carray(pointer(plan[MAIL]), (plan[HELPERS], BOX), dtype=np.int64)
-    team = carray(pointer(plan[TEAM]), 8, dtype=np.int64)
+    team = carray(pointer(plan[TEAM]), TEAM_WORDS, dtype=np.int64)
     run_team(arena, x[:rows], out[:rows], jobs, mail, team, threads)
     for g in range(words[N_GAPS]):
         out[:rows, words[GAPS + 2 * g] : words[GAPS + 2 * g + 1]] = 0.0
@@ -158,7 +159,7 @@ class CpuApply:
                 raise ValueError(f"jobs={len(jobs)}: an input group has at most {MAX_JOBS}")
             row = words[group]
             row[N_JOBS], row[FLOPS_PER_TOKEN] = len(jobs), checked.flops_per_token
-            row[JOBS : JOBS + 5 * len(jobs)] = checked.job_rows.ravel()
+            row[JOBS : JOBS + JOB_WORDS * len(jobs)] = checked.job_rows.ravel()
             row[N_GAPS] = len(checked.gaps)
             row[GAPS : GAPS + 2 * len(checked.gaps)] = np.ravel(checked.gaps)
         self.plan[HEADER:] = words.ravel()
