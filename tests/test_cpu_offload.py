@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, lora_rows, lora_task
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, kernels, lora_rows, lora_task
 from cpu_offload import team as team_module
 from cpu_offload.protocol import DONE
 from cpu_offload.team import Team
@@ -151,6 +151,22 @@ def test_kernel_writes_strided_columns_in_place(rows, rank):
     lora_rows(x, a, b, out[:, 5:581])
     np.testing.assert_allclose(out[:, 5:581], _reference(x, a, b), rtol=0, atol=ATOL)
     assert (out[:, :5] == 9).all() and (out[:, 581:] == 9).all()
+
+
+@pytest.mark.parametrize("rank", [1, 16])
+def test_kernel_writes_a_wide_output_block_by_block(rank):
+    """300 rows of 1536 columns: the second product runs in blocks of 32 rows
+    (`kernels.OUT_BLOCK_BYTES`), the last of 12, straight into columns 3..1539 of a
+    wider buffer; every row is right and nothing around the columns is touched."""
+    assert kernels.OUT_BLOCK_BYTES // (4 * 1536) == 32 >= 2 * rank
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((300, 576), np.float32)
+    a = rng.standard_normal((576, rank), np.float32) / np.float32(np.sqrt(576))
+    b = rng.standard_normal((rank, 1536), np.float32) / np.float32(np.sqrt(rank))
+    out = np.full((300, 1545), 9.0, np.float32)
+    lora_rows(x, a, b, out[:, 3:1539])
+    np.testing.assert_allclose(out[:, 3:1539], _reference(x, a, b), rtol=0, atol=ATOL)
+    assert (out[:, :3] == 9).all() and (out[:, 1539:] == 9).all()
 
 
 def test_kernel_refuses_an_output_that_is_not_whole_rows():
