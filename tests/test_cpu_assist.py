@@ -175,6 +175,38 @@ def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_plac
         store.close()
 
 
+def test_a_plan_whose_last_layer_leaves_the_arena_fails_its_prefill_and_adds_zeros(tiny, adapters):
+    """On one CPU device `begin` checks the prefill's jobs at the first and the last layer
+    (jlora/engine/cpu_apply.py): an adapter whose layers would run past the arena is
+    refused before any product, the error names the field, and the FFI handler then
+    writes zeros; the next prefill, of a sound adapter, gets its products."""
+    shapes = target_shapes(tiny.config)
+    store = HostStore(tiny.config, 8 << 20)
+    cpu = CpuAssist(store.arena.name, shapes, workers=1, threads=True, max_rows=32)
+    try:
+        store.register("all-r12", adapters["all-r12"])
+        stored = store.get("all-r12")
+        apply = jax.jit(
+            lambda x: cpu.apply(
+                0, jnp.int32(0), jnp.int32(1), x, jnp.int32(32), (32, cpu.widths[0])
+            )
+        )
+        x = np.random.default_rng(4).standard_normal((32, shapes["q_proj"][0]), np.float32)
+        cpu.begin(dataclasses.replace(stored, layer_stride=store.arena.capacity))
+        assert "a_offset" in str(cpu.failure) and "inside the arena" in str(cpu.failure)
+        assert (np.asarray(apply(x)) == 0).all()
+        cpu.end()
+        cpu.begin(stored)
+        assert cpu.failure is None
+        a, b = (w[1].astype(np.float64) for w in store.tensors("all-r12")["q_proj"])
+        got = np.asarray(apply(x))[:, : shapes["q_proj"][1]]
+        assert_close(got, x @ a @ b, "float32", "float32", scope="op")
+        cpu.end()
+    finally:
+        cpu.close()
+        store.close()
+
+
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
 def test_cpu_assisted_tokens_equal_device_only_with_routing_switching_mid_prefill(
     tiny, adapters, device_only, layer_loop
