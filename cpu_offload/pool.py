@@ -420,10 +420,15 @@ class CpuLoraPool:
         """How many threads a product of this shape needs to finish in ~target_ms."""
         return self.threads_for_flops(rows, 2 * rank * (in_features + out_features))
 
+    @property
+    def flops_per_thread(self) -> float:
+        """The work one thread does in ~target_ms, by the start-up profile."""
+        return self.profile.tokens_per_ms * self.profile.flops_per_token * self.target_ms
+
     def threads_for_flops(self, rows: int, flops_per_token: int) -> int:
-        """How many threads `rows` tokens of `flops_per_token` need for ~target_ms."""
-        per_ms = self.profile.tokens_per_ms * self.profile.flops_per_token / flops_per_token
-        wanted = math.ceil(rows / max(per_ms * self.target_ms, 1e-9))
+        """How many threads `rows` tokens of `flops_per_token` need for ~target_ms (the
+        FFI path's handler computes the same from `flops_per_thread`)."""
+        wanted = math.ceil(rows * flops_per_token / max(self.flops_per_thread, 1e-9))
         return max(1, min(wanted, self.max_threads))
 
     def submit(

@@ -73,7 +73,7 @@ def _apply(plan, group, x, rows, layer, out):  # pragma: no cover - compiled
         jobs[j, 0] += shift
         jobs[j, 1] += shift
     arena = carray(pointer(plan[ARENA]), (plan[ARENA_FLOATS],), dtype=np.float32)
-    per_thread = plan.view(np.float64)[FLOPS_PER_THREAD]  # CpuLoraPool.threads_for_flops
+    per_thread = plan.view(np.float64)[FLOPS_PER_THREAD]  # as CpuLoraPool.threads_for_flops
     wanted = int(math.ceil(rows * words[FLOPS_PER_TOKEN] / max(per_thread, 1e-9)))
     threads = max(1, min(wanted, plan[MAX_THREADS]))
     mail = carray(pointer(plan[MAIL]), (plan[HELPERS], BOX), dtype=np.int64)
@@ -124,9 +124,7 @@ class CpuApply:
         self.plan[ARENA], self.plan[ARENA_FLOATS] = arena.ctypes.data, arena.shape[0]
         self.plan[MAIL], self.plan[HELPERS] = team.mail.ctypes.data, team.mail.shape[0]
         self.plan[TEAM], self.plan[MAX_THREADS] = team.words.ctypes.data, pool.max_threads
-        profile = pool.profile
-        per_thread = profile.tokens_per_ms * profile.flops_per_token * pool.target_ms
-        self.plan.view(np.float64)[FLOPS_PER_THREAD] = per_thread
+        self.plan.view(np.float64)[FLOPS_PER_THREAD] = pool.flops_per_thread
         address = self.plan.ctypes.data
         self._address = (address & 0xFFFFFFFF, address >> 32)
 
@@ -145,7 +143,7 @@ class CpuApply:
         self.clear()
         words = np.zeros((len(INPUT_GROUPS), GROUP_WORDS), np.int64)
         for group, planned in enumerate(groups):  # groups left out: none planned
-            if not planned or not planned[0]:
+            if planned is None:
                 continue
             jobs, columns, width, fan_in = planned
             shift = (layers - 1) * layer_stride
