@@ -111,16 +111,39 @@ def blas_core() -> str:
 
 _NO_TRANSPOSE, _TRANSPOSE = 78, 84  # ord("N"), ord("T")
 
-# The second product, xa @ B, in blocks of rows whose output takes about this many bytes.
-# OpenBLAS's sgemm with beta = 0 first zeroes all of C in a pass of its own, then reads
-# and writes it again: over a whole output larger than the core's L2 (3 MiB at 512 rows
-# of 1536 columns) those are passes over memory; block by block they stay in the cache.
-# Each call repacks B (rank x out), so blocks are only taken where they hold at least
-# twice the rank's rows (`_row_block`). On the Intel VM of 2026-11-29, one thread
-# (bench.cpu_offload, against torch's x @ A @ B on MKL): 512 x 16 x 1536 548 -> 364 µs
-# (torch 361, 359), 512 x 8 x 1536 462 -> 348 (343, 352), 128 x 16 x 1536 129 -> 90 (127,
-# 119), 512 x 16 x 576 279 -> 246 (250, 249); the outputs were equal bit for bit.
-OUT_BLOCK_BYTES = 192 << 10
+# OpenBLAS's SkylakeX kernels, which its Cooperlake and SapphireRapids cores run too,
+# take a path of their own for a small product: a non-transposed sgemm of at most 100^3
+# multiply-adds (m * n * k) runs without packing A and B into panels first (its
+# `sgemm_small_kernel_permit_skylakex.c`). Both of the kernel's products are long in
+# rows and short in the rest (x @ A: rank x in a row; xa @ B: out x rank), so they are
+# made in blocks of rows that each take that path (`rows_per_call`), of at most 256 KiB
+# of output: past that the path slows down (xa @ B at rank 8 into 1536 columns, 512
+# rows: 189 µs in blocks of 40 rows, 199 of 56, 280 of 64; 286 in one call). On the
+# Intel VM of 2026-11-29, one thread, 512 rows (median µs, one call -> blocks; torch's
+# MKL): x @ A 576 -> 16 101 -> 68 (77), 1536 -> 16 330 -> 231 (250), 576 -> 64 276 ->
+# 222 (228); xa @ B 64 -> 576 258 -> 210 (232), 16 -> 1536 320 -> 208 (213). Other
+# cores have no such path: with OPENBLAS_CORETYPE=Haswell every block size was slower
+# than one call (16 -> 1536 in 32-row blocks: 380 -> 496 µs), so there each product is
+# one call. (The 192 KiB output blocks this replaces sped up the SkylakeX shapes they
+# met for this reason, not the one their comment gave.)
+SMALL_PRODUCT_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
+SMALL_PRODUCT_MADDS = 100**3
+SMALL_PRODUCT_OUT_BYTES = 256 << 10
+_ROW_ALIGN = 8  # 10-row blocks ran 5-15% slower than 8-row ones (rank 64, 1536 wide)
+_MIN_ROWS = 16  # blocks of 8 (rank 64 into 1536 columns) were as often slower as faster
+_CORE = blas_core()  # OPENBLAS_CORETYPE is read once, when OpenBLAS loads
+
+
+def rows_per_call(width: int, depth: int, core: str | None = None) -> int:
+    """Rows per sgemm call of a product whose row is `width` outputs of `depth`
+    multiply-adds each, on OpenBLAS's `core` (this process's, by default): the most, a
+    multiple of 8, that keep a call on the small-product path; 0 (all rows in one call)
+    where the core has no such path or not even 16 rows fit."""
+    if (core or _CORE) not in SMALL_PRODUCT_CORES:
+        return 0
+    rows = min(SMALL_PRODUCT_MADDS // max(width * depth, 1), SMALL_PRODUCT_OUT_BYTES // (4 * width))
+    rows = rows // _ROW_ALIGN * _ROW_ALIGN
+    return rows if rows >= _MIN_ROWS else 0
 
 
 @njit(inline="always")
@@ -138,16 +161,19 @@ def sgemm(transpose_a, m, n, k, a, lda, b, ldb, beta, c, ldc):  # pragma: no cov
 
 
 @njit(inline="always")
-def _row_block(rows, rank, n_out):  # pragma: no cover - compiled
-    """Rows of xa @ B a call computes: OUT_BLOCK_BYTES of output, unless that is fewer
-    than twice the rank's rows (then repacking B each block costs more than it saves)."""
-    block = OUT_BLOCK_BYTES // (4 * n_out)
-    return block if block >= 2 * rank else rows
+def _in_blocks(transpose_a, m, n, k, a, lda, b, ldb, c, ldc, rows):  # pragma: no cover
+    """sgemm(transpose_a, m, n, k, ...) with beta 0 as calls of `rows` columns of C (rows
+    of the row-major product) each; all at once where `rows` is 0."""
+    step = rows if rows > 0 else max(n, 1)
+    for start in range(0, n, step):
+        width = min(step, n - start)
+        sgemm(transpose_a, m, width, k, a, lda, b[start:], ldb, 0.0, c[start:], ldc)
 
 
 @njit(cache=True, nogil=True)
-def _product(x, a, b, out):  # pragma: no cover - compiled
-    """out = (x @ a) @ b, with out's row stride as BLAS's leading dimension.
+def _product(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
+    """out = (x @ a) @ b, with out's row stride as BLAS's leading dimension, each product
+    in calls of `x_rows` and `out_rows` rows (`rows_per_call`; 0: one call).
 
     Row-major P [m, n] is column-major P^T, so x @ a is sgemm(m=rank, n=rows, k=in,
     A=a, B=x) and xa @ b is sgemm(m=out_features, n=rows, k=rank, A=b, B=xa, C=out).
@@ -162,19 +188,20 @@ def _product(x, a, b, out):  # pragma: no cover - compiled
         raise ValueError("lora_rows: out must have unit column stride and whole rows")
     ldc = out.strides[0] // 4 if rows > 1 else n_out
     xa = np.empty((rows, rank), np.float32)  # [rows, rank]
-    sgemm(False, rank, rows, fan_in, a, rank, x, fan_in, 0.0, xa, rank)
-    block = _row_block(rows, rank, n_out)
-    for start in range(0, rows, block):
-        end = min(start + block, rows)
-        sgemm(False, n_out, end - start, rank, b, n_out, xa[start:end], rank, 0.0, out[start:], ldc)
+    _in_blocks(False, rank, rows, fan_in, a, rank, x, fan_in, xa, rank, x_rows)
+    _in_blocks(False, n_out, rows, rank, b, n_out, xa, rank, out, ldc, out_rows)
 
 
 @njit(
-    void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, :]),
+    void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, :], int64, int64),
     cache=True,
     nogil=True,
 )
-def lora_rows(x, a, b, out):  # pragma: no cover - compiled
+def _lora_rows(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
+    _product(x, a, b, out, x_rows, out_rows)
+
+
+def lora_rows(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """Semantics: out[t] = (x[t] @ a) @ b for every row t (overwrites out).
 
     x:   f32[rows, in], C-contiguous (a row range of the input region)
@@ -183,20 +210,22 @@ def lora_rows(x, a, b, out):  # pragma: no cover - compiled
     out: f32[rows, out_features], unit column stride, any row stride (columns of the
          output region)
 
-    x @ a is rounded to fp32 before @ b, as the device kernels round it to x.dtype.
+    x @ a is rounded to fp32 before @ b, as the device kernels round it to x.dtype. Each
+    product is made in calls of `rows_per_call` rows, as `lora_task` makes it.
     """
-    _product(x, a, b, out)
+    fan_in, rank = a.shape
+    _lora_rows(x, a, b, out, rows_per_call(rank, fan_in), rows_per_call(b.shape[1], rank))
 
 
 @njit(cache=True, nogil=True)
 def _job(arena, jobs, j, fan_in):  # pragma: no cover - compiled
-    """Job j of a task: its A [in, rank] and B [rank, out] (views of the arena) and the
-    first of its output columns."""
+    """Job j of a task: its A [in, rank] and B [rank, out] (views of the arena), the
+    first of its output columns, and its products' rows per sgemm call."""
     a_start, b_start = jobs[j, 0] // 4, jobs[j, 1] // 4
     rank, n_out = jobs[j, 2], jobs[j, 3]
     a = arena[a_start : a_start + fan_in * rank].reshape((fan_in, rank))
     b = arena[b_start : b_start + rank * n_out].reshape((rank, n_out))
-    return a, b, jobs[j, 4]
+    return a, b, jobs[j, 4], jobs[j, 5], jobs[j, 6]
 
 
 @njit(
@@ -211,9 +240,11 @@ def lora_task(arena, x, y, jobs):  # pragma: no cover - compiled
     x:     f32[rows, in], C-contiguous: the task's rows of the input region
     y:     f32[rows, out_total], unit column stride: the same rows of the output
            region (`protocol.out_stride` apart); columns no job covers are left untouched
-    jobs:  i64[n_jobs, 5]: a_offset, b_offset (bytes into the arena, multiples
-           of 4: A [in, rank] and B [rank, out] row-major), rank, out_features, out_column
+    jobs:  i64[n_jobs, protocol.JOB_WORDS]: a_offset, b_offset (bytes into the arena,
+           multiples of 4: A [in, rank] and B [rank, out] row-major), rank, out_features,
+           out_column, and the rows per sgemm call of x @ A and of xa @ B
+           (`rows_per_call`; 0: one call)
     """
     for j in range(jobs.shape[0]):
-        a, b, column = _job(arena, jobs, j, x.shape[1])
-        _product(x, a, b, y[:, column : column + b.shape[1]])
+        a, b, column, x_rows, out_rows = _job(arena, jobs, j, x.shape[1])
+        _product(x, a, b, y[:, column : column + b.shape[1]], x_rows, out_rows)

@@ -26,8 +26,9 @@ one writer:
                       took; whoever raises it to a task's number computes that task
     word 24  task descriptor, written by the coordinator only, before REQUEST:
              row_start, row_end, in_features, out_total, n_jobs, then from word 32
-             per job: a_offset, b_offset, rank, out_features, out_column (the
-             `kernels.lora_task` job row, which the worker passes in place)
+             per job: a_offset, b_offset, rank, out_features, out_column, and the
+             rows per sgemm call of its two products (the `kernels.lora_task` job
+             row, which the worker passes in place)
 
 a_offset and b_offset are byte offsets into the arena of A [in, rank] and
 B [rank, out] (float32, row-major, scaling folded into B: the host store's layout).
@@ -89,8 +90,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cpu_offload.kernels import rows_per_call
+
 MAGIC = 0x4A4C4F5241435055  # "JLORACPU"
-VERSION = 2  # 2: each job's out_column honoured, CLAIMED, padded output rows
+VERSION = 3  # 2: out_column, CLAIMED, padded output rows; 3: rows per sgemm call
 HEADER_WORDS = 8
 SLOT_WORDS = 128
 MAX_JOBS = 8
@@ -103,7 +106,8 @@ READY = 16
 CLAIMED = 96
 ROW_START, ROW_END, IN_FEATURES, OUT_TOTAL, N_JOBS = 24, 25, 26, 27, 28
 JOBS = 32
-JOB_WORDS = 5
+JOB_WORDS = 7  # `kernels.lora_task`'s job row
+assert JOBS + JOB_WORDS * MAX_JOBS <= CLAIMED, "a slot's job rows reach CLAIMED"
 
 SHM_DIR = Path("/dev/shm")
 ALIAS_PAD = 16  # floats (one cache line) added to an output row whose bytes are 2 KiB multiples
@@ -148,12 +152,21 @@ class Task:
     columns: tuple[int, ...]
 
     def job_rows(self) -> np.ndarray:
-        """i64[n_jobs, JOB_WORDS]: the descriptor's job rows (`kernels.lora_task`'s jobs)."""
+        """i64[n_jobs, JOB_WORDS]: the descriptor's job rows (`kernels.lora_task`'s jobs),
+        with this process's OpenBLAS's rows per call of each product."""
         return np.array(
             [
-                [job.a_offset, job.b_offset, job.rank, job.out_features, column]
+                [
+                    job.a_offset,
+                    job.b_offset,
+                    job.rank,
+                    job.out_features,
+                    column,
+                    rows_per_call(job.rank, self.in_features),
+                    rows_per_call(job.out_features, job.rank),
+                ]
                 for job, column in zip(self.jobs, self.columns, strict=True)
-            ],
+            ],  # fmt: skip
             np.int64,
         ).reshape(len(self.jobs), JOB_WORDS)
 

@@ -53,6 +53,7 @@ from numba import carray, float32, int64, njit, types
 
 from cpu_offload.kernels import lora_task
 from cpu_offload.native import load, pointer, store, swap_if
+from cpu_offload.protocol import JOB_WORDS
 
 # How long a helper stays awake after the last product: longer than the gap between
 # two products of a prefill (a layer's base projections), short beside a request.
@@ -94,7 +95,7 @@ def _share(box):  # pragma: no cover - compiled
     arena = carray(pointer(box[ARENA]), (box[ARENA_LEN],), dtype=np.float32)
     x = carray(pointer(box[X]), (box[ROWS], box[IN]), dtype=np.float32)
     y = carray(pointer(box[Y]), (box[ROWS], box[Y_STRIDE]), dtype=np.float32)[:, : box[Y_COLS]]
-    jobs = carray(pointer(box[JOBS]), (box[N_JOBS], 5), dtype=np.int64)
+    jobs = carray(pointer(box[JOBS]), (box[N_JOBS], JOB_WORDS), dtype=np.int64)
     return arena, x, y, jobs
 
 

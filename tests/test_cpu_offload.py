@@ -21,7 +21,7 @@ import pytest
 
 from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, kernels, lora_rows, lora_task
 from cpu_offload import team as team_module
-from cpu_offload.protocol import DONE
+from cpu_offload.protocol import DONE, Task
 from cpu_offload.team import Team
 
 ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
@@ -153,20 +153,37 @@ def test_kernel_writes_strided_columns_in_place(rows, rank):
     assert (out[:, :5] == 9).all() and (out[:, 581:] == 9).all()
 
 
-@pytest.mark.parametrize("rank", [1, 16])
-def test_kernel_writes_a_wide_output_block_by_block(rank):
-    """300 rows of 1536 columns: the second product runs in blocks of 32 rows
-    (`kernels.OUT_BLOCK_BYTES`), the last of 12, straight into columns 3..1539 of a
-    wider buffer; every row is right and nothing around the columns is touched."""
-    assert kernels.OUT_BLOCK_BYTES // (4 * 1536) == 32 >= 2 * rank
-    rng = np.random.default_rng(rank)
+@pytest.mark.parametrize("rows_per_call", [(0, 0), (8, 32), (16, 8)], ids=str)
+def test_task_kernel_makes_each_product_in_calls_of_the_rows_its_job_gives(rows_per_call):
+    """300 rows of a rank-16 product into 1536 columns (3..1539 of a wider output):
+    whatever rows per sgemm call the job row gives each product (0: one call; else
+    blocks, the last one short), every row is right and nothing around is touched."""
+    rng = np.random.default_rng(len(rows_per_call))
+    a = rng.standard_normal((576, 16), np.float32) / np.float32(np.sqrt(576))
+    b = rng.standard_normal((16, 1536), np.float32) / np.float32(4)
+    arena = np.concatenate([a.ravel(), b.ravel()])
+    jobs = np.array([[0, 4 * a.size, 16, 1536, 3, *rows_per_call]], np.int64)
     x = rng.standard_normal((300, 576), np.float32)
-    a = rng.standard_normal((576, rank), np.float32) / np.float32(np.sqrt(576))
-    b = rng.standard_normal((rank, 1536), np.float32) / np.float32(np.sqrt(rank))
     out = np.full((300, 1545), 9.0, np.float32)
-    lora_rows(x, a, b, out[:, 3:1539])
+    lora_task(arena, x, out, jobs)
     np.testing.assert_allclose(out[:, 3:1539], _reference(x, a, b), rtol=0, atol=ATOL)
     assert (out[:, :3] == 9).all() and (out[:, 1539:] == 9).all()
+
+
+def test_rows_per_call_keeps_each_call_on_openblas_small_product_path():
+    """On a core with OpenBLAS's small-product kernels, the most rows, a multiple of 8,
+    whose call takes at most 100^3 multiply-adds and writes at most 256 KiB; elsewhere
+    (or under 16 rows) one call."""
+    cases = {  # (width, depth): rows
+        (64, 576): 24, (64, 1536): 0, (16, 576): 104, (8, 192): 648, (64, 4096): 0,
+        (1536, 8): 40, (576, 8): 112, (1536, 64): 0, (1, 1): 65536,
+    }  # fmt: skip
+    for (width, depth), rows in cases.items():
+        assert kernels.rows_per_call(width, depth, "SkylakeX") == rows, (width, depth)
+        assert rows * width * depth <= kernels.SMALL_PRODUCT_MADDS
+        assert 4 * rows * width <= kernels.SMALL_PRODUCT_OUT_BYTES
+    for core in ("Haswell", "Zen", "unknown"):
+        assert kernels.rows_per_call(16, 576, core) == 0
 
 
 def test_kernel_refuses_an_output_that_is_not_whole_rows():
@@ -195,9 +212,10 @@ def test_blas_core_names_the_kernels_openblas_was_told_to_run(core):
 
 def test_task_kernel_hand_made_two_jobs_into_their_columns():
     # arena (floats): A0 = [[1], [2]] at 0, B0 = [[3, 4]] at 2, A1 = [[1], [-1]] at 4,
-    # B1 = [[5]] at 6; job rows in bytes: (a_offset, b_offset, rank, out, column).
+    # B1 = [[5]] at 6; job rows in bytes: (a_offset, b_offset, rank, out, column), then
+    # rows per sgemm call of each product (job 0: one row a call; job 1: all in one).
     arena = np.array([1, 2, 3, 4, 1, -1, 5, 0], np.float32)
-    jobs = np.array([[0, 8, 1, 2, 3], [16, 24, 1, 1, 0]], np.int64)
+    jobs = np.array([[0, 8, 1, 2, 3, 1, 1], [16, 24, 1, 1, 0, 0, 0]], np.int64)
     x = np.array([[1, 1], [2, 0]], np.float32)
     y = np.full((2, 6), 7.0, np.float32)
     lora_task(arena, x, y, jobs)
@@ -211,15 +229,8 @@ def test_task_kernel_matches_numpy_on_the_arena_layout(arena):
     floats = np.frombuffer(arena.shm.buf, np.float32)
     x = _x(21, 64, seed=5)
     targets, columns = ("q", "k", "v"), (100, 0, 40)
-    jobs = np.array(
-        [
-            [job.a_offset, job.b_offset, job.rank, job.out_features, column]
-            for (_, _, job), column in zip(
-                (arena.weights[1, t] for t in targets), columns, strict=True
-            )
-        ],
-        np.int64,
-    )
+    task = Task(0, 21, 64, 170, tuple(arena.weights[1, t][2] for t in targets), columns)
+    jobs = task.job_rows()
     y = np.full((21, 170), np.nan, np.float32)
     lora_task(floats, x, y, jobs)
     del floats
@@ -492,10 +503,7 @@ def _two_jobs(arena):
     the jobs' rows (`Task.job_rows`), and the float64 product of x."""
     floats = np.frombuffer(arena.shm.buf, np.float32)
     chosen = ((arena.weights[0, "q"], 0), (arena.weights[0, "k"], 70))
-    jobs = np.array(
-        [[j.a_offset, j.b_offset, j.rank, j.out_features, column] for (_, _, j), column in chosen],
-        np.int64,
-    )
+    jobs = Task(0, 0, 64, 110, tuple(j for (_, _, j), _ in chosen), (0, 70)).job_rows()
 
     def expected(x):
         product = np.zeros((x.shape[0], 110))
