@@ -1,4 +1,4 @@
-"""The CPU LoRA kernel: x @ A @ B for a range of rows, fp32, as two direct BLAS sgemm calls.
+"""The CPU LoRA kernel: x @ A @ B for a range of rows, fp32, as two direct BLAS products.
 
 One call runs on one core: parallelism comes from the pool, which gives each worker
 process its own rows (CaraServe §4.2, profiling-guided parallelization: one process
@@ -170,7 +170,11 @@ def _in_blocks(transpose_a, m, n, k, a, lda, b, ldb, c, ldc, rows):  # pragma: n
         sgemm(transpose_a, m, width, k, a, lda, b[start:], ldb, 0.0, c[start:], ldc)
 
 
-@njit(cache=True, nogil=True)
+@njit(
+    void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, :], int64, int64),
+    cache=True,
+    nogil=True,
+)
 def _product(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
     """out = (x @ a) @ b, with out's row stride as BLAS's leading dimension, each product
     in calls of `x_rows` and `out_rows` rows (`rows_per_call`; 0: one call).
@@ -192,15 +196,6 @@ def _product(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
     _in_blocks(False, n_out, rows, rank, b, n_out, xa, rank, out, ldc, out_rows)
 
 
-@njit(
-    void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, :], int64, int64),
-    cache=True,
-    nogil=True,
-)
-def _lora_rows(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
-    _product(x, a, b, out, x_rows, out_rows)
-
-
 def lora_rows(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """Semantics: out[t] = (x[t] @ a) @ b for every row t (overwrites out).
 
@@ -214,7 +209,7 @@ def lora_rows(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> N
     product is made in calls of `rows_per_call` rows, as `lora_task` makes it.
     """
     fan_in, rank = a.shape
-    _lora_rows(x, a, b, out, rows_per_call(rank, fan_in), rows_per_call(b.shape[1], rank))
+    _product(x, a, b, out, rows_per_call(rank, fan_in), rows_per_call(b.shape[1], rank))
 
 
 @njit(cache=True, nogil=True)
