@@ -134,16 +134,27 @@ _MIN_ROWS = 16  # blocks of 8 (rank 64 into 1536 columns) were as often slower a
 _CORE = blas_core()  # OPENBLAS_CORETYPE is read once, when OpenBLAS loads
 
 
-def rows_per_call(width: int, depth: int, core: str | None = None) -> int:
-    """Rows per sgemm call of a product whose row is `width` outputs of `depth`
-    multiply-adds each, on OpenBLAS's `core` (this process's, by default): the most, a
-    multiple of 8, that keep a call on the small-product path; 0 (all rows in one call)
-    where the core has no such path or not even 16 rows fit."""
-    if (core or _CORE) not in SMALL_PRODUCT_CORES:
-        return 0
+@njit(int64(int64, int64), cache=True)
+def block_rows(width, depth):  # pragma: no cover - compiled
+    """Rows per sgemm call on the small-product path, for a product whose row is `width`
+    outputs of `depth` multiply-adds each: the most, a multiple of 8, within 100^3
+    multiply-adds and 256 KiB of output a call; 0 (all rows in one call) where not even
+    16 rows fit."""
     rows = min(SMALL_PRODUCT_MADDS // max(width * depth, 1), SMALL_PRODUCT_OUT_BYTES // (4 * width))
     rows = rows // _ROW_ALIGN * _ROW_ALIGN
     return rows if rows >= _MIN_ROWS else 0
+
+
+def small_product_path(core: str | None = None) -> bool:
+    """Whether OpenBLAS's `core` (this process's, by default) has the small-product path."""
+    return (core or _CORE) in SMALL_PRODUCT_CORES
+
+
+def rows_per_call(width: int, depth: int, core: str | None = None) -> int:
+    """Rows per sgemm call of a product whose row is `width` outputs of `depth`
+    multiply-adds each, on OpenBLAS's `core` (this process's, by default): `block_rows`
+    where the core has the small-product path, else 0 (one call)."""
+    return block_rows(width, depth) if small_product_path(core) else 0
 
 
 @njit(inline="always")
@@ -161,13 +172,13 @@ def sgemm(transpose_a, m, n, k, a, lda, b, ldb, beta, c, ldc):  # pragma: no cov
 
 
 @njit(inline="always")
-def _in_blocks(transpose_a, m, n, k, a, lda, b, ldb, c, ldc, rows):  # pragma: no cover
-    """sgemm(transpose_a, m, n, k, ...) with beta 0 as calls of `rows` columns of C (rows
-    of the row-major product) each; all at once where `rows` is 0."""
+def sgemm_blocks(m, n, k, a, lda, b, ldb, beta, c, ldc, rows):  # pragma: no cover - compiled
+    """sgemm(False, m, n, k, ...) as calls of `rows` columns of C (rows of the row-major
+    product) each; all at once where `rows` is 0."""
     step = rows if rows > 0 else max(n, 1)
     for start in range(0, n, step):
         width = min(step, n - start)
-        sgemm(transpose_a, m, width, k, a, lda, b[start:], ldb, 0.0, c[start:], ldc)
+        sgemm(False, m, width, k, a, lda, b[start:], ldb, beta, c[start:], ldc)
 
 
 @njit(
@@ -192,8 +203,8 @@ def _product(x, a, b, out, x_rows, out_rows):  # pragma: no cover - compiled
         raise ValueError("lora_rows: out must have unit column stride and whole rows")
     ldc = out.strides[0] // 4 if rows > 1 else n_out
     xa = np.empty((rows, rank), np.float32)  # [rows, rank]
-    _in_blocks(False, rank, rows, fan_in, a, rank, x, fan_in, xa, rank, x_rows)
-    _in_blocks(False, n_out, rows, rank, b, n_out, xa, rank, out, ldc, out_rows)
+    sgemm_blocks(rank, rows, fan_in, a, rank, x, fan_in, 0.0, xa, rank, x_rows)
+    sgemm_blocks(n_out, rows, rank, b, n_out, xa, rank, 0.0, out, ldc, out_rows)
 
 
 def lora_rows(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -14,7 +14,8 @@ import pytest
 
 from configs import ConfigError
 from configs.engine import LORA_BACKENDS
-from jlora.adapters.backends import BACKENDS, Segments, layer_group, make_backend
+from cpu_offload.kernels import block_rows
+from jlora.adapters.backends import BACKENDS, Segments, host_sgmv, layer_group, make_backend
 from jlora.adapters.backends.pallas import PagePool, kernel_rank_dim
 from jlora.model.kv_cache import KVCache
 from tests.kernel_cases import assert_untouched
@@ -225,6 +226,38 @@ def _prefill_forms(backend):
             yield "the host kernel"
         finally:
             backend.__dict__.pop("on_host", None)
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["one-call", "blocks"])
+def test_the_host_sgmv_kernel_makes_long_segments_right_in_blocks_or_in_one_call(blocks):
+    """host_sgmv's kernel on segments long enough for several sgemm calls where it makes
+    its products in blocks (rank 16 from 576 inputs: 104 rows a call; into 1536 outputs:
+    40), against numpy: each adapted segment's rows get y + x @ A @ B, the others keep y,
+    whether or not this machine's OpenBLAS has the small-product path the blocks are for."""
+    rng = np.random.default_rng(7)
+    fan_in, fan_out, layer = 576, 1536, 1
+    k, v = (rng.standard_normal((2, 100, 4, 4, 64), np.float32) for _ in range(2))  # 1024 a page
+    starts = np.array([0, 250, 260, 400, 403], np.int32)
+    rank = np.array([16, 0, 3, 16], np.int32)
+    table = rng.permutation(100)[: 4 * 24].reshape(4, 24).astype(np.int32)
+    x = rng.standard_normal((420, fan_in), np.float32)  # rows from 403 on are padding
+    y = rng.standard_normal((420, fan_out), np.float32)
+    expected = y.copy()
+    for g, r in enumerate(rank):
+        a = rng.standard_normal((fan_in, r), np.float32) / np.float32(np.sqrt(fan_in))
+        b = rng.standard_normal((r, fan_out), np.float32) / np.float32(max(r, 1))
+        for half, flat in ((k, a.T.ravel()), (v, b.ravel())):  # as the pooled backend lays them
+            pages = half[layer].reshape(100, -1)
+            for p in range(-(-flat.size // 1024)):
+                chunk = flat[p * 1024 : (p + 1) * 1024]
+                pages[table[g, p], : chunk.size] = chunk
+        rows = slice(starts[g], starts[g + 1])
+        expected[rows] += (x[rows].astype(np.float64) @ a @ b).astype(np.float32)
+    out = np.empty_like(y)
+    host_sgmv.sgmv_pages(x, y, k, v, table, rank, starts, np.int32(layer), out, blocks)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    assert (out[403:] == y[403:]).all() and (out[250:260] == y[250:260]).all()
+    assert block_rows(16, fan_in) == 104 and block_rows(fan_out, 16) == 40
 
 
 def _rows(form: str):

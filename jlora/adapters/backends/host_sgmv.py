@@ -12,8 +12,15 @@ still on the pages, 1.32-1.38x.
 
 This kernel copies a segment's rank rows out of its pages once (A^T [r, in] and B
 [r, out], only up to the adapter's own rank: 37-98 KB each for SmolLM2 at rank 16) and
-runs the segment's two products as two OpenBLAS sgemm calls (cpu_offload's
-`kernels.sgemm`) on the XLA thread that calls it, y's rows added in the second.
+runs the segment's two products as OpenBLAS sgemm calls (cpu_offload's `kernels.sgemm`)
+on the XLA thread that calls it, y's rows added in the second. On the cores with
+OpenBLAS's small-product path, a product of more rows than one call of that path takes
+is made in blocks of rows that each take it (`kernels.block_rows`, as the CPU LoRA
+kernel makes its products). The path wants A untransposed, so x @ A then first
+transposes the copy of A^T: worth it only for more than one block. On the Intel VM of
+2026-11-29, one thread, four segments of 128 rows: 1.07-1.20x as fast at rank 16 on
+each SmolLM2 target, 1.01-1.10x at rank 64; segments of 16-32 rows as before
+(bench/results/2026-11-29-cpu-intel-issue17-4.md).
 OpenBLAS runs on one thread in such a process (`kernels.one_blas_thread`): its helper
 threads would spin on the cores XLA's threads use.
 
@@ -32,7 +39,7 @@ import jax
 import numpy as np
 from numba import cfunc, njit, types
 
-from cpu_offload.kernels import one_blas_thread, sgemm
+from cpu_offload.kernels import block_rows, one_blas_thread, sgemm, sgemm_blocks, small_product_path
 from jlora.adapters.backends.host_bgmv import page_span
 from jlora.model import ffi
 
@@ -48,10 +55,11 @@ def _copy_rows(pool, base, table, g, half, dest):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def sgmv_pages(x, y, k, v, table, rank, starts, layer, out):  # pragma: no cover - compiled
+def sgmv_pages(x, y, k, v, table, rank, starts, layer, out, blocks):  # pragma: no cover
     """x: f32[T, in]; y, out: f32[T, out]; k, v: the cache's halves, f32[L, NB, ...];
     table: i32[G, M], each segment's pages; rank: i32[G] (0: its rows keep y);
-    starts: i32[G + 1]; layer: i32."""
+    starts: i32[G + 1]; layer: i32; blocks: whether each product is made in blocks of
+    `block_rows` rows (`kernels.small_product_path()`) rather than in one call."""
     rows, fan_in = x.shape
     fan_out = y.shape[1]
     num_blocks = k.shape[1]
@@ -63,13 +71,19 @@ def sgmv_pages(x, y, k, v, table, rank, starts, layer, out):  # pragma: no cover
         r, first, end = rank[g], min(starts[g], rows), min(starts[g + 1], rows)
         if r <= 0 or end <= first:
             continue
-        a_t = np.empty((r, fan_in), np.float32)  # row-major A^T: column-major A [in, r]
+        a_t = np.empty((r, fan_in), np.float32)  # as the pages hold it
         b = np.empty((r, fan_out), np.float32)
         _copy_rows(keys, base, table, g, half, a_t.reshape(-1))
         _copy_rows(values, base, table, g, half, b.reshape(-1))
-        xa = np.empty((end - first, r), np.float32)
-        sgemm(True, r, end - first, fan_in, a_t, fan_in, x[first:end], fan_in, 0.0, xa, r)
-        sgemm(False, fan_out, end - first, r, b, fan_out, xa, r, 1.0, out[first:end], fan_out)
+        n, xa = end - first, np.empty((end - first, r), np.float32)
+        x_rows = block_rows(r, fan_in) if blocks else 0
+        if 0 < x_rows < n:  # several blocks: worth transposing A (the module docstring)
+            a = np.ascontiguousarray(a_t.T)
+            sgemm_blocks(r, n, fan_in, a, r, x[first:end], fan_in, 0.0, xa, r, x_rows)
+        else:
+            sgemm(True, r, n, fan_in, a_t, fan_in, x[first:end], fan_in, 0.0, xa, r)
+        out_rows = block_rows(fan_out, r) if blocks else 0
+        sgemm_blocks(fan_out, n, r, b, fan_out, xa, r, 1.0, out[first:end], fan_out, out_rows)
 
 
 _TARGET = "jlora_sgmv_pages"
@@ -81,6 +95,7 @@ def _handler() -> Any:
     table, rank, starts, layer; result out. OpenBLAS gets one thread in the process
     first (the module docstring)."""
     one_blas_thread()
+    blocks = small_product_path()  # a constant of this process's handler
 
     @cfunc(types.int64(types.voidptr))
     def handle(frame):  # pragma: no cover - compiled
@@ -97,6 +112,7 @@ def _handler() -> Any:
             ffi.array_1d(frame, a, 6, np.int32),
             ffi.scalar(frame, a, 7, np.int32),
             ffi.array_2d(frame, ffi.RETS, 0, np.float32),
+            blocks,
         )
         return 0
 
