@@ -18,9 +18,9 @@ OpenBLAS's small-product path, a product of more rows than one call of that path
 is made in blocks of rows that each take it (`kernels.block_rows`, as the CPU LoRA
 kernel makes its products). The path wants A untransposed, so x @ A then first
 transposes the copy of A^T: worth it only for more than one block. On the Intel VM of
-2026-11-29, one thread, four segments of 128 rows: 1.07-1.20x as fast at rank 16 on
-each SmolLM2 target, 1.01-1.10x at rank 64; segments of 16-32 rows as before
-(bench/results/2026-11-29-cpu-intel-issue17-4.md).
+2026-11-29, one thread, four segments of 128 rows: 1.06-1.21x as fast at rank 16 on
+each SmolLM2 target, 0.93-1.08x (the noise) at rank 64; a segment of one block makes the
+same calls as before (bench/results/2026-11-29-cpu-intel-issue17-4.md).
 OpenBLAS runs on one thread in such a process (`kernels.one_blas_thread`): its helper
 threads would spin on the cores XLA's threads use.
 
