@@ -75,13 +75,14 @@ def sgmv_pages(x, y, k, v, table, rank, starts, layer, out, blocks):  # pragma: 
         b = np.empty((r, fan_out), np.float32)
         _copy_rows(keys, base, table, g, half, a_t.reshape(-1))
         _copy_rows(values, base, table, g, half, b.reshape(-1))
-        n, xa = end - first, np.empty((end - first, r), np.float32)
+        n, xs = end - first, x[first:end]
+        xa = np.empty((n, r), np.float32)
         x_rows = block_rows(r, fan_in) if blocks else 0
         if 0 < x_rows < n:  # several blocks: worth transposing A (the module docstring)
             a = np.ascontiguousarray(a_t.T)
-            sgemm_blocks(r, n, fan_in, a, r, x[first:end], fan_in, 0.0, xa, r, x_rows)
+            sgemm_blocks(r, n, fan_in, a, r, xs, fan_in, 0.0, xa, r, x_rows)
         else:
-            sgemm(True, r, n, fan_in, a_t, fan_in, x[first:end], fan_in, 0.0, xa, r)
+            sgemm(True, r, n, fan_in, a_t, fan_in, xs, fan_in, 0.0, xa, r)
         out_rows = block_rows(fan_out, r) if blocks else 0
         sgemm_blocks(fan_out, n, r, b, fan_out, xa, r, 1.0, out[first:end], fan_out, out_rows)
 
