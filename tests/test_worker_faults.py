@@ -149,7 +149,10 @@ def test_a_failed_load_fails_its_requests_only_real_engine(tiny, tiny_adapters):
 @pytest.mark.slow
 def test_registering_a_large_adapter_never_stalls_running_streams(smollm2, tmp_path):
     """Rank 256 on all seven SmolLM2 targets is ~310 MB of fp32 weights to read, hash,
-    validate and copy; the four streams keep their step rhythm meanwhile."""
+    validate and copy; the four streams keep their step rhythm meanwhile. Each stream is
+    cancelled `after` tokens past the registration's reply: long enough to see any
+    stall the registration caused, without decoding for half a minute more."""
+    after = 24  # tokens per stream past the reply (the window below ends 4 steps past it)
     (path,) = make_demo_adapters(smollm2.config, tmp_path, n=1, ranks=[256], seed=9)
     engine = make_engine(
         smollm2, max_slots=4, max_seq_len=512, max_loras=1, max_lora_rank=256, min_bucket=16
@@ -160,13 +163,19 @@ def test_registering_a_large_adapter_never_stalls_running_streams(smollm2, tmp_p
         # Per stream: (when the client got the token, the server's gap before it), seconds.
         gaps: list[list[tuple[float, float]]] = [[] for _ in range(4)]
         started = threading.Barrier(5)
+        replied = threading.Event()
 
         def stream(i: int) -> None:
-            call = worker.stub.Generate(request(ids=[1 + i, 2, 3], max_tokens=400, ignore_eos=True))
+            call = worker.stub.Generate(request(ids=[1 + i, 2, 3], max_tokens=480, ignore_eos=True))
+            past_reply = 0
             for n, response in enumerate(call):
                 gaps[i].append((time.monotonic(), response.timing.since_previous_us / 1e6))
                 if n == 2:
                     started.wait()
+                past_reply += replied.is_set()
+                if past_reply == after:
+                    call.cancel()
+                    return
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for thread in threads:
@@ -177,14 +186,17 @@ def test_registering_a_large_adapter_never_stalls_running_streams(smollm2, tmp_p
             pb.RegisterAdapterRequest(name="big", path=str(path)), timeout=300
         )
         registration_s = time.monotonic() - begin
+        replied.set()
         for thread in threads:
             thread.join()
         assert reply.adapter.rank == 256 and len(reply.adapter.target_modules) == 7
-        assert all(len(g) == 400 for g in gaps), "a stream ended early"
+        ended = begin + registration_s
+        assert all(sum(got > ended for got, _ in g) >= after for g in gaps), "a stream ended early"
         decode = [gap for g in gaps for _, gap in g[3:]]  # past each stream's prefill
         median = statistics.median(decode)
         # The tokens that came while the registration ran, or whose wait began in it.
-        window = (begin, begin + registration_s + 4 * median)
+        window = (begin, ended + 4 * median)
+        assert all(g[-1][0] > window[1] for g in gaps), "a stream ended inside the window"
         during = [
             (gap, got - begin)
             for g in gaps
