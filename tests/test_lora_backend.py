@@ -8,6 +8,7 @@ slots or a page pool), so these tests cover pack, install and both kernel forms.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,8 +147,9 @@ def test_bgmv_matches_the_loop(slots, dtype, target, row_slots):
     (backend, weights), adapters = slots[0][dtype], slots[1]
     y, x = _activations(len(row_slots), target, len(row_slots), dtype)
     for _form in _decode_forms(backend):
+        bgmv = jax.jit(backend.bgmv, static_argnums=1)  # traced with the form set
         for layer in range(LAYERS):
-            out = backend.bgmv(weights, target, jnp.int32(layer), x, y, jnp.array(row_slots))
+            out = bgmv(weights, target, jnp.int32(layer), x, y, jnp.array(row_slots))
             expected = _naive(adapters, target, layer, y, x, row_slots, dtype)
             assert_close(out, expected, dtype, dtype, scope="op")
             assert_untouched(y, out, row_slots)
@@ -212,7 +214,8 @@ def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts, window, targ
     y, x = _activations(rows, target, 1, dtype)
     expected = _naive(adapters, target, 1, y, x, row_slots, dtype)
     for _form in _prefill_forms(backend):
-        out = backend.sgmv(weights, target, jnp.int32(1), x, y, segments)
+        sgmv = jax.jit(backend.sgmv, static_argnums=1)  # traced with the form set
+        out = sgmv(weights, target, jnp.int32(1), x, y, segments)
         assert_close(out, expected, dtype, dtype, scope="op")
         assert_untouched(y, out, row_slots)
 
