@@ -8,6 +8,7 @@ shared by the module (spawning is slow); the tests that end a pool start their o
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -290,10 +291,21 @@ def test_pool_collects_into_the_callers_buffer(pool, arena):
     pool.collect(ticket)
 
 
+def _rows_for(pool: CpuLoraPool, ms: float, flops_per_token: int) -> int:
+    """The rows of a product that take `ms` on one core by the pool's start-up profile
+    (a fixed shape takes longer on a slow core than on a fast one)."""
+    profile = pool.profile
+    return math.ceil(ms * profile.tokens_per_ms * profile.flops_per_token / flops_per_token)
+
+
 def test_threads_for_follows_the_profile(pool):
+    """A thread per target_ms (1 ms) of work, up to the workers."""
     assert pool.profile.tokens_per_ms > 0
     assert pool.threads_for(1, 64, 8, 64) == 1
-    assert pool.threads_for(512, 1024, 64, 1024) == pool.num_workers
+    flops = 2 * 64 * (1024 + 1024)  # rank 64, in 1024, out 1024
+    assert pool.threads_for(_rows_for(pool, 0.5, flops), 1024, 64, 1024) == 1
+    assert pool.threads_for(_rows_for(pool, 1.5, flops), 1024, 64, 1024) == 2
+    assert pool.threads_for(_rows_for(pool, 3.0, flops), 1024, 64, 1024) == pool.num_workers
     small, large = pool.threads_for(64, 576, 1, 576), pool.threads_for(64, 576, 64, 576)
     assert small <= large
 
@@ -303,14 +315,10 @@ def test_a_pool_of_threads_splits_what_a_pool_of_processes_keeps_whole(pool, are
     threads' three (a helper that is awake takes its share in microseconds) and stays on
     one worker process (a hand-off costs tens of microseconds)."""
     flops = 2 * 16 * (576 + 576)  # rank 16, in 576, out 576
-
-    def rows_for(p: CpuLoraPool, ms: float) -> int:
-        return int(ms * p.profile.tokens_per_ms * p.profile.flops_per_token / flops)
-
     with _local_pool(arena) as local:
         assert (local.target_ms, pool.target_ms) == (0.05, 1.0)
-        assert local.threads_for(rows_for(local, 0.3), 576, 16, 576) == 3
-        assert pool.threads_for(rows_for(pool, 0.3), 576, 16, 576) == 1
+        assert local.threads_for(_rows_for(local, 0.3, flops), 576, 16, 576) == 3
+        assert pool.threads_for(_rows_for(pool, 0.3, flops), 576, 16, 576) == 1
 
 
 def _big_product(pool, arena):
