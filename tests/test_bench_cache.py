@@ -251,6 +251,7 @@ TINY = Plan(
     zipf_s=0.0,
     base_fraction=0.0,
     seed=5,  # three sessions of 4, 1 and 3 turns, the first of rank 16, then rank 8
+    warmup_on_demand=True,
 )
 
 
