@@ -142,7 +142,7 @@ class ShardingConfig:
         if self.num_devices > devices:
             raise ConfigError(
                 f"sharding {self.name!r}: the mesh {dict(self.mesh)} needs {self.num_devices} "
-                f"devices, {devices} are present"
+                f"devices, only {devices} {'is' if devices == 1 else 'are'} present"
             )
         tp = self.tensor_parallel
         for logical, field, size in (

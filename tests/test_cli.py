@@ -236,7 +236,7 @@ def test_serve_refuses_bad_adapter_flags(tmp_path, cli_env, args, fragments):
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--sharding", "tp4"], ["sharding 'tp4'", "needs 4 devices, 1 are present"]),
+        (["--sharding", "tp4"], ["sharding 'tp4'", "needs 4 devices, only 1 is present"]),
         (["--sharding", "nope"], ["unknown sharding preset 'nope'", "tp1, tp2"]),
         (["--num-processes", "2"], ["--num-processes 2", "needs --coordinator HOST:PORT"]),
         (["--num-processes", "2", "--coordinator", "host"], ["--coordinator 'host'", "HOST:PORT"]),

@@ -136,7 +136,7 @@ def test_bad_configs_are_refused_naming_the_field(data, names):
     [
         ("cpu-tiny-tied", "tp2", 8, "num_heads=3, which tensor=2 devices do not divide"),
         ("smollm2-135m", "tp4", 8, "num_heads=9, which tensor=4 devices do not divide"),
-        ("cpu-tiny", "tp8", 4, "needs 8 devices, 4 are present"),
+        ("cpu-tiny", "tp8", 4, "needs 8 devices, only 4 are present"),
         ("llama2-7b", "tp3", 8, "num_heads=32, which tensor=3"),
     ],
 )
@@ -167,7 +167,7 @@ def dataclasses_replace(config, **changes):
 def test_a_mesh_larger_than_the_devices_present_is_refused_by_the_engine(tiny):
     from jlora.model.sharding import TensorParallel
 
-    with pytest.raises(ConfigError, match=r"needs 2 devices, 1 are present"):
+    with pytest.raises(ConfigError, match=r"needs 2 devices, only 1 is present"):
         TensorParallel.build(tiny.config, load_sharding("tp2"))
 
 

@@ -371,9 +371,6 @@ class Orchestrator:
         self.adapters.poll()
         return self.adapters.infos()
 
-    def adapter_info(self, name: str) -> AdapterInfo:
-        return self._adapter_manager().info(name)
-
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
