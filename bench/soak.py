@@ -18,8 +18,9 @@
    (vLLM's HTTP adapter endpoints), and midway one worker is SIGKILLed: `jlora up`
    must restart it and the router must take it back.
 4. Every `--sample-s` seconds: RSS and open fds of `jlora up` and each worker, the
-   entries in /dev/shm, and each worker's KV blocks, decode slots and adapter slots in
-   use (gRPC `Stats`). After the load stops, the samples go on for a while: the
+   entries in /dev/shm, and each worker's decode slots and adapter slots in use and KV
+   blocks held by requests (gRPC `Stats`; with a pool shared by KV and adapters, the
+   adapters' pages and the prefix cache's blocks apart). After the load stops, the samples go on for a while: the
    slopes over the load and what is left after it tell whether anything leaks.
 5. SIGTERM: `jlora up` drains and exits; /dev/shm and the temporary directories must
    be as they were before it started.
@@ -310,7 +311,15 @@ class Soak:
             stats = _stats(address)
             if stats is not None:
                 memory, slots = stats.memory, stats.adapter_slots
-                row[f"worker{index}_kv_blocks"] = memory.kv_blocks_total - memory.kv_blocks_free
+                # KV blocks running requests hold: with a pool shared by adapters and a
+                # prefix cache, the used pages less the adapters' and the cached history
+                if memory.HasField("cache"):
+                    cache = memory.cache
+                    row[f"worker{index}_kv_blocks"] = cache.pages_kv - cache.pages_kv_cached
+                    row[f"worker{index}_cached_kv_blocks"] = cache.pages_kv_cached
+                    row[f"worker{index}_adapter_pages"] = cache.pages_lora
+                else:
+                    row[f"worker{index}_kv_blocks"] = memory.kv_blocks_total - memory.kv_blocks_free
                 row[f"worker{index}_slots"] = stats.max_slots - stats.free_slots
                 row[f"worker{index}_adapter_slots"] = slots.total - slots.free
         with self.lock:
@@ -460,7 +469,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     in_use = {
         key: after[-1].get(key)
         for key in sorted(after[-1] if after else {})
-        if key.endswith(("_kv_blocks", "_slots"))
+        if key.endswith(("_kv_blocks", "_slots", "_pages"))
     }
     return {
         "requests": len(outcomes),
