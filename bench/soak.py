@@ -11,8 +11,9 @@
    checked against its case's known text: a different text is a *changed* output
    (a repeated or missing token shows up there), an answer that never came (past the
    client's deadline, or a stream that ended without a finish reason) is *lost*. An
-   error with a status and a message (the router's UNAVAILABLE for a stream whose worker
-   died, NOT_FOUND for an adapter unregistered a moment before) is a *clear error*.
+   error with a status and a message (the router's UNAVAILABLE for a stream no worker
+   could resume after its own died, NOT_FOUND for an adapter unregistered a moment
+   before) is a *clear error*.
 3. Meanwhile an adapter is registered under a new name (the weights of `demo-01-r16`,
    so its answers must equal that adapter's) and unregistered again, over and over
    (vLLM's HTTP adapter endpoints), and midway one worker is SIGKILLed: `jlora up`
@@ -20,8 +21,9 @@
 4. Every `--sample-s` seconds: RSS and open fds of `jlora up` and each worker, the
    entries in /dev/shm, and each worker's decode slots and adapter slots in use and KV
    blocks held by requests (gRPC `Stats`; with a pool shared by KV and adapters, the
-   adapters' pages and the prefix cache's blocks apart). After the load stops, the samples go on for a while: the
-   slopes over the load and what is left after it tell whether anything leaks.
+   adapters' pages and the prefix cache's blocks apart). After the load stops, the
+   samples go on for a while: the slopes over the load and what is left after it tell
+   whether anything leaks.
 5. SIGTERM: `jlora up` drains and exits; /dev/shm and the temporary directories must
    be as they were before it started.
 

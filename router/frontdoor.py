@@ -18,8 +18,14 @@ GenerateResponse messages, on the router's event loop):
    and the request placed again on another worker (a re-route); one whose queue is
    full (RESOURCE_EXHAUSTED) is skipped until its next poll. Any other error is the
    caller's, passed through unchanged (status and message).
-5. Failures after the first token cannot be retried without repeating tokens: the call
-   ends with UNAVAILABLE naming the worker and how many tokens arrived.
+5. Failures after the first token: the worker is taken out of routing and the request
+   resumed on another (GenerateRequest.resume: the prompt as the caller gave it, the
+   tokens forwarded, the seed), so the caller sees one stream, no token repeated or
+   missing, the same tokens the lost worker would have sent: the router gives a sampled
+   request without a seed one of its own before forwarding it, so every request's
+   tokens follow from what travels. Only when no worker can continue it does the call
+   end with UNAVAILABLE (reason WORKER_LOST) naming the worker, how many tokens arrived
+   and why none took it.
 6. The caller cancelling, or its deadline passing, cancels the worker's call (which
    aborts the request in the worker's engine and frees its slot).
 7. Migration (`migrate`, called by the migrator, migrator.py): Migrate on the worker
@@ -48,6 +54,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -91,10 +98,11 @@ class Call:
     """A Generate call in flight, as the migrator sees it (`FrontDoor.calls`).
 
     worker / dispatch: the worker streaming it now (None while it waits in the router or
-    between two workers). forwarded: tokens the caller has had, a client's own resumed
-    tokens included. cached_tokens: prefix-cache hits of the workers it migrated off,
-    added to the final usage. migrating: set while a Migrate of it is under way; resolves
-    to the state and the target, or None if Migrate failed.
+    between two workers). generated: the ids of the tokens the caller has had, a
+    client's own resumed tokens included (`forwarded` counts them). cached_tokens:
+    prefix-cache hits of the workers it migrated off, added to the final usage.
+    migrating: set while a Migrate of it is under way; resolves to the state and the
+    target, or None if Migrate failed.
     """
 
     request_id: str
@@ -103,10 +111,24 @@ class Call:
     max_tokens: int | None = None  # the caller's sampling.max_tokens (None: the default)
     worker: Worker | None = None
     dispatch: Dispatch | None = None
-    forwarded: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
     migrating: asyncio.Future[tuple[pb.MigrateResponse, Worker] | None] | None = None
     migrations: int = 0
+
+    @property
+    def forwarded(self) -> int:
+        return len(self.generated)
+
+
+def _resumed_after(request: pb.GenerateRequest, generated: list[int]) -> pb.GenerateRequest:
+    """`request` (as last forwarded: the caller's prompt, or a migration's token ids) to
+    continue after the tokens `generated`, with the seed it was sampled with."""
+    seed = request.resume.seed if request.HasField("resume") else request.sampling.seed
+    resumed = pb.GenerateRequest()
+    resumed.CopyFrom(request)
+    resumed.resume.CopyFrom(pb.ResumeState(generated_ids=generated, seed=seed))
+    return resumed
 
 
 def estimate_prompt_tokens(request: pb.GenerateRequest) -> int:
@@ -209,7 +231,7 @@ class FrontDoor:
             call.adapter, call.rank = adapter, rank
             if request.sampling.HasField("max_tokens"):
                 call.max_tokens = request.sampling.max_tokens
-            call.forwarded = len(request.resume.generated_ids)
+            call.generated = list(request.resume.generated_ids)
             if adapter is not None:
                 self.arrivals[adapter] += 1
             route = RouteRequest(rank, estimate_prompt_tokens(request), adapter)
@@ -217,16 +239,30 @@ class FrontDoor:
             forwarded.CopyFrom(request)
             forwarded.request_id = request_id
             forwarded.adapter = adapter or ""
+            if not forwarded.sampling.HasField("seed") and not forwarded.HasField("resume"):
+                # what a worker would draw, drawn here, so that a resume elsewhere after a
+                # fault continues with the tokens this one would have sampled (5)
+                forwarded.sampling.seed = secrets.randbelow(2**32)
             tried: dict[str, str] = {}  # worker -> why it failed this request
             admitted = False  # past the router's queue-size check
             target: Worker | None = None  # where a migration resumes it
             tokens = 0  # passed to the caller by this call
             last = arrival
+            lost: str | None = None  # the last worker lost after a token, while none resumes it
             while True:
                 if target is not None and target.up:
                     worker = target
                 else:
-                    worker = await self._place(route, tried, deadline, admitted=admitted)
+                    try:
+                        worker = await self._place(route, tried, deadline, admitted=admitted)
+                    except RequestError as err:
+                        if lost is None:
+                            raise
+                        raise Unavailable(
+                            f"{lost}, and no worker could resume it ({err.message}): the "
+                            "completion is incomplete: send the request again",
+                            reason="WORKER_LOST",
+                        ) from None
                 target = None
                 admitted = True
                 leg = 0  # tokens from this worker
@@ -242,7 +278,8 @@ class FrontDoor:
                             last = now
                             tokens += 1
                             leg += 1
-                            call.forwarded += 1
+                            lost = None
+                            call.generated.append(response.token_id)
                             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                                 outcome = pb.FinishReason.Name(response.finish_reason)
                                 outcome = outcome.removeprefix("FINISH_REASON_").lower()
@@ -277,12 +314,18 @@ class FrontDoor:
                         )
                         continue
                     if leg and code in _WORKER_GONE:
-                        raise Unavailable(
+                        lost = (
                             f"worker {worker.address} failed after {call.forwarded} tokens of "
-                            f"request {request_id!r} ({code.name}: {details}); the completion "
-                            "is incomplete: send the request again",
-                            reason="WORKER_LOST",
-                        ) from None
+                            f"request {request_id!r} ({code.name}: {details})"
+                        )
+                        worker.mark_down(f"{code.name}: {details}")
+                        self.pool.poke()
+                        tried[worker.address] = f"{code.name}: {details}"
+                        self.metrics.reroutes.inc()
+                        log.warning("%s; resuming it on another worker", lost)
+                        forwarded = _resumed_after(forwarded, call.generated)
+                        route = RouteRequest(rank, route.prompt_tokens + leg, adapter)
+                        continue
                     raise error from None  # the worker's, unchanged
         except RequestError as err:
             outcome = failed_outcome(err.code)

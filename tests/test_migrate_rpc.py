@@ -172,7 +172,6 @@ def test_the_stats_say_the_kv_bytes_of_a_block_when_the_engine_knows_them(start,
 
 BAD_RESUMES = [
     # (GenerateRequest fields, the resume's generated ids, what the message names, field)
-    (dict(text="hello"), [1], "prompt.token_ids", "prompt"),
     (dict(ids=[1, 2]), [1, VOCAB], f"resume.generated_ids[1]={VOCAB}", "resume.generated_ids"),
     (dict(ids=[1, 2]), [-1], "resume.generated_ids[0]=-1", "resume.generated_ids"),
     (dict(ids=[1, 2], max_tokens=3), [1, 2, 3], "max_tokens=3", "resume.generated_ids"),
@@ -193,6 +192,24 @@ def test_a_bad_resume_is_refused_naming_the_field(start, fields, generated, name
     assert names in caught.value.details()
     assert rich_details(caught.value)[0] == field
     worker.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "prompt", [dict(text="hello there"), dict(chat=[("user", "hello there")])], ids=["text", "chat"]
+)
+def test_a_resume_may_carry_the_prompt_as_first_sent(start, prompt):
+    """After a worker failed, the router resumes a request with the caller's own prompt
+    (text or chat, not token ids: it has none): the worker encodes it as the first did
+    and continues after the generated ids, text included."""
+    worker = start()
+    whole = list(worker.stub.Generate(request(**prompt, adapter="a", max_tokens=12), timeout=10))
+    message = request(**prompt, adapter="a", max_tokens=12)
+    message.resume.generated_ids.extend(token_ids(whole)[:5])
+    rest = list(worker.stub.Generate(message, timeout=10))
+    assert token_ids(rest) == token_ids(whole)[5:]
+    assert "".join(r.text for r in whole[:5] + rest) == "".join(r.text for r in whole)
+    assert rest[-1].usage.completion_tokens == 12
+    assert rest[-1].usage.prompt_tokens == whole[-1].usage.prompt_tokens
 
 
 def test_a_resume_seed_beyond_32_bits_is_refused(start):

@@ -289,8 +289,8 @@ def test_the_cli_subcommand_parses_its_flags():
 
 def test_a_worker_killed_during_a_run_loses_nothing(processes, routers):
     """Each worker runs two requests and queues four when one is killed: its running
-    requests end with UNAVAILABLE naming it after the tokens they got (all correct), its
-    queued ones are re-routed to the other worker and complete."""
+    requests are resumed on the other worker after the tokens they got, its queued ones
+    re-routed there; every caller gets its whole completion, each token once."""
     engine = dict(max_slots=2, step_latency=0.01, adapters={"a": 8})
     doomed, survivor = processes(**engine), processes(**engine)
     router = routers([doomed.address, survivor.address])
@@ -320,18 +320,12 @@ def test_a_worker_killed_during_a_run_loses_nothing(processes, routers):
     for thread in threads:
         thread.join(30)
     assert len(outcomes) == len(prompts), "a request hung"
-    failed = 0
     for i, (received, error) in outcomes.items():
-        expected = mock_completion(prompts[i], "a", 40, VOCAB)
-        if error is None:
-            assert received == expected
-            continue
-        failed += 1
-        assert error.code() == Code.UNAVAILABLE, error
-        assert f"worker {doomed.address} failed after {len(received)} tokens" in error.details()
-        assert received and received == expected[: len(received)]
-    assert 0 < failed <= 2
-    assert scrape(router_metrics(router), "jlora_router_reroutes_total") >= 1
+        assert error is None, error
+        assert received == mock_completion(prompts[i], "a", 40, VOCAB)
+    # Its two running requests at least (its queued ones too, unless the router saw it
+    # down before placing them again).
+    assert scrape(router_metrics(router), "jlora_router_reroutes_total") >= 2
     # The router keeps serving, on the survivor, and shows the dead worker down.
     again = list(stub.Generate(request(ids=[5], max_tokens=3, adapter="a"), timeout=10))
     assert token_ids(again) == mock_completion([5], "a", 3, VOCAB)

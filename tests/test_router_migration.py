@@ -142,6 +142,37 @@ def test_a_stream_moved_twice_by_the_front_door_keeps_its_tokens(cluster):
     assert sent == 4 * (2 * len(prompt) + len(reply.generated_ids) + len(again.generated_ids))
 
 
+def test_the_router_sends_every_request_with_a_seed(monkeypatch):
+    """So that a resume after a fault continues what the lost worker would have sampled,
+    the router sends every request with a seed: the caller's, or its own draw (what a
+    worker would otherwise draw for itself, unknown to the router)."""
+    engine = mock_engine(adapters={"a": 8})
+    seen: dict[str, int | None] = {}
+    add = engine.add_request
+
+    def record(request):
+        seen[request.request_id] = request.sampling.seed
+        return add(request)
+
+    monkeypatch.setattr(engine, "add_request", record)
+    server = serve(engine, max_queue=16)
+    router = start_router([server.address], poll_interval=0.05, http_port=None)
+    try:
+        stub = stub_for(router.address)
+        for request_id, fields in (
+            ("sampled", dict(temperature=0.8)),
+            ("greedy", {}),
+            ("seeded", dict(temperature=0.8, seed=1234)),
+        ):
+            message = request(ids=[4, 2], max_tokens=3, request_id=request_id, **fields)
+            assert len(list(stub.Generate(message, timeout=10))) == 3
+    finally:
+        router.stop(grace=0)
+        server.stop(grace=0)
+    assert seen["seeded"] == 1234
+    assert all(seed is not None and 0 <= seed < 2**32 for seed in seen.values()), seen
+
+
 def test_cancelling_a_moved_stream_frees_both_workers(cluster):
     router, _ = cluster({"step_latency": 0.01}, {"step_latency": 0.01})
     first, second = (router.front.pool.get(w.address) for w in router.workers)
@@ -332,10 +363,13 @@ def test_the_default_keeps_routing_as_it_was(cluster):
 
 
 @pytest.mark.slow
-def test_two_smollm2_workers_continue_a_moved_stream_exactly(tmp_path):
-    """Two `jlora serve` processes with the real SmolLM2 (fp32, greedy): a text-prompt
+def test_two_smollm2_workers_continue_a_moved_or_orphaned_stream_exactly(tmp_path):
+    """Two `jlora serve` processes with the real SmolLM2 (fp32): a greedy text-prompt
     stream with an adapter, moved mid-way by the router (recomputed on the target from
-    the prompt's and the generated token ids), gives the unmigrated run's tokens and text."""
+    the prompt's and the generated token ids), gives the unmigrated run's tokens and
+    text; then a sampled one whose worker is SIGKILLed mid-way, resumed by the router on
+    the other from the caller's text and the tokens it forwarded, with its seed, gives
+    the tokens and text of a run that was never interrupted."""
     import os
     import subprocess
     import sys
@@ -416,6 +450,20 @@ def test_two_smollm2_workers_continue_a_moved_stream_exactly(tmp_path):
         assert client.tokens["moved"] == [r.token_id for r in direct]
         assert client.text["moved"] == "".join(r.text for r in direct)
         assert client.last["moved"].usage == direct[-1].usage
+        sampled = dict(
+            text="Once upon a time", max_tokens=24, ignore_eos=True, temperature=0.9, seed=7
+        )
+        alone = list(stub_for(addresses[1]).Generate(request(**sampled), timeout=300))
+        client.send("orphaned", **sampled)
+        wait_for(lambda: len(client.tokens["orphaned"]) >= 6, timeout=120, what="six tokens")
+        doomed = first if "orphaned" in first.dispatches else second
+        processes[addresses.index(doomed.address)].kill()
+        client.join()
+        assert client.errors == {}
+        assert client.tokens["orphaned"] == [r.token_id for r in alone]
+        assert client.text["orphaned"] == "".join(r.text for r in alone)
+        assert client.last["orphaned"].usage.completion_tokens == 24
+        assert not doomed.up
     finally:
         if router is not None:
             router.stop(grace=0)

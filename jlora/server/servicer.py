@@ -37,8 +37,8 @@ request generated before the export was handed to the loop before the export's r
 stream's queue holds all of them; it then queues the MIGRATED marker behind them and
 returns the state. The Generate handler yields those tokens, then ends the call with
 ABORTED, reason "MIGRATED" (`MIGRATED_REASON`): the contract the router recognises. A
-GenerateRequest with `resume` (the prompt as token ids, the generated ids, the seed)
-is checked here (`_resume_state`) and queued with `engine.resume`: the stream continues
+GenerateRequest with `resume` (the prompt, the generated ids, the seed) is checked
+here (`_resume_state`) and queued with `engine.resume`: the stream continues
 with the next token, and its usage counts the resumed tokens as completion tokens. The
 Migrate reply carries the prefix-cache hits of the stream it ends (`cached_tokens`), which
 its caller adds to the usage of the stream that finishes the request.
@@ -318,12 +318,6 @@ class JloraServicer(pb_grpc.JloraServicer):
         if not request.HasField("resume"):
             return None
         resume = request.resume
-        if request.WhichOneof("prompt") != "token_ids":
-            raise InvalidRequest(
-                "resume needs the prompt as prompt.token_ids (MigrateResponse.prompt_ids), "
-                f"not prompt.{request.WhichOneof('prompt')}",
-                field="prompt",
-            )
         if resume.seed >= 2**32:
             raise InvalidRequest(
                 f"resume.seed={resume.seed} must be below 2**32", field="resume.seed"
