@@ -43,6 +43,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -261,9 +263,6 @@ class Soak:
             time.sleep(1.0)
 
     def _set_rotating(self, register: bool) -> int:
-        import urllib.error
-        import urllib.request
-
         path, body = (
             ("load_lora_adapter", {"lora_name": ROTATING, "lora_path": ROTATING_WEIGHTS})
             if register
@@ -387,6 +386,20 @@ def _parent(pid: int) -> int | None:
 # -- the run and its report ------------------------------------------------------------
 
 
+def _router_counters(http: str) -> dict[str, int]:
+    """The router's re-routes and resumes so far, from its /metrics (`http`: the API's
+    base URL, .../v1)."""
+    url = http.removesuffix("/").removesuffix("/v1") + "/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    counters = {"reroutes": 0, "resumes": 0}
+    for line in text.splitlines():
+        for name in counters:
+            if line.startswith(f"jlora_router_{name}_total "):
+                counters[name] = int(float(line.split()[1]))
+    return counters
+
+
 def run(plan: Plan) -> dict[str, Any]:
     shm_before, temps_before = _shm_entries(), _temp_dirs()
     with tempfile.TemporaryDirectory(prefix="soak-state-") as state:
@@ -418,6 +431,7 @@ def run(plan: Plan) -> dict[str, Any]:
             soak.all_over.set()
             for thread in helpers:
                 thread.join(30)
+            router = _router_counters(up.http)
         finally:
             exit_code = up.stop()
     time.sleep(1.0)
@@ -426,6 +440,7 @@ def run(plan: Plan) -> dict[str, Any]:
         "outcomes": [dataclasses.asdict(out) for out in soak.outcomes],
         "samples": soak.samples,
         "events": soak.events,
+        "router": router,
         "exit": {
             "code": exit_code,
             "shm_before": shm_before,
@@ -520,7 +535,11 @@ def render(plan: Plan, facts: dict, result: dict, summary: dict) -> str:
             for event in events
             if event["what"] not in ("register", "unregister")
         )
-        + f"; {sum(e['what'] == 'register' and e['status'] == 200 for e in events)} registrations.",
+        + f"; {sum(e['what'] == 'register' and e['status'] == 200 for e in events)} registrations"
+        + "; the router placed {reroutes} requests again (their worker failed before their "
+        "first token) and resumed {resumes} streams on another worker (after a token).".format(
+            **result["router"]
+        ),
         "",
         "| resource | first | end of load | after the load | slope, 2nd half (/10 min) |",
         "|---|---:|---:|---:|---:|",

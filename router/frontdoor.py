@@ -321,7 +321,7 @@ class FrontDoor:
                         worker.mark_down(f"{code.name}: {details}")
                         self.pool.poke()
                         tried[worker.address] = f"{code.name}: {details}"
-                        self.metrics.reroutes.inc()
+                        self.metrics.resumes.inc()
                         log.warning("%s; resuming it on another worker", lost)
                         forwarded = _resumed_after(forwarded, call.generated)
                         route = RouteRequest(rank, route.prompt_tokens + leg, adapter)

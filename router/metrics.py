@@ -7,7 +7,8 @@ include the hop to the worker):
 - jlora_router_queued_requests: Generate calls waiting in the router's queue for a
   worker with room; jlora_router_in_flight_requests: calls forwarded to a worker;
 - jlora_router_requests_total{outcome}; jlora_router_reroutes_total (a worker failed
-  before the first token and another took the request);
+  before the first token and another took the request); jlora_router_resumes_total (a
+  worker failed after a token, and another continued the stream from there);
 - jlora_router_time_to_first_token_seconds, jlora_router_time_per_output_token_seconds,
   jlora_router_request_latency_seconds.
 
@@ -70,6 +71,11 @@ class RouterMetrics:
         self.reroutes = Counter(
             "jlora_router_reroutes",
             "Requests sent to another worker after one failed before their first token",
+            registry=registry,
+        )
+        self.resumes = Counter(
+            "jlora_router_resumes",
+            "Streams continued on another worker after theirs failed after a token",
             registry=registry,
         )
         self.ttft = Histogram(
