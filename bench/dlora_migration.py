@@ -43,13 +43,12 @@ import dataclasses
 import re
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.processes import ROOT, ServerProcess
+from bench.processes import ROOT, ServerProcess, scrape
 from bench.report import dated_stem, machine_facts, write_report
 from bench.serve import run, summarize
 from bench.workloads import (
@@ -134,31 +133,6 @@ def make_workload(plan: Plan, tokenizer: TextTokenizer) -> Workload:
     return Workload(meta, requests)
 
 
-def parse_metrics(text: str) -> dict[str, int]:
-    """`COUNTERS` from a Prometheus text exposition (0 for a series not there)."""
-    samples: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)", line)
-        if match is None or line.startswith("#"):
-            continue
-        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(2) or ""))
-        samples.append((match.group(1), labels, float(match.group(3))))
-    counts = {}
-    for key, (name, wanted) in COUNTERS.items():
-        total = sum(
-            value
-            for sample, labels, value in samples
-            if sample == name and all(labels.get(k) == v for k, v in wanted.items())
-        )
-        counts[key] = int(total)
-    return counts
-
-
-def scrape(http: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as reply:
-        return parse_metrics(reply.read().decode())
-
-
 def start_workers(plan: Plan, adapters: Path, state: Path) -> list[ServerProcess]:
     workers = []
     try:
@@ -215,7 +189,7 @@ def measure(
     try:
         grpc_address, http = router.groups
         records = run(workload, f"grpc://{grpc_address}", timeout_s=plan.request_timeout_s)
-        counters = scrape(http)
+        counters = scrape(f"http://{http}/metrics", COUNTERS)
     finally:
         code = router.stop(timeout=30)
     if code not in (0, -15):

@@ -1,5 +1,5 @@
 """A server under benchmark: a child process started as a user starts it, ready once it
-prints the line that says where it listens.
+prints the line that says where it listens; and its Prometheus counters (`scrape`).
 
 `jlora up` prints `jlora.cli.up.LISTENING`'s line on stderr; the PyTorch baseline prints
 `bench.baselines.hf_server`'s on stdout; both streams are read together. The process
@@ -14,10 +14,13 @@ import re
 import signal
 import subprocess
 import threading
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# name -> (a counter's series, the labels it must have): summed over its other labels.
+Counters = Mapping[str, tuple[str, Mapping[str, str]]]
 
 
 class ServerProcess:
@@ -79,3 +82,29 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
         return self.process.wait()
+
+
+def parse_counters(text: str, counters: Counters) -> dict[str, int]:
+    """`counters` from a Prometheus text exposition (0 for a series not there)."""
+    samples: list[tuple[str, dict[str, str], float]] = []
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)", line)
+        if match is None or line.startswith("#"):
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(2) or ""))
+        samples.append((match.group(1), labels, float(match.group(3))))
+    counts = {}
+    for key, (name, wanted) in counters.items():
+        total = sum(
+            value
+            for sample, labels, value in samples
+            if sample == name and all(labels.get(k) == v for k, v in wanted.items())
+        )
+        counts[key] = int(total)
+    return counts
+
+
+def scrape(url: str, counters: Counters) -> dict[str, int]:
+    """`counters` from the Prometheus endpoint at `url` (.../metrics)."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return parse_counters(reply.read().decode(), counters)

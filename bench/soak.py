@@ -52,7 +52,7 @@ import grpc
 import numpy as np
 import openai
 
-from bench.processes import ROOT, ServerProcess
+from bench.processes import ROOT, ServerProcess, scrape
 from bench.report import dated_stem, machine_facts, write_report
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
@@ -71,6 +71,12 @@ PROMPTS = (
 ROTATING = "soak-rotating"  # registered and unregistered during the run
 ROTATING_WEIGHTS = "demo-01-r16"  # ... with this adapter's weights
 APIS = ("openai-chat-stream", "openai-completions", "grpc-text", "grpc-chat")
+# The router's counters of requests a failed worker left: placed again before their first
+# token, resumed elsewhere after one.
+ROUTER_COUNTERS = {
+    "reroutes": ("jlora_router_reroutes_total", {}),
+    "resumes": ("jlora_router_resumes_total", {}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,20 +392,6 @@ def _parent(pid: int) -> int | None:
 # -- the run and its report ------------------------------------------------------------
 
 
-def _router_counters(http: str) -> dict[str, int]:
-    """The router's re-routes and resumes so far, from its /metrics (`http`: the API's
-    base URL, .../v1)."""
-    url = http.removesuffix("/").removesuffix("/v1") + "/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    counters = {"reroutes": 0, "resumes": 0}
-    for line in text.splitlines():
-        for name in counters:
-            if line.startswith(f"jlora_router_{name}_total "):
-                counters[name] = int(float(line.split()[1]))
-    return counters
-
-
 def run(plan: Plan) -> dict[str, Any]:
     shm_before, temps_before = _shm_entries(), _temp_dirs()
     with tempfile.TemporaryDirectory(prefix="soak-state-") as state:
@@ -431,7 +423,7 @@ def run(plan: Plan) -> dict[str, Any]:
             soak.all_over.set()
             for thread in helpers:
                 thread.join(30)
-            router = _router_counters(up.http)
+            router = scrape(up.http.removesuffix("/v1") + "/metrics", ROUTER_COUNTERS)
         finally:
             exit_code = up.stop()
     time.sleep(1.0)

@@ -121,10 +121,11 @@ class Call:
         return len(self.generated)
 
 
-def _resumed_after(request: pb.GenerateRequest, generated: list[int]) -> pb.GenerateRequest:
-    """`request` (as last forwarded: the caller's prompt, or a migration's token ids) to
-    continue after the tokens `generated`, with the seed it was sampled with."""
-    seed = request.resume.seed if request.HasField("resume") else request.sampling.seed
+def _resumed_after(
+    request: pb.GenerateRequest, generated: list[int], seed: int
+) -> pb.GenerateRequest:
+    """`request` (as last forwarded) to continue after the tokens `generated`, sampled
+    with `seed` (a migration then gives the prompt as its token ids)."""
     resumed = pb.GenerateRequest()
     resumed.CopyFrom(request)
     resumed.resume.CopyFrom(pb.ResumeState(generated_ids=generated, seed=seed))
@@ -299,31 +300,30 @@ class FrontDoor:
                     if leg == 0 and code == Code.RESOURCE_EXHAUSTED:
                         worker.full = True  # until its next poll; wait for room elsewhere
                         continue
-                    if leg == 0 and code in _WORKER_GONE:
-                        worker.mark_down(f"{code.name}: {details}")
+                    if code in _WORKER_GONE:  # out of routing; the request goes elsewhere
+                        why = f"{code.name}: {details}"
+                        worker.mark_down(why)
                         self.pool.poke()
-                        tried[worker.address] = f"{code.name}: {details}"
-                        self.metrics.reroutes.inc()
-                        log.warning(
-                            "request %s: worker %s failed before its first token (%s: %s); "
-                            "placing it again",
-                            request_id,
-                            worker.address,
-                            code.name,
-                            details,
-                        )
-                        continue
-                    if leg and code in _WORKER_GONE:
-                        lost = (
+                        tried[worker.address] = why
+                        if leg == 0:  # placed again (4)
+                            self.metrics.reroutes.inc()
+                            log.warning(
+                                "request %s: worker %s failed before its first token (%s); "
+                                "placing it again",
+                                request_id,
+                                worker.address,
+                                why,
+                            )
+                            continue
+                        lost = (  # resumed after its tokens (5)
                             f"worker {worker.address} failed after {call.forwarded} tokens of "
-                            f"request {request_id!r} ({code.name}: {details})"
+                            f"request {request_id!r} ({why})"
                         )
-                        worker.mark_down(f"{code.name}: {details}")
-                        self.pool.poke()
-                        tried[worker.address] = f"{code.name}: {details}"
                         self.metrics.resumes.inc()
                         log.warning("%s; resuming it on another worker", lost)
-                        forwarded = _resumed_after(forwarded, call.generated)
+                        resumed = forwarded.HasField("resume")  # by a migration before
+                        seed = (forwarded.resume if resumed else forwarded.sampling).seed
+                        forwarded = _resumed_after(forwarded, call.generated, seed)
                         route = RouteRequest(rank, route.prompt_tokens + leg, adapter)
                         continue
                     raise error from None  # the worker's, unchanged
@@ -429,12 +429,8 @@ class FrontDoor:
                 call.request_id,
                 len(generated) - call.forwarded,
             )
-        resumed = pb.GenerateRequest()
-        resumed.CopyFrom(request)
+        resumed = _resumed_after(request, generated[: call.forwarded], reply.seed)
         resumed.token_ids.CopyFrom(pb.TokenIds(ids=reply.prompt_ids))
-        resumed.resume.CopyFrom(
-            pb.ResumeState(generated_ids=generated[: call.forwarded], seed=reply.seed)
-        )
         call.migrations += 1
         call.cached_tokens += reply.cached_tokens
         self.metrics.migration_bytes.inc(TOKEN_ID_BYTES * (len(reply.prompt_ids) + call.forwarded))

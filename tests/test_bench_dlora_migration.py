@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from bench.dlora_migration import QUICK, SYSTEMS, Plan, make_workload, parse_metrics, render
+from bench.dlora_migration import COUNTERS, QUICK, SYSTEMS, Plan, make_workload, render
+from bench.processes import parse_counters
 from bench.workloads import WordTokenizer
 from tests.bench_helpers import FACTS
 
@@ -46,7 +47,7 @@ def test_the_router_counters_are_read_from_prometheus_text():
             'jlora_router_adapter_loads_total{cause="preload"} 2.0',
         ]
     )
-    counts = parse_metrics(text)
+    counts = parse_counters(text, COUNTERS)
     assert counts["moved_queued"] == 3 and counts["moved_running"] == 2
     assert counts["moves_failed"] == 1
     assert (counts["plans_moved"], counts["plans"]) == (4, 10)
@@ -66,7 +67,9 @@ def _result(system: str, ttft: float, moved: int) -> dict:
             "e2e_ms": {"mean": 5000.0},
         },
         "short_ttft_ms_mean": ttft / 2,
-        "migration": parse_metrics(f'jlora_router_migrations_total{{state="queued"}} {moved}'),
+        "migration": parse_counters(
+            f'jlora_router_migrations_total{{state="queued"}} {moved}', COUNTERS
+        ),
     }
 
 
