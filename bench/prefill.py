@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--lengths",
         default=f"{Plan.min_len},{Plan.max_len}",
-        help="MIN,MAX prompt tokens (default %(default)s; a packed call holds MAX * 8 tokens)",
+        help="MIN,MAX prompt tokens (default %(default)s; a packed call holds MAX * 8 tokens,"
+        " at least 512 and at most the model's context)",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
@@ -210,6 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts()
     print("loading the model, compiling...", file=sys.stderr, flush=True)
     loaded = load_model(plan.model, plan.dtype)
+    # A packed call holds at most the model's context (cpu-tiny's is 256 tokens).
+    plan = dataclasses.replace(
+        plan, packed_tokens=min(plan.packed_tokens, loaded.config.max_context)
+    )
+    if plan.max_len > plan.packed_tokens:
+        parser.error(
+            f"--lengths: MAX={plan.max_len} exceeds {plan.model}'s context of "
+            f"{plan.packed_tokens} tokens"
+        )
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         scenarios = {"base": []}
