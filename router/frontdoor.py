@@ -321,8 +321,11 @@ class FrontDoor:
                         )
                         self.metrics.resumes.inc()
                         log.warning("%s; resuming it on another worker", lost)
-                        resumed = forwarded.HasField("resume")  # by a migration before
-                        seed = (forwarded.resume if resumed else forwarded.sampling).seed
+                        seed = (  # a migration before gave it a resume and its seed
+                            forwarded.resume.seed
+                            if forwarded.HasField("resume")
+                            else forwarded.sampling.seed
+                        )
                         forwarded = _resumed_after(forwarded, call.generated, seed)
                         route = RouteRequest(rank, route.prompt_tokens + leg, adapter)
                         continue
