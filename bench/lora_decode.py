@@ -6,7 +6,7 @@ target is `--model llama2-7b --dtype bfloat16 --batch 32 --counts 32 --backends
 bgmv,mbgmv` (32 distinct rank-16 adapters on Llama-2-7B shapes, random weights).
 
 One model, one process, one batch size throughout (B prompts of L = 64 tokens, N
-greedy tokens each, EOS ignored; timed as in `bench.throughput`: the first step,
+greedy tokens each, EOS ignored; timed as in `bench.timing`: the first step,
 which prefills every prompt, is not timed). Systems, all on the same prompts:
 
 - `no-lora`: an engine without LoRA (max_loras=0): the compiled steps hold no LoRA
@@ -45,14 +45,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.throughput import (
-    Measurement,
-    compare,
-    jlora_decode,
-    machine_facts,
-    make_prompts,
-    write_report,
-)
+from bench.report import machine_facts
+from bench.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS, LORA_TARGETS
 from jlora.adapters.backends import POOLED

@@ -9,7 +9,7 @@ device holds and that the sharded steps run, not a speed-up.
 Per preset and scheme (`follow-base`, `fully-sharded`): one engine with `adapters`
 distinct rank-R adapters on all seven projections, loaded and pinned (`cached`), and
 B prompts of L tokens, each row on an adapter; decode tokens/s (N greedy tokens, the
-median over repetitions, timed as in `bench.throughput`), and the bytes of the
+median over repetitions, timed as in `bench.timing`), and the bytes of the
 parameters, the KV cache and the adapter slots on the busiest device.
 """
 
@@ -80,7 +80,7 @@ def run(plan: Plan) -> tuple[list[dict], dict]:
     import numpy as np
 
     from bench.report import machine_facts
-    from bench.throughput import compare, jlora_decode
+    from bench.timing import compare, jlora_decode
     from configs import EngineConfig, load_sharding
     from jlora.adapters.peft import make_demo_adapters
     from jlora.engine.llama_engine import LlamaEngine, build_engine

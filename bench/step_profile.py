@@ -62,7 +62,7 @@ from jax.profiler import ProfileData
 
 from bench.lora_decode import SLOT_TARGETS, Plan, System, make_engine, spread
 from bench.report import machine_facts, write_report
-from bench.throughput import jlora_decode, make_prompts
+from bench.timing import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
 from jlora.cli.common import names_from, target_list
 from jlora.engine.steps import CompiledSteps

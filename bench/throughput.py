@@ -39,24 +39,21 @@ OpenMP threads suffer more than XLA's pool, so wide ranges mean "run it again".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
-import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import transformers
 
 from bench import report
 from bench.baselines import hf_model
+from bench.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs import EngineConfig, load_preset
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.llama_engine import build_engine
@@ -64,16 +61,6 @@ from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 
 MODEL = "smollm2-135m"
-PASSAGE = (
-    "The lighthouse keeper rose before dawn, as he had every morning for thirty years. "
-    "He climbed the spiral stairs, trimmed the wick, polished the great lens until it "
-    "shone, and wrote the weather in a leather logbook: wind from the north-west, a "
-    "long swell, fog lifting by seven. Ships no longer needed him; their captains "
-    "trusted satellites and radar. Yet fishermen still waved when they passed the "
-    "point, and children from the village walked out on Sundays to ask him about the "
-    "storms of his youth, the wreck of the schooner in 1962, and the night the light "
-    "failed and he kept a lantern burning by hand until morning. "
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,33 +85,6 @@ class Plan:
 
 FULL = Plan((32, 128, 512), batch_sizes=(1, 8, 32), decode_prompt_len=128, new_tokens=64, repeats=5)
 QUICK = Plan((32, 128), batch_sizes=(1, 8), decode_prompt_len=64, new_tokens=16, repeats=2)
-
-
-@dataclasses.dataclass
-class Measurement:
-    system: str  # "jlora" or "transformers"
-    phase: str  # "prefill" or "decode"
-    shape: str  # "1xT" (prefill) or "Bx(L+N)" (decode)
-    tokens: int  # tokens processed per repetition
-    seconds: list[float] = dataclasses.field(default_factory=list)  # one per timed repetition
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / statistics.median(self.seconds)
-
-
-# -- inputs ---------------------------------------------------------------------
-
-
-def make_prompts(loaded: LoadedModel, batch: int, length: int) -> list[list[int]]:
-    """`batch` prompts of exactly `length` token ids, row r starting r * 7 tokens in; for
-    a model without a tokenizer (a random-weight preset), seeded random ids."""
-    if loaded.tokenizer is None:
-        ids = np.random.default_rng(0).integers(1, loaded.config.vocab_size, (batch, length))
-        return ids.tolist()
-    passage = loaded.tokenizer.encode(PASSAGE)
-    stream = passage * ((length + 7 * batch) // len(passage) + 1)
-    return [stream[7 * row : 7 * row + length] for row in range(batch)]
 
 
 # -- jlora ----------------------------------------------------------------------
@@ -162,36 +122,6 @@ def jlora_prefill(engine: Orchestrator, prompt: list[int]) -> float:
     return elapsed
 
 
-def jlora_decode(
-    engine: Orchestrator,
-    prompts: list[list[int]],
-    new_tokens: int,
-    adapters: list[str | None] | None = None,
-    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> float:
-    """Seconds for N decode steps of `prompts` (prompt i with adapters[i]), after an
-    untimed first step that prefills them all; `around()` is entered for the N steps
-    alone (a profiler's trace)."""
-    # Each request yields one token at prefill, one at the untimed first decode, then N.
-    sampling = SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
-    for prompt, adapter in zip(prompts, adapters or [None] * len(prompts), strict=True):
-        engine.add_request(Request(uuid.uuid4().hex, prompt, sampling, adapter=adapter))
-    engine.step()
-    if engine.num_running != len(prompts):
-        raise RuntimeError(
-            f"only {engine.num_running} of {len(prompts)} requests were admitted "
-            f"in one step; raise prefill_token_budget or shorten the prompts"
-        )
-    generated = 0
-    with around():
-        start = time.perf_counter()
-        while engine.has_unfinished:
-            generated += len(engine.step())
-        elapsed = time.perf_counter() - start
-    assert generated == len(prompts) * new_tokens, generated
-    return elapsed
-
-
 # -- transformers ---------------------------------------------------------------
 
 
@@ -216,20 +146,6 @@ def transformers_decode(model: torch.nn.Module, prompts: list[list[int]], new_to
 
 
 # -- measurement and report -----------------------------------------------------
-
-
-def compare(
-    phase: str, shape: str, tokens: int, repeats: int, **runs: Callable[[], float]
-) -> list[Measurement]:
-    """Run every system once untimed, then `repeats` times timed, alternating systems."""
-    print(f"  {phase} {shape}", file=sys.stderr, flush=True)
-    results = {system: Measurement(system, phase, shape, tokens) for system in runs}
-    for repeat in range(repeats + 1):
-        for system, run in runs.items():
-            seconds = run()
-            if repeat:
-                results[system].seconds.append(seconds)
-    return list(results.values())
 
 
 def machine_facts() -> dict[str, Any]:
@@ -269,12 +185,6 @@ def render(facts: dict[str, str | int | float], measurements: list[Measurement])
         "N generated each. ratio = jlora / transformers (medians).",
     ]
     return "\n".join(lines)
-
-
-def write_report(path: Path, facts: dict, plan, measurements: list[Measurement]) -> None:
-    """The raw results as JSON: machine facts, the plan (a dataclass) and every timing."""
-    rows = [{**dataclasses.asdict(m), "tokens_per_s": m.tokens_per_s} for m in measurements]
-    report.write_report(path, facts, plan, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,8 @@ asked for, MBGMV once per pool, each once per slot targets."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +73,17 @@ def test_names_from_keeps_the_order_given_and_lists_the_choices_when_one_is_unkn
     assert parse("c,a") == ("c", "a")
     with pytest.raises(argparse.ArgumentTypeError, match=r"\['x', 'y'\] not in \['a', 'b', 'c'\]"):
         parse("y,a,x")
+
+
+def test_the_benches_of_jlora_against_itself_need_no_torch():
+    """bench.timing holds what they share with bench.throughput, which imports torch:
+    these benches run where only jlora's own dependencies are installed."""
+    modules = ["bench.lora_decode", "bench.prefill", "bench.step_profile", "bench.sharding"]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
