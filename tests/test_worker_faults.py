@@ -208,10 +208,14 @@ def test_registering_a_large_adapter_never_stalls_running_streams(smollm2, tmp_p
         worst, worst_at = max(during)  # the longest gap, and when its token came
         # The registration must have overlapped the streams for the test to mean anything;
         # a stream may lose a few steps to a busy machine (3.1 was seen under the full
-        # suite), never the registration's length. A gap after the registration is not
-        # its doing (one of 6.2 steps came 1.8 s after it, under the full suite).
+        # suite, 5.1 once in the serial run on a 2-core Zen 4 VM, 2026-11-30: the copy
+        # into the host store shares the two cores with the steps), never the
+        # registration's length, nor one of its parts: alone, its copy into the store
+        # took 1.1 s (19 steps) and the compile of its transfers 0.75 s (13). A gap after
+        # the registration is not its doing (one of 6.2 steps came 1.8 s after it, under
+        # the full suite).
         assert registration_s > 8 * median, (registration_s, median)
-        assert worst <= 4 * median, (
+        assert worst <= 6 * median, (
             f"a stream waited {worst * 1e3:.0f} ms, {worst / median:.1f} decode steps "
             f"(median step {median * 1e3:.1f} ms), {worst_at:.2f} s into a "
             f"{registration_s:.1f} s registration"
