@@ -20,7 +20,10 @@ pool deals an adapter's pages) and 140 µs over scattered ones, where merely rea
 their bytes took 53 and 124 µs; 30 µs in the cache. None of the variants tried beat
 it: prefetching the next row's pages ran 15-25 µs slower, every row's x·A before any
 ·B within 10 µs either way, and a parallel launch costs 0.1 ms
-(cpu_offload/threads.py).
+(cpu_offload/threads.py). Nor does a spare core wait for it: XLA runs a layer's q and
+v calls at once on its two threads (in 1442 of 1560 layers), so a helper thread
+splitting a call's rows left a step's time as it was
+(bench/results/2026-11-30-cpu-zen4-issue17-2.md).
 
 Semantics are `ReferenceBackend.bgmv`'s over `PooledReferenceBackend`'s layout: a row s
 whose adapter adapts the target (rank[s] > 0) gets y[s] + (x[s] @ A_s) @ B_s, in fp32;
