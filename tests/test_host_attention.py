@@ -1,6 +1,7 @@
-"""The host decode-attention kernel (jlora/model/host_attention.py): each row's softmax
+"""The host attention kernels (jlora/model/host_attention.py). Decode: each row's softmax
 over its own keys, read in place through its block table from the layer the scan is
-at; the engine's tokens do not depend on which attention decoded them."""
+at; the engine's tokens do not depend on which attention decoded them. Packed prefill:
+each prompt's causal softmax over its own tokens, whatever else shares the call."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from jax.sharding import Mesh
 from cpu_offload.team import Team
 from jlora.engine.api import SamplingParams
 from jlora.model import host_attention
-from jlora.model.attention import paged_decode_attention
-from jlora.model.host_attention import paged_decode_attention_host, usable
+from jlora.model.attention import packed_causal_attention, paged_decode_attention
+from jlora.model.host_attention import (
+    packed_causal_attention_host,
+    paged_decode_attention_host,
+    usable,
+)
 from jlora.model.kv_cache import KVCache
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.test_attention import naive, random
@@ -79,6 +84,38 @@ def test_the_calling_thread_and_numbas_threads_give_the_same_rows(parts):
     host_attention._attend_parallel(q, k, v, 1, tables, positions, parallel, parts)
     np.testing.assert_array_equal(parallel, serial)
     assert np.isfinite(serial).all()
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(3, 3), (9, 3)])
+def test_each_packed_prompt_attends_causally_to_its_own_tokens(heads, kv_heads):
+    """Six prompts of 5, 0, 17, 1, 33 and 12 tokens packed into 80 rows (12 of padding):
+    each token's softmax over its own prompt's tokens up to it (the naive form, and XLA's
+    `packed_causal_attention`); the padding rows are zeros."""
+    lengths = [5, 0, 17, 1, 33, 12]
+    seq, head_dim = 80, 16
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    prompt = np.searchsorted(starts[1:], np.arange(seq), side="right").astype(np.int32)
+    widths = (heads, kv_heads, kv_heads)
+    q, k, v = (random((seq, h, head_dim), seed) for seed, h in enumerate(widths))
+    out = np.asarray(jax.jit(packed_causal_attention_host)(q, k, v, starts))
+    assert out.shape == (seq, heads * head_dim) and out.dtype == np.float32
+    for first, end in zip(starts[:-1], starts[1:], strict=True):
+        for t in range(first, end):
+            expected = naive(q[t], k[first:end], v[first:end], t - first + 1)
+            assert_close(out[t], expected, np.float32, np.float32, scope="op")
+    np.testing.assert_array_equal(out[starts[-1] :], 0.0)
+    xla = jax.jit(packed_causal_attention)(q, k, v, prompt)
+    assert_close(out[: starts[-1]], xla[: starts[-1]], np.float32, np.float32, scope="op")
+
+
+def test_a_packed_prompts_attention_does_not_depend_on_its_neighbours():
+    """Batch invariance: a 21-token prompt gives the same bits alone as packed after 30
+    other tokens and before 9 more."""
+    q, k, v = random((60, 9, 64), 11), random((60, 3, 64), 12), random((60, 3, 64), 13)
+    attend = jax.jit(packed_causal_attention_host)
+    packed = attend(q, k, v, np.array([0, 30, 51, 60], np.int32))
+    alone = attend(q[30:51], k[30:51], v[30:51], np.array([0, 21], np.int32))
+    np.testing.assert_array_equal(np.asarray(packed)[30:51], np.asarray(alone))
 
 
 def test_it_serves_only_where_it_reads_the_cache_in_place():

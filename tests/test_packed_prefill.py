@@ -172,14 +172,16 @@ def test_a_packed_call_gives_each_job_its_own_prefill(engine, monkeypatch):
             assert_close(got, want, np.float32, np.float32, scope="model")
 
 
-@pytest.mark.parametrize("longest", [None, 40], ids=["all-keys", "windowed"])
-def test_packed_logits_equal_each_prompts_alone(engine, longest):
+@pytest.mark.parametrize(
+    "longest, host", [(None, False), (40, False), (40, True)], ids=["all-keys", "windowed", "host"]
+)
+def test_packed_logits_equal_each_prompts_alone(engine, longest, host):
     """The model's packed prefill, padded to six prompt rows (two empty) and 96 tokens,
-    its attention over every key or (longest=40) in windows of 20 queries and the 40 keys
-    before them, and its LoRA segments over every row or over windows of 40 (adapter
-    a's two prompts, 5 + 40 tokens, cut in two): each prompt's last logits are
-    its single prefill's; an adapted prompt's differ from the base model's (its segment
-    reaches it)."""
+    its attention over every key, (longest=40) in windows of 20 queries and the 40 keys
+    before them, or by the host kernel (each prompt by itself), and its LoRA segments
+    over every row or over windows of 40 (adapter a's two prompts, 5 + 40 tokens, cut in
+    two): each prompt's last logits are its single prefill's; an adapted prompt's differ
+    from the base model's (its segment reaches it)."""
     model, weights = engine.model, engine.lora.weights
     jobs = _Blocks(engine).jobs(seed=10)
     sentinel = engine.config.num_blocks
@@ -187,7 +189,7 @@ def test_packed_logits_equal_each_prompts_alone(engine, longest):
     assert len(set(call.segments.start.tolist())) == (5 if longest else 4)
     tables = np.full((6, 16), sentinel, np.int32)
     tables[:4, :3] = np.arange(12).reshape(4, 3)  # each prompt's own three blocks
-    packed, _ = jax.jit(model.prefill_packed, static_argnames="longest")(
+    packed, _ = jax.jit(model.prefill_packed, static_argnames=("longest", "host_attention"))(
         engine.params,
         _cache(engine),
         call.tokens,
@@ -196,6 +198,7 @@ def test_packed_logits_equal_each_prompts_alone(engine, longest):
         weights,
         call.segments,
         longest=longest,
+        host_attention=host,
     )
     packed = np.asarray(packed)
     assert packed.shape == (6, engine.vocab_size)

@@ -15,9 +15,9 @@ adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
 arrays of their own (jlora/model/layer_views.py), so each matmul reads its kernel in
-place instead of a copy sliced out of the stack, and (one CPU device, fp32, a large
-batch) its attention is a host kernel reading the cache's pages in place
-(host_attention.py).
+place instead of a copy sliced out of the stack, and (one CPU device, fp32) its
+attention is a host kernel reading the cache's pages in place, as a packed prefill's
+is one taking each prompt by itself (host_attention.py).
 Executables are compiled ahead of time, once per bucket, and then called directly, so
 nothing is ever traced or compiled twice. The engine compiles at warm-up every shape it
 will use; a shape first met after warm-up is compiled then and logged as a warning (the
@@ -90,8 +90,8 @@ class CompiledSteps:
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
-        host_attention: decode attention by the host kernel (host_attention.py); the
-        engine passes `host_attention.usable`."""
+        host_attention: decode and packed prefill attention by the host kernels
+        (host_attention.py); the engine passes `host_attention.usable`."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -203,7 +203,15 @@ class CompiledSteps:
     ) -> tuple[jax.Array, KVCache]:
         """Several prompts' prefill and each one's first token (its own sampling row)."""
         logits, cache = self.model.prefill_packed(
-            params, cache, tokens, starts, block_tables, lora_weights, segments, self.packed_longest
+            params,
+            cache,
+            tokens,
+            starts,
+            block_tables,
+            lora_weights,
+            segments,
+            self.packed_longest,
+            host_attention=self.host_attention,
         )
         return sample(logits, sampling), cache
 

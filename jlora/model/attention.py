@@ -10,7 +10,8 @@ matmul over the KV heads. Decode, one query per sequence, is two einsums over th
 gathered blocks (the fused form's layout changes cost more than its products:
 `paged_decode_attention`). A packed prefill (several prompts in one call) passes its
 block-diagonal causal mask explicitly, so its scores cover every pair of the call's
-tokens, the other prompts'."""
+tokens, the other prompts'. On one CPU device in fp32 the engine runs decode and packed
+prefill attention as host kernels instead (host_attention.py)."""
 
 from __future__ import annotations
 

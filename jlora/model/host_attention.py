@@ -1,4 +1,5 @@
-"""Paged decode attention as a Numba kernel on the host, called from the jitted step.
+"""Attention as Numba kernels on the host, called from the jitted step: paged decode
+attention, and a packed prefill's (at the end).
 
 Why: on XLA:CPU, `paged_decode_attention` gathers every row's blocks up to the batch's
 longest bucket into a new array, then reads it twice (two einsums and their layout
@@ -25,6 +26,17 @@ Semantics are `paged_decode_attention`'s: out[s] = softmax_{j <= positions[s]}(q
 K_s[j] / sqrt(d)) V_s[j], fp32 throughout; a sentinel block (an idle row's) is read
 clipped to the last block, as `jnp.take(..., mode="clip")` does, and its output is
 meaningless.
+
+A packed prefill's attention (`packed_causal_attention_host`) is a second kernel here,
+on the same terms. XLA's form computes each chunk of queries against a window of 3C
+keys that other prompts' share, and its batched matmuls over SmolLM2's heads are small:
+3.5-3.8 ms a layer for 448 tokens in 12 prompts of 16-64, on 2 Zen 4 cores. The kernel
+takes each prompt and query head in turn, reads its keys and values where they lie, and
+makes its two products (scores, then the weighted values) as OpenBLAS sgemm calls on
+the XLA thread that calls it: 1.07 ms. In `bench.prefill` the packed calls then ran at
+787 and 819 prompt tokens/s (base model) and 682 and 712 (4 adapters), against 780, 779,
+662 and 668 in the two runs before (bench/results/2026-11-30-cpu-zen4-issue17-2.md). A
+prompt's result depends on its own tokens alone, whatever else shares the call.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from jax.sharding import Mesh
 from numba import cfunc, njit, prange, types
 
 from cpu_offload import threads
+from cpu_offload.kernels import one_blas_thread, sgemm
 from jlora.model import ffi
 from jlora.model.kv_cache import KVCache
 
@@ -182,3 +195,89 @@ def paged_decode_attention_host(
     layer = jnp.asarray(layer, jnp.int32)
     out = ffi.call(_TARGET, _handler(), result, q, cache.k, cache.v, layer, block_tables, positions)
     return out.reshape(slots, heads * head_dim)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _attend_packed(q, k, v, starts, out):  # pragma: no cover - compiled
+    """q, out: f32[T, H, D]; k, v: f32[T, KVH, D]; starts: i32[P + 1]. For each prompt
+    p (rows starts[p] to starts[p + 1]) and query head h: the scores S = Q_h K^T, each
+    row's causal softmax (zeros past its own token), then S V into out's rows, each
+    product one sgemm over the rows where they lie (a row-major [n, D] of row stride s
+    is a column-major [D, n] of leading dimension s). Rows from starts[P] on: zeros."""
+    seq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scale = np.float32(1.0 / math.sqrt(dim))
+    longest = 1
+    for p in range(starts.shape[0] - 1):
+        longest = max(longest, min(starts[p + 1], seq) - min(starts[p], seq))
+    scores = np.empty((longest, longest), np.float32)  # row t: query t's, by key
+    out[min(starts[-1], seq) :] = 0.0
+    for p in range(starts.shape[0] - 1):
+        first, end = min(starts[p], seq), min(starts[p + 1], seq)
+        n = end - first
+        if n <= 0:
+            continue
+        for h in range(heads):
+            keys, values = k[first:, h // group], v[first:, h // group]
+            # scores^T [keys, queries] = K [keys, D] @ Q_h^T [D, queries], column-major
+            sgemm(True, n, n, dim, keys, kv_heads * dim, q[first:, h], heads * dim,
+                  0.0, scores, longest)  # fmt: skip
+            for t in range(n):
+                row = scores[t]
+                top = row[0]
+                for j in range(1, t + 1):
+                    top = max(top, row[j])
+                total = np.float32(0.0)
+                for j in range(t + 1):
+                    row[j] = np.exp((row[j] - top) * scale)
+                    total += row[j]
+                for j in range(t + 1):
+                    row[j] /= total
+                row[t + 1 : n] = 0.0
+            # out_h^T [D, queries] = V^T [D, keys] @ scores^T [keys, queries]
+            sgemm(False, dim, n, n, values, kv_heads * dim, scores, longest,
+                  0.0, out[first:, h], heads * dim)  # fmt: skip
+
+
+_PACKED_TARGET = "jlora_packed_causal_attention"
+
+
+@functools.cache
+def _packed_handler() -> Any:
+    """The packed prefill's FFI target (compiled as `_handler` is): args q, k, v,
+    starts; result out. OpenBLAS gets one thread in the process first (its helper
+    threads would spin on the cores XLA's threads use: `kernels.one_blas_thread`)."""
+    one_blas_thread()
+
+    @cfunc(types.int64(types.voidptr))
+    def handle(frame):  # pragma: no cover - compiled
+        if ffi.answered_metadata(frame):
+            return 0
+        a, f32 = ffi.ARGS, np.float32
+        _attend_packed(
+            ffi.array_3d(frame, a, 0, f32),
+            ffi.array_3d(frame, a, 1, f32),
+            ffi.array_3d(frame, a, 2, f32),
+            ffi.array_1d(frame, a, 3, np.int32),
+            ffi.array_3d(frame, ffi.RETS, 0, f32),
+        )
+        return 0
+
+    return handle
+
+
+def packed_causal_attention_host(
+    q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array
+) -> jax.Array:
+    """`packed_causal_attention` on the host, each prompt by itself.
+
+    q: [T, heads, head_dim] f32; k, v: [T, kv_heads, head_dim] f32; starts: i32[P + 1],
+    non-decreasing from 0: prompt p is rows starts[p] to starts[p + 1], rows from
+    starts[P] on are padding (their output is zeros). Returns [T, heads * head_dim].
+    """
+    seq, heads, head_dim = q.shape
+    result = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    starts = jnp.asarray(starts, jnp.int32)
+    out = ffi.call(_PACKED_TARGET, _packed_handler(), result, q, k, v, starts)
+    return out.reshape(seq, heads * head_dim)

@@ -64,7 +64,10 @@ from jlora.model.attention import (
     write_kv,
 )
 from jlora.model.dots import einsum_f32
-from jlora.model.host_attention import paged_decode_attention_host
+from jlora.model.host_attention import (
+    packed_causal_attention_host,
+    paged_decode_attention_host,
+)
 from jlora.model.kv_cache import KVCache
 from jlora.model.sharding import TensorParallel
 
@@ -621,6 +624,7 @@ class Llama:
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
         longest: int | None = None,
+        host_attention: bool = False,
     ) -> tuple[jax.Array, KVCache]:
         """Several prompts in one pass, back to back: each is what `prefill` makes of it
         alone (its tokens attend causally to its own, never to another prompt's), writes
@@ -633,6 +637,8 @@ class Llama:
         segments over the packed rows (each prompt inside its adapter's segment).
         longest: None, or (static) the most tokens a prompt has, which bounds the keys
         a token's attention reads (`packed_causal_attention`).
+        host_attention: attention by the host kernel (host_attention.py; a one-device
+        CPU mesh in fp32 only), each prompt by itself.
         Returns fp32 logits [P, V] at each prompt's last token (an empty prompt's are
         meaningless), and the updated cache.
         """
@@ -644,6 +650,8 @@ class Llama:
         blocks = jnp.where(real, block_tables[row, positions // cache.block_size], cache.num_blocks)
 
         def attend(q, k, v, cache, index):
+            if host_attention:
+                return packed_causal_attention_host(q, k, v, starts)
             return packed_causal_attention(q, k, v, prompt, longest)
 
         def lora_for(index, step, cache):
