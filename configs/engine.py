@@ -85,7 +85,8 @@ class EngineConfig:
       bucket holding them: one variant per prefill bucket up to packed_prefill_tokens,
       compiled at warm-up. The longest prompt bounds the keys a token's attention reads
       (the scores cost about 1.5 · packed_prefill_prompt_tokens per token, not the
-      call's length). 0 (any), or fewer than two prompts: no packing, nothing more
+      call's length; on one CPU device in fp32 a host kernel reads each prompt's own
+      keys alone). 0 (any), or fewer than two prompts: no packing, nothing more
       compiled.
     max_loras: device adapter slots (0: serve the base model only, no LoRA code in the
       compiled steps). max_lora_rank: the slots' rank; lora_targets: the projections
