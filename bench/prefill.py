@@ -20,12 +20,19 @@ the adapters and the base model). Two systems per scenario, on the same engine:
   padded to the bucket holding its prompts (`packed_prefill_prompt_tokens` = 64: every
   prompt here joins a packed call).
 
+In the base scenario, two more systems bound what packing can give on this machine:
+`products_one_per_call` and `products_packed` run the layers' seven dense products
+alone (q, k, v, o, gate, up and down on the real weights, with the residual adds: no
+norms, attention, logits or sampling) on the rows each system computes, call by call.
+Their ratio is what packing gives from less padding and bigger products alone; each
+system's rate against its products' is the share of its time the products take.
+
 Both are warm (one untimed run of each first, which compiles the shapes it meets: the
 engines warm up on demand); then `repeats` timed runs, alternating. Reported: prompt
 tokens/s (real tokens only), the compiled calls and the tokens computed (padding
-included) per run, the median's ratio packed / one_per_call, and whether both systems
-gave every prompt the same first token (--json: every timing, its `phase` the
-scenario).
+included) per run, the median's ratio packed / one_per_call (and products_packed /
+products_one_per_call), and whether both systems gave every prompt the same first
+token (--json: every timing, its `phase` the scenario).
 """
 
 from __future__ import annotations
@@ -37,8 +44,11 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bench.report import machine_facts
@@ -135,18 +145,47 @@ def packed(engine: LlamaEngine, jobs: list[PrefillJob], first: dict) -> float:
     return time.perf_counter() - start
 
 
-def calls_and_computed(engine: LlamaEngine, jobs: list[PrefillJob]) -> dict[str, tuple[int, int]]:
-    """Per system: compiled calls and tokens computed (padding included) per run."""
+def computed_rows(engine: LlamaEngine, jobs: list[PrefillJob]) -> dict[str, list[int]]:
+    """Per system: the tokens each of its compiled calls computes (padding included)."""
     buckets = engine.config.prefill_buckets
     lengths = [len(job.tokens) for job in jobs]
     calls = engine.packed.calls(dict(enumerate(lengths)))
     alone = set(range(len(jobs))) - {index for call in calls for index in call}
-    computed = sum(bucket(buckets, sum(lengths[i] for i in call)) for call in calls)
-    computed += sum(bucket(buckets, lengths[i]) for i in alone)
     return {
-        "one_per_call": (len(jobs), sum(bucket(buckets, n) for n in lengths)),
-        "packed": (len(calls) + len(alone), computed),
+        "one_per_call": [bucket(buckets, n) for n in lengths],
+        "packed": [bucket(buckets, sum(lengths[i] for i in call)) for call in calls]
+        + [bucket(buckets, lengths[i]) for i in sorted(alone)],
     }
+
+
+def dense_products(loaded: LoadedModel) -> Callable[[list[int]], float]:
+    """`run(rows)`: seconds for the layers' seven dense products and residual adds alone,
+    one compiled call per entry of `rows` on that many rows, each waited for as an
+    engine's call is. The weights are the model's stacked ones, scanned over as the
+    prefill scans them; the keys and values come out of each layer, as a prefill
+    writes them to its cache."""
+    layers = loaded.params["layers"]
+    kernels = {name: layers[name]["kernel"] for name in layers if name.endswith("_proj")}
+    hidden = kernels["q_proj"].shape[1]
+    dtype = kernels["q_proj"].dtype
+
+    def layer(x, w):
+        keys, values = x @ w["k_proj"], x @ w["v_proj"]
+        h = x + (x @ w["q_proj"]) @ w["o_proj"]
+        return h + ((h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"], (keys, values)
+
+    products = jax.jit(lambda kernels, x: jax.lax.scan(layer, x, kernels))
+    inputs: dict[int, jax.Array] = {}
+
+    def run(rows: list[int]) -> float:
+        start = time.perf_counter()
+        for n in rows:
+            if n not in inputs:
+                inputs[n] = jnp.full((n, hidden), 0.01, dtype)
+            jax.block_until_ready(products(kernels, inputs[n]))
+        return time.perf_counter() - start
+
+    return run
 
 
 def render(facts: dict, plan: Plan, rows: list[dict]) -> str:
@@ -173,9 +212,21 @@ def render(facts: dict, plan: Plan, rows: list[dict]) -> str:
         )
     lines += [
         "",
-        "ratio = packed / one_per_call (medians). "
+        "ratio = packed / one_per_call (medians), and products_packed / "
+        "products_one_per_call. "
         + "; ".join(f"{s}: first tokens equal {eq}" for s, eq in _equal(rows).items()),
     ]
+    rates = {  # the base scenario's, which has the products
+        row["measurement"].system: row["measurement"].tokens_per_s
+        for row in rows
+        if row["scenario"] == rows[0]["scenario"]
+    }
+    if "products_packed" in rates:
+        shares = ", ".join(
+            f"{system} {rates[system] / rates['products_' + system]:.0%}"
+            for system in ("one_per_call", "packed")
+        )
+        lines.append(f"The products' share of each system's time (base model): {shares}.")
     return "\n".join(lines)
 
 
@@ -222,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{plan.packed_tokens} tokens"
         )
     rows: list[dict] = []
+    products = dense_products(loaded)
     with tempfile.TemporaryDirectory() as tmp:
         scenarios = {"base": []}
         if plan.adapters:
@@ -235,25 +287,33 @@ def main(argv: list[str] | None = None) -> None:
                 jobs = make_jobs(loaded, plan, engine)
                 tokens = sum(len(job.tokens) for job in jobs)
                 first: dict[str, list[int]] = {}
-                runs = {
+                runs: dict[str, Callable[[], float]] = {
                     name: functools.partial(run, engine, jobs, first)
                     for name, run in (("one_per_call", one_per_call), ("packed", packed))
                 }
+                computed = computed_rows(engine, jobs)
+                if not adapters:  # the bound, once: the products alone on the same rows
+                    for name in ("one_per_call", "packed"):
+                        runs[f"products_{name}"] = functools.partial(products, computed[name])
                 shape = f"{plan.prompts}x({plan.min_len}-{plan.max_len})"
                 measured = compare(scenario, shape, tokens, plan.repeats, **runs)
-                counts = calls_and_computed(engine, jobs)
             finally:
                 engine.close()
             equal = sum(a == b for a, b in zip(first["one_per_call"], first["packed"], strict=True))
-            baseline = measured[0].tokens_per_s
+            rates = {m.system: m.tokens_per_s for m in measured}
             for m in measured:
+                system = m.system.removeprefix("products_")  # products_X: X's rows
                 rows.append(
                     {
                         "scenario": scenario,
                         "measurement": m,
-                        "calls": counts[m.system][0],
-                        "computed": counts[m.system][1],
-                        "ratio": m.tokens_per_s / baseline if m.system == "packed" else None,
+                        "calls": len(computed[system]),
+                        "computed": sum(computed[system]),
+                        "ratio": (
+                            m.tokens_per_s / rates[m.system.replace("packed", "one_per_call")]
+                            if system == "packed"
+                            else None
+                        ),
                         "equal": f"{equal}/{len(jobs)}",
                     }
                 )
