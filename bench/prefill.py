@@ -216,16 +216,10 @@ def render(facts: dict, plan: Plan, rows: list[dict]) -> str:
         "products_one_per_call. "
         + "; ".join(f"{s}: first tokens equal {eq}" for s, eq in _equal(rows).items()),
     ]
-    rates = {  # the base scenario's, which has the products
-        row["measurement"].system: row["measurement"].tokens_per_s
-        for row in rows
-        if row["scenario"] == rows[0]["scenario"]
-    }
-    if "products_packed" in rates:
-        shares = ", ".join(
-            f"{system} {rates[system] / rates['products_' + system]:.0%}"
-            for system in ("one_per_call", "packed")
-        )
+    shares = ", ".join(
+        f"{row['measurement'].system} {row['share']:.0%}" for row in rows if row["share"]
+    )
+    if shares:
         lines.append(f"The products' share of each system's time (base model): {shares}.")
     return "\n".join(lines)
 
@@ -315,6 +309,11 @@ def main(argv: list[str] | None = None) -> None:
                             else None
                         ),
                         "equal": f"{equal}/{len(jobs)}",
+                        "share": (  # its rate as a share of its products' (where they ran)
+                            m.tokens_per_s / rates[f"products_{m.system}"]
+                            if f"products_{m.system}" in rates
+                            else None
+                        ),
                     }
                 )
     facts["load_avg_1min_end"] = os.getloadavg()[0]

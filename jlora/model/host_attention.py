@@ -59,6 +59,20 @@ from jlora.model.kv_cache import KVCache
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _softmax(row, length, scale):  # pragma: no cover - compiled
+    """row[:length] = softmax(row[:length] * scale), in place; the rest is left alone."""
+    top = row[0]
+    for j in range(1, length):
+        top = max(top, row[j])
+    total = np.float32(0.0)
+    for j in range(length):
+        row[j] = np.exp((row[j] - top) * scale)
+        total += row[j]
+    for j in range(length):
+        row[j] /= total
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _heads(q, k, v, layer, tables, positions, out, s, first, last):  # pragma: no cover - compiled
     """Row s, KV heads first..last - 1: scores of their query heads against the row's
     keys, softmax, the weighted sum of its values. q, out: f32[S, H, D]; k, v: f32[L, NB,
@@ -83,15 +97,7 @@ def _heads(q, k, v, layer, tables, positions, out, s, first, last):  # pragma: n
                         acc += queries[g, d] * key[d]
                     weights[g, start + i] = acc
     for g in range(heads):
-        top = weights[g, 0]
-        for t in range(1, length):
-            top = max(top, weights[g, t])
-        total = np.float32(0.0)
-        for t in range(length):
-            weights[g, t] = np.exp(weights[g, t] - top)
-            total += weights[g, t]
-        for t in range(length):
-            weights[g, t] /= total
+        _softmax(weights[g], length, np.float32(1.0))  # the queries are scaled already
     acc_out = np.zeros((heads, dim), np.float32)
     for start in range(0, length, block_size):
         block = min(tables[s, start // block_size], num_blocks - 1)
@@ -224,17 +230,8 @@ def _attend_packed(q, k, v, starts, out):  # pragma: no cover - compiled
             sgemm(True, n, n, dim, keys, kv_heads * dim, q[first:, h], heads * dim,
                   0.0, scores, longest)  # fmt: skip
             for t in range(n):
-                row = scores[t]
-                top = row[0]
-                for j in range(1, t + 1):
-                    top = max(top, row[j])
-                total = np.float32(0.0)
-                for j in range(t + 1):
-                    row[j] = np.exp((row[j] - top) * scale)
-                    total += row[j]
-                for j in range(t + 1):
-                    row[j] /= total
-                row[t + 1 : n] = 0.0
+                _softmax(scores[t], t + 1, scale)
+                scores[t, t + 1 : n] = 0.0
             # out_h^T [D, queries] = V^T [D, keys] @ scores^T [keys, queries]
             sgemm(False, dim, n, n, values, kv_heads * dim, scores, longest,
                   0.0, out[first:, h], heads * dim)  # fmt: skip
