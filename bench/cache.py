@@ -72,8 +72,8 @@ from bench.workloads import (
 )
 from configs import EngineConfig, ModelConfig
 from jlora.adapters.peft import make_demo_adapters
+from jlora.device.llama_engine import build_engine
 from jlora.engine.api import CacheStats, EngineStats, Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 

@@ -94,7 +94,7 @@ def run_once(engine: Any, plan: Plan, run: int = 0) -> dict[str, Any]:
 
 def measure(plan: Plan) -> list[dict[str, Any]]:
     from configs import EngineConfig
-    from jlora.engine.llama_engine import build_engine
+    from jlora.device.llama_engine import build_engine
     from jlora.model.loading import load_model
 
     loaded = load_model(plan.model)

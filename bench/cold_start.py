@@ -52,12 +52,12 @@ from configs import EngineConfig
 from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
-from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
 from jlora.cli.common import names_from
+from jlora.device.llama_engine import LlamaEngine, build_engine
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import load_model
+from jlora.model.lora.targets import TARGETS, rank_row_bytes, target_shapes
 
 MODES = ("cached", "ondemand", "cpu-assist", "auto")
 SECTIONS = ("trace", "loads")

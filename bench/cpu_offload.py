@@ -25,7 +25,7 @@ the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
    beside an accelerator, and how it ran on a CPU until 2026-11-27; a submit, which
    copies x into shared memory and hands off, and a collect). Torch's n threads
    include its calling thread; the pool's are its calling thread and its team's
-   helpers (`cpu_offload.team`). With every core, the pool of threads also runs as the
+   helpers (`cpu_offload.kernels.team`). With every core, the pool of threads also runs as the
    engine calls it, picking its threads (`threads_for`: one, unless the product takes
    more than `target_ms` on one core). A and B live in a shared-memory arena laid
    out as the host store lays it out; torch reads the same memory
@@ -40,7 +40,7 @@ the kernels OpenBLAS picks for the CPU itself (leave tests and CI as they are).
    as the real callbacks do (the callback overhead proper: the comparable figure);
    one `buffer_callback` a group doing no work (the floor of `CpuAssist.apply`, the
    one callback a group makes where the products run on the engine's threads, until
-   it became an XLA FFI handler on 2026-11-29: jlora/engine/cpu_apply.py, whose
+   it became an XLA FFI handler on 2026-11-29: jlora/device/cpu_assist/apply.py, whose
    floor is a few µs a layer); and `CpuAssist`'s real ops over the real pool (this
    path: the FFI handler on the engine's threads, the callback pairs with worker
    processes), next to its products
@@ -77,9 +77,13 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
-from cpu_offload import CpuLoraPool, LoraJob, lora_rows, lora_task  # noqa: E402
-from cpu_offload.kernels import blas_core  # noqa: E402
-from cpu_offload.team import TEAM_SPIN_S  # noqa: E402
+from cpu_offload import CpuLoraPool, LoraJob  # noqa: E402
+from cpu_offload.kernels.blas import (  # noqa: E402
+    blas_core,  # noqa: E402
+    lora_rows,
+    lora_task,
+)
+from cpu_offload.kernels.team import TEAM_SPIN_S  # noqa: E402
 
 HIDDEN = 576
 OUTS = (576, 1536)
@@ -293,7 +297,7 @@ def _overhead_scans(config: Any, tokens: int, cpu: Any) -> dict[str, Callable[[A
     from jax.experimental import io_callback
     from jax.experimental.buffer_callback import buffer_callback
 
-    from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+    from jlora.model.lora.targets import INPUT_GROUPS, target_shapes
 
     shapes = target_shapes(config)
     groups = [(shapes[names[0]][0], sum(shapes[n][1] for n in names)) for names in INPUT_GROUPS]
@@ -378,7 +382,7 @@ def _products(cpu: Any, layers: int, tokens: int, floats: np.ndarray) -> Callabl
     """One scan's worth of the adapter's products, in this process on one thread: what
     the workers compute for the callbacks of every CPU-routed layer."""
     from cpu_offload.protocol import Task, out_stride
-    from jlora.adapters.targets import INPUT_GROUPS
+    from jlora.model.lora.targets import INPUT_GROUPS
 
     rng = np.random.default_rng(2)
     calls = []
@@ -422,8 +426,8 @@ def callback_overhead(iters: int) -> list[str]:
     from configs.model import DEFAULT_MODEL, load_preset
     from jlora.adapters.peft import make_demo_adapters
     from jlora.adapters.store import HostStore
-    from jlora.adapters.targets import TARGETS, target_shapes
-    from jlora.engine.cpu_assist import CpuAssist, default_workers
+    from jlora.device.cpu_assist.callbacks import CpuAssist, default_workers
+    from jlora.model.lora.targets import TARGETS, target_shapes
 
     config = load_preset(DEFAULT_MODEL).config
     tokens, layers, ranks = OVERHEAD_TOKENS, config.num_layers, (1, 16)

@@ -43,8 +43,8 @@ from bench.report import dated_stem, machine_facts, write_report
 from bench.workloads import Workload, demo_adapter_pool, poisson_workload
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
+from jlora.device.llama_engine import build_engine
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
 from jlora.engine.merging import DynamicBatcher
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model

@@ -41,8 +41,8 @@ import numpy as np
 from bench import report
 from bench.workloads import read_trace
 from configs import EngineConfig
+from jlora.device.llama_engine import build_engine
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 

@@ -49,15 +49,15 @@ from bench.report import machine_facts
 from bench.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs import EngineConfig
 from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS, LORA_TARGETS
-from jlora.adapters.backends import POOLED
-from jlora.adapters.backends.reference import DECODE_FORMS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
-from jlora.adapters.targets import TARGETS
 from jlora.cli.common import names_from, target_list
-from jlora.engine.llama_engine import build_engine
+from jlora.device.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
+from jlora.model.lora.backends import POOLED
+from jlora.model.lora.reference import DECODE_FORMS
+from jlora.model.lora.targets import TARGETS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,8 +57,8 @@ from configs import EngineConfig, bucket
 from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import store_mib
-from jlora.engine.device import PrefillJob, SamplingRow
-from jlora.engine.llama_engine import LlamaEngine
+from jlora.device.llama_engine import LlamaEngine
+from jlora.engine.device_api import PrefillJob, SamplingRow
 from jlora.model.loading import LoadedModel, load_model
 
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)

@@ -87,8 +87,8 @@ def make_workload(plan: Plan) -> Workload:
 
 def run_jlora(plan: Plan, workload: Workload, adapters: Path) -> dict[str, Any]:
     """The engine in this process: (seconds, texts by request id)."""
+    from jlora.device.llama_engine import build_engine
     from jlora.engine.api import Request, SamplingParams
-    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
 
     loaded = load_model(plan.model)

@@ -83,7 +83,7 @@ def run(plan: Plan) -> tuple[list[dict], dict]:
     from bench.timing import compare, jlora_decode
     from configs import EngineConfig, load_sharding
     from jlora.adapters.peft import make_demo_adapters
-    from jlora.engine.llama_engine import LlamaEngine, build_engine
+    from jlora.device.llama_engine import LlamaEngine, build_engine
     from jlora.model.loading import load_model
     from jlora.model.sharding import per_device_bytes
 

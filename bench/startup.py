@@ -104,8 +104,8 @@ def child(warmup: str, cache: str, plan: Plan) -> dict[str, Any]:
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from configs import EngineConfig
+    from jlora.device.llama_engine import build_engine
     from jlora.engine.api import Request, SamplingParams
-    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
 
     marks["import"] = time.perf_counter() - start
@@ -212,8 +212,8 @@ def loading_costs(plan: Plan) -> dict[str, float]:
         ]
         return statistics.median(float(out) for out in runs)
 
-    engine = import_s("jlora.engine.llama_engine")
-    with_workers = import_s("jlora.engine.llama_engine, cpu_offload")
+    engine = import_s("jlora.device.llama_engine")
+    with_workers = import_s("jlora.device.llama_engine, cpu_offload")
     return {
         "dequantize_gguf_package_s": statistics.median(package),
         "dequantize_jlora_s": statistics.median(ours),

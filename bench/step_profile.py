@@ -31,7 +31,7 @@ the profiler. Reported per step, from the trace:
 - `stacked`: a `lax.scan` slicing layer i out of the stacked arrays (`--layer-loop scan`);
 - `copies`: every layer's parameters copied into arrays of their own (on a GPU, 2x the
   weights' memory), picked by a `lax.switch` on i: what the CPU does without a copy
-  (`jlora/model/layer_views.py`);
+  (`jlora/model/host/layer_views.py`);
 - `unrolled`: the layer loop unrolled in Python (`--layer-loop unrolled`, the GPU's
   default), so each layer's slices of the stack are static;
 - `copies-unrolled`: both: each layer's own arrays, picked without a switch.
@@ -65,8 +65,8 @@ from bench.report import machine_facts, write_report
 from bench.timing import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
 from jlora.cli.common import names_from, target_list
-from jlora.engine.steps import CompiledSteps
-from jlora.model import layer_views
+from jlora.device.steps import CompiledSteps
+from jlora.model.host import layer_views
 from jlora.model.loading import load_model
 
 TOP = 16  # ops listed per system

@@ -55,8 +55,8 @@ from bench import report
 from bench.baselines import hf_model
 from bench.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs import EngineConfig, load_preset
+from jlora.device.llama_engine import build_engine
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import build_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel, load_model
 

@@ -128,7 +128,7 @@ class EngineConfig:
       merged the device holds the pristine and the merged copies of that adapter's
       target weights.
     cache_policy: how device memory is shared between KV blocks and adapters, and what
-      is kept after a request (jlora/memory): "fastlibra" (FastLibra: one pool of pages
+      is kept after a request (jlora/engine/memory): "fastlibra" (FastLibra: one pool of pages
       for KV blocks and adapter rank rows, a prefix cache keyed by adapter content with
       usage dependencies, a cost-model swapper to and from a host pool), "lru" (vLLM's:
       a static share of the pool for max_loras adapters at max_lora_rank, the prefix
@@ -159,7 +159,7 @@ class EngineConfig:
       step holds every layer's code, and a 7B engine's full warm-up compiles for
       minutes on a first start (the persistent compilation cache serves later ones).
       On a CPU the scan reads each layer's weights in place through per-layer views
-      (jlora/model/layer_views.py).
+      (jlora/model/host/layer_views.py).
     sharding: the device mesh and placement rules (configs/sharding.py); None is one
       device.
     """

@@ -66,7 +66,8 @@ from typing import Any
 
 import numpy as np
 
-from cpu_offload.kernels import lora_rows, lora_task, one_blas_thread
+from cpu_offload.kernels.blas import lora_rows, lora_task, one_blas_thread
+from cpu_offload.kernels.team import Team
 from cpu_offload.protocol import (
     CLAIMED,
     DONE,
@@ -81,7 +82,6 @@ from cpu_offload.protocol import (
     Task,
     attach,
 )
-from cpu_offload.team import Team
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpu_offload.kernels import rows_per_call
+from cpu_offload.kernels.blas import rows_per_call
 
 MAGIC = 0x4A4C4F5241435055  # "JLORACPU"
 VERSION = 3  # 2: out_column, CLAIMED, padded output rows; 3: rows per sgemm call

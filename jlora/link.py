@@ -1,5 +1,5 @@
 """The emulated host-to-device link (`EngineConfig.emulated_link_gbps`), shared by the
-copies that cross it: adapter transfers (jlora/adapters/device.py) and the prefix
+copies that cross it: adapter transfers (jlora/device/lora_slots.py) and the prefix
 cache's KV swaps (the device engines). Imports nothing heavy, so the mock engine can
 throttle as the JAX engine does."""
 

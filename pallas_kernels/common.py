@@ -123,7 +123,7 @@ def expect_pool_rows(
 ) -> None:
     """A pool of rank rows [L, P, W] in `dtype`, W >= width: a row's first `width` values
     are what the kernels read, so a pool may be a wider array viewed as rows (the KV
-    cache's pages, jlora/adapters/backends/pallas.py)."""
+    cache's pages, jlora/model/lora/pallas.py)."""
     ok = len(pool.shape) == 3 and pool.shape[2] >= width
     expect_shape(name, pool, (*lead, pool.shape[2] if ok else width))
     expect_dtype(name, pool, (dtype,))

@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 from configs import EngineConfig
+from jlora.device.llama_engine import LlamaEngine, build_engine
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.llama_engine import LlamaEngine, build_engine
 from jlora.engine.orchestrator import Orchestrator
 
 

@@ -147,7 +147,7 @@ def paged(adapters: list[Adapter], rank_dim: int, rng, dtype, spare_pages: int =
 
 def wider_rows(pool, extra: int):
     """A pool [L, P, width] with `extra` NaN values after each row's: the KV cache's pages
-    seen as rank rows (jlora/adapters/backends/pallas.py), whose rows are wider than the
+    seen as rank rows (jlora/model/lora/pallas.py), whose rows are wider than the
     projection; a kernel must read each row's first values alone."""
     return jnp.pad(pool, ((0, 0), (0, 0), (0, extra)), constant_values=np.nan)
 

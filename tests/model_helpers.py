@@ -11,9 +11,9 @@ import functools
 import jax
 import numpy as np
 
-from jlora.adapters.backends import Segments
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
+from jlora.model.lora.base import Segments
 from tests.engine_helpers import kv_blocks
 
 

@@ -188,7 +188,7 @@ def memory(model: str, preset: str, scheme: str) -> dict:
     import jax
 
     from configs import EngineConfig
-    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.device.llama_engine import LlamaEngine
     from jlora.model.loading import load_model
     from jlora.model.sharding import per_device_bytes
 
@@ -225,7 +225,7 @@ def memory(model: str, preset: str, scheme: str) -> dict:
 
 def hlo(model: str, preset: str, scheme: str) -> dict:
     from configs import EngineConfig
-    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.device.llama_engine import LlamaEngine
     from jlora.model.loading import load_model
 
     loaded = load_model(model)
@@ -303,7 +303,7 @@ def restore(model: str, preset: str) -> dict:
 
 def packed(model: str, preset: str, scheme: str, backend: str) -> dict:
     from configs import EngineConfig
-    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.device.llama_engine import LlamaEngine
     from tests.test_packed_prefill import ADAPTERS as SLOTS
     from tests.test_packed_prefill import _Blocks, continue_greedy
 
@@ -335,7 +335,7 @@ def merge(model: str, preset: str, scheme: str) -> dict:
     import jax
 
     from configs import EngineConfig
-    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.device.llama_engine import LlamaEngine
     from tests.test_merge import drive
 
     loaded = _load(model)

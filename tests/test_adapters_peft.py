@@ -30,8 +30,8 @@ from jlora.adapters.peft import (
     read_lora_spec,
     write_peft_adapter,
 )
-from jlora.adapters.targets import MODULE_OF, TARGETS, target_shapes
 from jlora.cli.main import main
+from jlora.model.lora.targets import MODULE_OF, TARGETS, target_shapes
 from tests.tolerances import assert_close
 
 TINY = load_preset("cpu-tiny").config

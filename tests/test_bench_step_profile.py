@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from bench import step_profile
-from jlora.engine.steps import CompiledSteps
-from jlora.model import layer_views
+from jlora.device.steps import CompiledSteps
+from jlora.model.host import layer_views
 
 
 def test_busy_time_is_the_union_of_intervals():

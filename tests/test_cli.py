@@ -391,7 +391,7 @@ def test_prompts_file_seed_and_temperature_per_line(generate_jsonl, tiny):
     in any batch position, another seed another text, and a line without a temperature
     is greedy (--temperature 0) whatever its seed."""
     from configs import EngineConfig
-    from jlora.engine.llama_engine import build_engine
+    from jlora.device.llama_engine import build_engine
 
     def make_engine(slots):
         config = EngineConfig(max_slots=slots, max_seq_len=64)

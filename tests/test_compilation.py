@@ -163,7 +163,7 @@ def test_on_demand_warmup_compiles_only_the_shapes_a_run_meets(tiny, caplog):
     lazy.warmup(on_demand=True)
     steps = lazy.device.steps
     assert steps.num_compiles == 0
-    with caplog.at_level("INFO", logger="jlora.engine.steps"):
+    with caplog.at_level("INFO", logger="jlora.device.steps"):
         assert run(lazy) == run(ahead)
     # Packed together (5 + 37 tokens); decoded together (rows up to 41 tokens long),
     # then "a" alone (up to 11): nothing cached, no other bucket.

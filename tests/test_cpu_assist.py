@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jlora.adapters.backends import Segments
 from jlora.adapters.peft import make_demo_adapters
 from jlora.adapters.store import HostStore
-from jlora.adapters.targets import INPUT_GROUPS, target_shapes
+from jlora.device.cpu_assist.callbacks import CpuAssist
 from jlora.engine import cost_model
 from jlora.engine.api import Request, SamplingParams
-from jlora.engine.cpu_assist import CpuAssist
+from jlora.model.lora.base import Segments
+from jlora.model.lora.targets import INPUT_GROUPS, target_shapes
 from tests.engine_helpers import kv_blocks, make_engine, run_to_completion
 from tests.tolerances import assert_close
 
@@ -123,7 +123,7 @@ def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_plac
     zeros in the others' columns and in the padding rows; a group the adapter leaves
     alone makes no hand-off (the collect is skipped on the device) and adds zeros. Both
     kinds of callback: in place (the CPU's: buffer_callbacks, and for `apply` an FFI
-    handler, jlora/engine/cpu_apply.py) and with host copies (an accelerator's);
+    handler, jlora/device/cpu_assist/apply.py) and with host copies (an accelerator's);
     both paths: a submit and a collect around the base projections (worker
     processes), and one `apply` (threads of this process, where nothing overlaps)."""
     shapes = target_shapes(tiny.config)
@@ -177,7 +177,7 @@ def test_callbacks_give_x_a_b_in_the_projections_columns(tiny, adapters, in_plac
 
 def test_a_plan_whose_last_layer_leaves_the_arena_fails_its_prefill_and_adds_zeros(tiny, adapters):
     """On one CPU device `begin` checks the prefill's jobs at the first and the last layer
-    (jlora/engine/cpu_apply.py): an adapter whose layers would run past the arena is
+    (jlora/device/cpu_assist/apply.py): an adapter whose layers would run past the arena is
     refused before any product, the error names the field, and the FFI handler then
     writes zeros; the next prefill, of a sound adapter, gets its products."""
     shapes = target_shapes(tiny.config)
@@ -350,7 +350,7 @@ def test_a_cpu_path_that_cannot_recover_fails_only_its_request(tiny, adapters, d
             for event in engine.step():
                 events[event.request_id].append(event)
         # On a CPU the products run on the engine's threads, from a plan the pool checks
-        # once a prefill (jlora/engine/cpu_apply.py).
+        # once a prefill (jlora/device/cpu_assist/apply.py).
         assert broken == ["check"]
         [failed] = events["r0"]  # the first assisted prefill met the broken pool
         assert failed.finish_reason == "error" and failed.error.reason == "CPU_ASSIST_FAILED"

@@ -20,10 +20,12 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 
-from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob, kernels, lora_rows, lora_task
-from cpu_offload import team as team_module
+from cpu_offload import MAX_JOBS, CpuLoraPool, LoraJob
+from cpu_offload.kernels import blas
+from cpu_offload.kernels import team as team_module
+from cpu_offload.kernels.blas import lora_rows, lora_task
+from cpu_offload.kernels.team import Team
 from cpu_offload.protocol import DONE, Task
-from cpu_offload.team import Team
 
 ATOL = 1e-4  # fp32 sums of a few hundred terms of size ~1/sqrt(n)
 LAYERS = 2
@@ -180,11 +182,11 @@ def test_rows_per_call_keeps_each_call_on_openblas_small_product_path():
         (1536, 8): 40, (576, 8): 112, (1536, 64): 0, (1, 1): 65536,
     }  # fmt: skip
     for (width, depth), rows in cases.items():
-        assert kernels.rows_per_call(width, depth, "SkylakeX") == rows, (width, depth)
-        assert rows * width * depth <= kernels.SMALL_PRODUCT_MADDS
-        assert 4 * rows * width <= kernels.SMALL_PRODUCT_OUT_BYTES
+        assert blas.rows_per_call(width, depth, "SkylakeX") == rows, (width, depth)
+        assert rows * width * depth <= blas.SMALL_PRODUCT_MADDS
+        assert 4 * rows * width <= blas.SMALL_PRODUCT_OUT_BYTES
     for core in ("Haswell", "Zen", "unknown"):
-        assert kernels.rows_per_call(16, 576, core) == 0
+        assert blas.rows_per_call(16, 576, core) == 0
 
 
 def test_kernel_refuses_an_output_that_is_not_whole_rows():
@@ -199,7 +201,7 @@ def test_kernel_refuses_an_output_that_is_not_whole_rows():
 def test_blas_core_names_the_kernels_openblas_was_told_to_run(core):
     """OPENBLAS_CORETYPE picks OpenBLAS's kernels at load: a process started with it set
     reports that core (the benchmarks record it beside their figures)."""
-    code = "from cpu_offload.kernels import blas_core; print(blas_core())"
+    code = "from cpu_offload.kernels.blas import blas_core; print(blas_core())"
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if own.stdout.strip() == "unknown":

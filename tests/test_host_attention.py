@@ -1,4 +1,4 @@
-"""The host attention kernels (jlora/model/host_attention.py). Decode: each row's softmax
+"""The host attention kernels (jlora/model/host/attention.py). Decode: each row's softmax
 over its own keys, read in place through its block table from the layer the scan is
 at; the engine's tokens do not depend on which attention decoded them. Packed prefill:
 each prompt's causal softmax over its own tokens, whatever else shares the call."""
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from cpu_offload.team import Team
+from cpu_offload.kernels.team import Team
 from jlora.engine.api import SamplingParams
-from jlora.model import host_attention
 from jlora.model.attention import packed_causal_attention, paged_decode_attention
-from jlora.model.host_attention import (
+from jlora.model.host import attention as host_attention
+from jlora.model.host.attention import (
     packed_causal_attention_host,
     paged_decode_attention_host,
     usable,
@@ -173,7 +173,7 @@ def test_two_decodes_launch_in_turn_beside_a_pool_of_threads():
     """Two decodes (each on an XLA thread) and a pool of threads' CPU LoRA (on a Python
     thread and its team's helper) in one process: the decodes launch parallel Numba
     kernels, which Numba's workqueue would abort the process for if two launches
-    overlapped, so they take turns (the launch lock, cpu_offload.threads); the team
+    overlapped, so they take turns (the launch lock, cpu_offload.kernels.threads); the team
     launches none. Each computes what it computes alone."""
     cache = KVCache(
         k=jnp.asarray(random((2, 64, 16, 3, 64), 4)), v=jnp.asarray(random((2, 64, 16, 3, 64), 5))

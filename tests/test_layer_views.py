@@ -1,4 +1,4 @@
-"""Per-layer views of the stacked parameters (jlora/model/layer_views.py), which the
+"""Per-layer views of the stacked parameters (jlora/model/host/layer_views.py), which the
 decode step reads its kernels from on CPU: they alias the stack, are forgotten with it,
 and decode gives what the scan slicing the stack gives."""
 
@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jlora.engine.steps as steps_module
-from jlora.adapters.backends import make_backend
-from jlora.adapters.targets import target_shapes
+import jlora.device.steps as steps_module
 from jlora.engine.api import SamplingParams
+from jlora.model.host.layer_views import COPY_LIMIT, LayerViews, WithLayerViews, split_layers
 from jlora.model.kv_cache import KVCache
-from jlora.model.layer_views import COPY_LIMIT, LayerViews, WithLayerViews, split_layers
 from jlora.model.llama import Llama
+from jlora.model.lora.backends import make_backend
+from jlora.model.lora.targets import target_shapes
 from tests.engine_helpers import make_engine, run_to_completion
 
 

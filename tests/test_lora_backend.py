@@ -1,6 +1,6 @@
 """Every LoRA backend against a naive loop, through its own device layout.
 
-The loop is the semantics written out (backends/base.py): for each row, if its slot
+The loop is the semantics written out (jlora/model/lora/base.py): for each row, if its slot
 is not -1, y += x @ A[layer, slot] @ B[layer, slot], in fp32 and one row at a time.
 Each backend packs and installs the same adapters into its layout (stacked, padded
 slots or a page pool), so these tests cover pack, install and both kernel forms.
@@ -15,10 +15,13 @@ import pytest
 
 from configs import ConfigError
 from configs.engine import LORA_BACKENDS
-from cpu_offload.kernels import block_rows
-from jlora.adapters.backends import BACKENDS, Segments, host_sgmv, layer_group, make_backend
-from jlora.adapters.backends.pallas import PagePool, kernel_rank_dim
+from cpu_offload.kernels.blas import block_rows
+from jlora.model.host import sgmv as host_sgmv
+from jlora.model.host.backend import HostPooledBackend
 from jlora.model.kv_cache import KVCache
+from jlora.model.lora.backends import BACKENDS, make_backend
+from jlora.model.lora.base import Segments, layer_group
+from jlora.model.lora.pallas import PagePool, kernel_rank_dim
 from tests.kernel_cases import assert_untouched
 from tests.tolerances import assert_close
 
@@ -43,7 +46,8 @@ def _adapter(rng, rank, targets=SHAPES):
 # a layer, 128 in each half); slot s's adapters get pages POOL_PAGES[s], scattered over
 # the pool between pages that KV keeps (which installs must leave alone).
 POOL_SHAPE = (LAYERS, 200, 4, 2, 16)
-POOLED = ("reference-pooled", "mbgmv-pooled")
+# "reference-host": the pooled reference served by the host kernels (jlora.model.host).
+POOLED = ("reference-pooled", "mbgmv-pooled", "reference-host")
 POOL_PAGES = np.random.default_rng(1).permutation(200)[: SLOTS * 48].reshape(SLOTS, 48)
 
 
@@ -58,7 +62,8 @@ def _pool(dtype):
 
 def _backend(name):
     if name in POOLED:
-        return make_backend(name.removesuffix("-pooled"), 2 * int(np.prod(POOL_SHAPE[2:])))
+        base, where = name.split("-")
+        return make_backend(base, 2 * int(np.prod(POOL_SHAPE[2:])), host=where == "host")
     return make_backend(name)
 
 
@@ -159,9 +164,9 @@ def _decode_forms(backend):
     """Yields each decode form the backend has, set on it while the caller runs it: the
     reference's gather, its product over every slot, and its product over the batch's
     own slots where they are at most batch_slots = 2 (else the gather, at run time: both
-    happen among the row mixes above); over the KV cache's pages, also the host kernel
-    (host_bgmv.py, fp32; in bfloat16 the gather again)."""
-    if not hasattr(backend, "decode_form"):
+    happen among the row mixes above). The host backend has one form: its kernel in fp32
+    (jlora/model/host/bgmv.py), the reference's in bfloat16."""
+    if not hasattr(backend, "decode_form") or isinstance(backend, HostPooledBackend):
         yield "the backend's"
         return
     try:
@@ -172,11 +177,8 @@ def _decode_forms(backend):
         backend.batch_slots = 2
         backend.over_slots = lambda rows, slots: slots == backend.batch_slots
         yield "over the batch's slots"
-        if hasattr(backend, "on_host"):  # adapters in the pages, on a CPU: fp32
-            backend.on_host = True
-            yield "the host kernel"
     finally:
-        for attribute in ("decode_form", "batch_slots", "over_slots", "on_host"):
+        for attribute in ("decode_form", "batch_slots", "over_slots"):
             backend.__dict__.pop(attribute, None)  # the class's again
 
 
@@ -203,8 +205,8 @@ def test_the_reference_decode_form_follows_rows_and_slots():
 @pytest.mark.parametrize("target", ["q_proj", "down_proj"])
 def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts, window, target):
     """Each prefill form: the reference's loop over segments (each over every row, or a
-    packed call's over a window of rows), and over the KV cache's pages also the host
-    kernel (host_sgmv.py; fp32, in bfloat16 the loop again)."""
+    packed call's over a window of rows), and the host backend's kernel
+    (jlora/model/host/sgmv.py; fp32, in bfloat16 the loop again)."""
     (backend, weights), adapters = slots[0][dtype], slots[1]
     rows = 9
     row_slots = [-1] * rows
@@ -213,22 +215,9 @@ def test_sgmv_matches_the_loop(slots, dtype, segment_slots, starts, window, targ
     segments = Segments(slot=jnp.array(segment_slots), start=jnp.array(starts), window=window)
     y, x = _activations(rows, target, 1, dtype)
     expected = _naive(adapters, target, 1, y, x, row_slots, dtype)
-    for _form in _prefill_forms(backend):
-        sgmv = jax.jit(backend.sgmv, static_argnums=1)  # traced with the form set
-        out = sgmv(weights, target, jnp.int32(1), x, y, segments)
-        assert_close(out, expected, dtype, dtype, scope="op")
-        assert_untouched(y, out, row_slots)
-
-
-def _prefill_forms(backend):
-    """Yields each prefill form the backend has, set on it while the caller runs it."""
-    yield "the backend's"
-    if hasattr(backend, "on_host"):
-        try:
-            backend.on_host = True
-            yield "the host kernel"
-        finally:
-            backend.__dict__.pop("on_host", None)
+    out = jax.jit(backend.sgmv, static_argnums=1)(weights, target, jnp.int32(1), x, y, segments)
+    assert_close(out, expected, dtype, dtype, scope="op")
+    assert_untouched(y, out, row_slots)
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["one-call", "blocks"])

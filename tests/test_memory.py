@@ -1,4 +1,4 @@
-"""jlora/memory: FastLibra's cost model on tiny hand-computed cases, the manager's prefix
+"""jlora/engine/memory: FastLibra's cost model on tiny hand-computed cases, the manager's prefix
 cache and swaps against a fake device whose pages hold checkable content, then a
 hypothesis state machine per cache policy that interleaves adapters coming and going,
 requests, swaps and ticks under the manager's invariants.
@@ -21,12 +21,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jlora.adapters.slots import SlotManager
-from jlora.engine.device import HostBlocks
-from jlora.memory import swapper
-from jlora.memory.manager import FULL, SWAPPING, Lease, MemoryManager
-from jlora.memory.pool import LORA
-from jlora.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Node
+from jlora.engine.device_api import HostBlocks
+from jlora.engine.memory import swapper
+from jlora.engine.memory.manager import FULL, SWAPPING, Lease, MemoryManager
+from jlora.engine.memory.pool import LORA
+from jlora.engine.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Node
+from jlora.engine.slots import SlotManager
 
 PAGE_BYTES = 100
 BLOCK_SIZE = 2

@@ -1,4 +1,4 @@
-"""dLoRA's merged inference as a state of the device engine (device.py, llama_engine.py,
+"""dLoRA's merged inference as a state of the device engine (device_api.py, llama_engine.py,
 jlora/model/merge.py, mock.py).
 
 The engines are driven as the orchestrator drives them (prefill, insert, generate, free;
@@ -24,10 +24,10 @@ import pytest
 
 from configs import MERGE_MODES, ConfigError, EngineConfig
 from jlora.adapters.peft import make_demo_adapters
-from jlora.adapters.targets import TARGETS
-from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
-from jlora.engine.llama_engine import LlamaEngine
+from jlora.device.llama_engine import LlamaEngine
+from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
 from jlora.engine.mock import MockEngine, mock_adapter_dir, mock_completion
+from jlora.model.lora.targets import TARGETS
 from tests.model_helpers import jlora_last_logits
 from tests.tolerances import assert_close, tolerances
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import ConfigError
-from jlora.engine.device import DecodeRow, PrefillJob, SamplingRow
+from jlora.engine.device_api import DecodeRow, PrefillJob, SamplingRow
 from jlora.engine.mock import MockEngine, mock_adapter_dir
 
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)

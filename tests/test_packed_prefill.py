@@ -1,6 +1,6 @@
-"""`prefill_many`: several prompts packed into one compiled prefill (jlora/engine/packing.py).
+"""`prefill_many`: several prompts packed into one compiled prefill (jlora/device/packing.py).
 
-A packed call must give each job what `prefill(job)` gives alone (device.py): the same
+A packed call must give each job what `prefill(job)` gives alone (device_api.py): the same
 first token, logits and keys and values to the model tolerance, and so the same greedy
 continuation. The prompts below (5, 23, 16 and 40 tokens: one call of the 128-token
 bucket, whose attention runs in windows, prompts being at most 64 tokens) mix two
@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from configs import EngineConfig, bucket
-from jlora.adapters.backends import Segments
 from jlora.adapters.peft import make_demo_adapters
 from jlora.contract.errors import RequestError
-from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
-from jlora.engine.llama_engine import LlamaEngine
+from jlora.device.llama_engine import LlamaEngine
+from jlora.device.packing import layout, packs
+from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
 from jlora.engine.mock import MockEngine
-from jlora.engine.packing import layout, packs
 from jlora.model.kv_cache import KVCache
+from jlora.model.lora.base import Segments
 from tests.tolerances import assert_close
 
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)

@@ -1,7 +1,7 @@
 """LlamaEngine's prefix-cache support: a prefill after a cached prefix, KV swaps to host
 memory and back, and the device pool's size.
 
-A prefill with `cached` > 0 must give what a prefill of every token gives (device.py):
+A prefill with `cached` > 0 must give what a prefill of every token gives (device_api.py):
 the same first token and greedy continuation, and the same keys and values at the new
 positions. Its prefix is an earlier prefill's blocks, or blocks swapped out to host
 memory and restored elsewhere. The equality tests run on cpu-tiny (GQA) and on the
@@ -21,8 +21,8 @@ import pytest
 
 from configs import ConfigError, EngineConfig
 from jlora.adapters.peft import load_peft_adapter, make_demo_adapters
-from jlora.engine.device import DecodeRow, PrefillJob, SamplingRow
-from jlora.engine.llama_engine import LlamaEngine
+from jlora.device.llama_engine import LlamaEngine
+from jlora.engine.device_api import DecodeRow, PrefillJob, SamplingRow
 from tests.tolerances import assert_close
 
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jlora.engine.sampling import SamplingArrays, sample
+from jlora.device.sampling import SamplingArrays, sample
 
 sample_jit = jax.jit(sample)
 

@@ -28,7 +28,7 @@ from configs import (
     load_preset,
     load_sharding,
 )
-from jlora.adapters.backends import BACKENDS
+from jlora.model.lora.backends import BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_DEVICES = 4
@@ -465,8 +465,8 @@ def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
 def test_followers_let_go_of_their_kv_copies_when_the_leader_does():
     """The leader's swap calls, replayed on a follower as they arrive: the follower holds
     its part of every host copy and staged copy the leader holds, and no other."""
+    from jlora.device.multiprocess import Leader, _Swaps
     from jlora.engine.mock import MockEngine
-    from jlora.engine.multiprocess import Leader, _Swaps
 
     class Connection:  # a follower's end: what the leader sent
         def __init__(self) -> None:

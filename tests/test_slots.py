@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jlora.adapters.slots import AdapterLoadError, SlotManager
+from jlora.engine.slots import AdapterLoadError, SlotManager
 
 # No load in these tests takes this long unless a gate was never opened: then it fails.
 GATE_TIMEOUT_S = 10.0

@@ -1,4 +1,4 @@
-"""Rank-exact adapter transfers (jlora/adapters/device.py): only an adapter's own
+"""Rank-exact adapter transfers (jlora/device/lora_slots.py): only an adapter's own
 targets and rank rows cross the host-to-device link; the slot's padding is written on
 the device. Checked through the engine's own load and install, in every backend."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from configs import EngineConfig
 from configs.engine import LORA_BACKENDS
-from jlora.adapters.backends.base import exact_rows, padded_rows, rank_bucket
 from jlora.adapters.peft import load_peft_adapter, make_demo_adapters
-from jlora.engine.llama_engine import LlamaEngine
+from jlora.device.llama_engine import LlamaEngine
+from jlora.model.lora.base import exact_rows, padded_rows, rank_bucket
 
 MAX_RANK = 64
 QV = ("q_proj", "v_proj")

@@ -1,2 +1,4 @@
-"""LoRA adapters: PEFT loading, the shared-memory host store, device slots, and the
-batched LoRA backends the model calls (see "Adapters" in DESIGN.md)."""
+"""LoRA adapters as files and in host memory: PEFT directories read, checked and written
+(`peft`), and the shared-memory host store every registered adapter lives in (`store`),
+which the device engine copies from and CaraServe's CPU workers read in place.
+No jax: this is the host side of an adapter."""

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from configs import ModelConfig
-from jlora.adapters.targets import MODULE_OF, TARGETS, target_shapes
 from jlora.contract.adapters import CONFIG_FILE, WEIGHTS_FILE
 from jlora.contract.errors import InvalidRequest
+from jlora.model.lora.targets import MODULE_OF, TARGETS, target_shapes
 
 # PEFT's tensor names inside adapter_model.safetensors (the adapter name is not stored).
 _KEY = "base_model.model.model.layers.{layer}.{module}.{target}.lora_{factor}.weight"

@@ -32,9 +32,9 @@ import numpy as np
 
 from configs import ModelConfig
 from jlora.adapters.peft import LoraSpec, load_peft_adapter
-from jlora.adapters.targets import TARGETS, rank_row_bytes, target_shapes
 from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
 from jlora.contract.errors import AlreadyExists, ResourceExhausted
+from jlora.model.lora.targets import TARGETS, rank_row_bytes, target_shapes
 
 ALIGN = 64
 

@@ -21,8 +21,8 @@ from jlora.adapters.peft import (
     load_peft_adapter,
     make_demo_adapters,
 )
-from jlora.adapters.targets import TARGETS
 from jlora.cli.common import model_config, target_list
+from jlora.model.lora.targets import TARGETS
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

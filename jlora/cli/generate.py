@@ -259,7 +259,7 @@ def _load(
     (the engine serves `adapters`, registered under the names the user gave)."""
     from configs import EngineConfig
     from jlora.adapters.peft import read_lora_spec
-    from jlora.engine.llama_engine import build_engine
+    from jlora.device.llama_engine import build_engine
     from jlora.model.loading import load_model
 
     specs = [read_lora_spec(path) for _, path in adapters.values()]  # fail before loading

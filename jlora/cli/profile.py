@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     from configs import EngineConfig
     from jlora.adapters.peft import make_demo_adapters
+    from jlora.device.llama_engine import build_engine
     from jlora.engine.api import Request, SamplingParams
-    from jlora.engine.llama_engine import build_engine
     from jlora.model.loading import load_model
     from router.perf_model import PerfProfile, fit
 

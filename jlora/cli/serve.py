@@ -16,7 +16,7 @@
    `--grace` seconds), then close the engine (CPU workers, shared memory).
 
 A worker may span several JAX processes (`--coordinator HOST:PORT --num-processes N
---process-id I`, one mesh over all their devices, jlora/engine/multiprocess.py):
+--process-id I`, one mesh over all their devices, jlora/device/multiprocess.py):
 process 0 serves, the others follow its steps and print nothing but their logs. If a
 process goes away the worker reports NOT_SERVING and exits (status 3).
 """
@@ -275,14 +275,14 @@ def run(args: argparse.Namespace) -> int:
         if why := bind_failure(args.host, args.port):
             raise UsageError(f"--port {args.port}: cannot listen on {args.host}:{args.port}: {why}")
     if several:  # before anything else touches jax
-        from jlora.engine.multiprocess import Leader, follow, join
+        from jlora.device.multiprocess import Leader, follow, join
 
         join(args.coordinator, args.num_processes, args.process_id)
 
     from configs import EngineConfig
     from jlora.contract.auth import resolve_api_key
-    from jlora.engine.device import DeviceEngine
-    from jlora.engine.llama_engine import LlamaEngine
+    from jlora.device.llama_engine import LlamaEngine
+    from jlora.engine.device_api import DeviceEngine
     from jlora.engine.orchestrator import Orchestrator
     from jlora.model.loading import load_model
     from jlora.server import serve

@@ -1,12 +1,15 @@
-"""The engine, in two layers (JetStream's split):
+"""The host side of the engine (JetStream's orchestrator): requests in plain host state,
+driving any device engine through `device_api.DeviceEngine`. Imports neither jax nor
+numba (a test checks).
 
-- `orchestrator.Orchestrator`: requests, in host state: the queue, admission, stop
-  rules, adapter bookkeeping (`adapters.py`), stats, failures that stay with their
-  request, requests exported and resumed (`api.SequenceState`). The server, the CLI and
-  the tests talk to it.
-- `device.DeviceEngine`: the jitted steps over explicit device state (params, paged KV,
-  adapter slots, the decode rows, the mesh): `llama_engine.LlamaEngine` in JAX, or
-  `mock.MockEngine` for server and router tests.
-
-`llama_engine.build_engine(...)` gives the orchestrator over a LlamaEngine.
+api.py           the request-level types: Request, SamplingParams, TokenEvent, stats
+orchestrator.py  `Orchestrator`: carries out each step's plan over the device engine
+device_api.py    `DeviceEngine`, the interface of the device layer (`jlora.device`)
+adapters.py      which adapters are registered, staged and where (`AdapterManager`)
+slots.py         which adapter holds which device slot, loaded in the background
+memory/          FastLibra's unified pool of KV blocks and adapter pages, the prefix cache
+merging.py       dLoRA's merge/unmerge batching with credits
+cost_model.py    CPU-assist or wait, per cold request
+detokenizer.py   incremental text and stop strings
+mock.py          `MockEngine`: a device engine with no model, for server and router tests
 """

@@ -8,14 +8,14 @@ slot each occupies, which are pinned; the bytes themselves are the device engine
    starts; `wait_pinned` blocks until every pinned adapter has landed, for warm-up).
    A staged adapter that is not committed is `discard`ed.
 2. A request for an adapter that is not on the device asks the slot manager
-   (`jlora.adapters.slots.SlotManager`, the LRU and the transfer thread) for it; the
+   (`jlora.engine.slots.SlotManager`, the LRU and the transfer thread) for it; the
    device engine's `load_adapter` runs on the transfer thread, its `install_adapter`
    on the scheduler thread at `poll`. A load that fails is reported by `poll` (the
    orchestrator fails the requests that waited for it) and the adapter stays
    registered: the next request tries again.
 3. `unregister` refuses while requests name the adapter; `load`, `unload` and `infos`
    serve the adapter RPCs.
-4. Device memory: the memory manager (jlora/memory) learns each committed adapter with
+4. Device memory: the memory manager (jlora/engine/memory) learns each committed adapter with
    its content key (`content_key`: the same weights under another name share cached
    KV, other weights under an old name never do) and the bytes its rank rows take on
    the device; the slot manager asks it for those pages before a load.
@@ -32,12 +32,12 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from jlora.adapters.slots import AdapterLoadError, SlotManager
 from jlora.contract.adapters import check_adapter_name
 from jlora.contract.errors import AlreadyExists, FailedPrecondition, NotFound, RequestError
 from jlora.engine.api import DEVICE, HOST, LOADING, AdapterInfo
-from jlora.engine.device import DeviceEngine, StagedAdapter
-from jlora.memory.manager import MemoryManager
+from jlora.engine.device_api import DeviceEngine, StagedAdapter
+from jlora.engine.memory.manager import MemoryManager
+from jlora.engine.slots import AdapterLoadError, SlotManager
 
 log = logging.getLogger(__name__)
 

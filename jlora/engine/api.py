@@ -172,7 +172,7 @@ class MergeStats:
 
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
-    """The memory pool and the prefix cache (jlora/memory); counters are cumulative.
+    """The memory pool and the prefix cache (jlora/engine/memory); counters are cumulative.
 
     The device pool has `pages_total` pages of `page_bytes` each (one KV block, keys and
     values of every layer): `pages_kv` hold KV blocks (running requests' and cached),

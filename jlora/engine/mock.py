@@ -6,7 +6,7 @@ must receive, whatever else shares the batch: `mock_completion` computes it. No 
 imported; `generate` sleeps `step_latency` seconds in place of the device, and
 `lora_latency` more when it runs LoRA work (an adapter's row, unmerged).
 
-Everything else is the device engine's contract (device.py), done for real on the
+Everything else is the device engine's contract (jlora/engine/device_api.py), done for real on the
 host: adapters are staged from real PEFT directories (only `adapter_config.json` is
 read, and the weights file hashed if there is one), loads run on the orchestrator's
 transfer thread (taking `load_latency` seconds; an adapter named in `fail_loads`
@@ -46,7 +46,7 @@ from configs import ConfigError, EngineConfig
 from jlora.adapters.peft import read_lora_spec
 from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
 from jlora.contract.errors import InvalidRequest
-from jlora.engine.device import (
+from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,

@@ -1,7 +1,7 @@
 """The orchestrator: continuous batching at the iteration level (Orca) over a device engine.
 
 It owns everything about requests, in plain host state, and drives any `DeviceEngine`
-(device.py): the JAX `LlamaEngine` or the `MockEngine` of the server and router tests.
+(device_api.py): the JAX `LlamaEngine` or the `MockEngine` of the server and router tests.
 
 A request's life:
 
@@ -38,7 +38,7 @@ A request's life:
    the pool has none, the newest request is preempted (vLLM's recompute preemption): its
    KV is released, its full blocks cached like those of any request that leaves (kept
    on the device, swapped to the host or dropped, as the cache policy and the swap cost
-   model decide, jlora/memory), and it is queued again ahead of later arrivals; when
+   model decide, jlora/engine/memory), and it is queued again ahead of later arrivals; when
    admitted again, its prompt and generated tokens are prefilled (a cache hit where its
    blocks survived) and it goes on with the token it would have had next. Then
    `device.generate` advances every inserted row by one token; rows of different
@@ -47,7 +47,7 @@ A request's life:
    max_seq_len; a finished request frees its row and its blocks at once, so a queued
    request can join in the next step.
 
-KV blocks and device memory are the memory manager's (jlora/memory): a request's
+KV blocks and device memory are the memory manager's (jlora/engine/memory): a request's
 blocks come as a lease whose first blocks may be a cached prefix of the same adapter's
 earlier prompts (the prefill then computes only the rest, `PrefillJob.cached`); its
 full blocks stay cached after it leaves, under the cache policy (EngineConfig.
@@ -99,9 +99,9 @@ from jlora.engine.api import (
     TokenEvent,
 )
 from jlora.engine.detokenizer import Detokenizer
-from jlora.engine.device import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
+from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
+from jlora.engine.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 from jlora.engine.merging import Batch, DynamicBatcher
-from jlora.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 
 log = logging.getLogger(__name__)
 

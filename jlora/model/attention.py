@@ -11,7 +11,7 @@ gathered blocks (the fused form's layout changes cost more than its products:
 `paged_decode_attention`). A packed prefill (several prompts in one call) passes its
 block-diagonal causal mask explicitly, so its scores cover every pair of the call's
 tokens, the other prompts'. On one CPU device in fp32 the engine runs decode and packed
-prefill attention as host kernels instead (host_attention.py)."""
+prefill attention as host kernels instead (jlora/model/host/attention.py)."""
 
 from __future__ import annotations
 

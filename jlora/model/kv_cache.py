@@ -3,7 +3,7 @@
 Memory layout: one buffer for keys and one for values, each
 `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`. A sequence owns a
 list of blocks (its block table, allocated on the host by
-`jlora.memory.pool.PagePool`); token t of the sequence lives at
+`jlora.engine.memory.pool.PagePool`); token t of the sequence lives at
 `(table[t // block_size], t % block_size)`. The block index `num_blocks` is the
 "nowhere" sentinel: writes to it are dropped, which is how padding tokens and
 idle decode slots leave the cache untouched.

@@ -14,7 +14,7 @@ stack, with the per-layer routing of LoRA to the device or the CPU as an i32 arr
 
 On XLA:CPU, a scan's read of layer i's kernels out of the stack is a copy (a
 dynamic-slice, before each matmul), so `decode` may also take `layers`: every layer's
-parameters as arrays of their own (views of the stack, `layer_views.py`). The scan
+parameters as arrays of their own (views of the stack, `jlora/model/host/layer_views.py`). The scan
 then picks layer i's projections with a `lax.switch` over the layers (`_switch_dense`)
 and each matmul reads its kernel in place. Decode, which reads every weight for a few
 rows, gains 9-16% on SmolLM2 (2 cores, batch 1-32). XLA compiles one branch per layer
@@ -54,8 +54,6 @@ import jax
 import jax.numpy as jnp
 
 from configs import ModelConfig
-from jlora.adapters.backends import LoraBackend, LoraWeights, Segments
-from jlora.adapters.targets import INPUT_GROUPS, target_shapes
 from jlora.model.attention import (
     causal_attention,
     packed_causal_attention,
@@ -64,11 +62,13 @@ from jlora.model.attention import (
     write_kv,
 )
 from jlora.model.dots import einsum_f32
-from jlora.model.host_attention import (
+from jlora.model.host.attention import (
     packed_causal_attention_host,
     paged_decode_attention_host,
 )
 from jlora.model.kv_cache import KVCache
+from jlora.model.lora.base import LoraBackend, LoraWeights, Segments
+from jlora.model.lora.targets import INPUT_GROUPS, target_shapes
 from jlora.model.sharding import TensorParallel
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
@@ -85,7 +85,7 @@ DenseFn = Callable[[tuple[str, ...], jax.Array], Projections]
 
 class CpuLora(Protocol):
     """The host side of CPU-assisted LoRA: two ops of the jitted prefill that make host
-    callbacks (jlora/engine/cpu_assist.py).
+    callbacks (jlora/device/cpu_assist/callbacks.py).
 
     For one input group of one layer: `submit` hands the real rows of the group's whole
     input x (f32[T, in], rows >= length are padding) to the CPU workers and returns a
@@ -637,7 +637,7 @@ class Llama:
         segments over the packed rows (each prompt inside its adapter's segment).
         longest: None, or (static) the most tokens a prompt has, which bounds the keys
         a token's attention reads (`packed_causal_attention`).
-        host_attention: attention by the host kernel (host_attention.py; a one-device
+        host_attention: attention by the host kernel (jlora/model/host/attention.py; a one-device
         CPU mesh in fp32 only), each prompt by itself.
         Returns fp32 logits [P, V] at each prompt's last token (an empty prompt's are
         meaningless), and the updated cache.
@@ -703,9 +703,9 @@ class Llama:
         all-sentinel block table: its write is dropped and its logits are meaningless.
         lora_weights, lora_idx: the device adapter slots and each row's slot, i32[S]
         (-1: the base model), both given when the model has a LoRA backend.
-        layers: None, or the layers' parameters as arrays of their own (layer_views.py,
+        layers: None, or the layers' parameters as arrays of their own (host/layer_views.py,
         on CPU): the same result, without copying each layer's kernels out of the stack.
-        host_attention: attention by the host kernel (host_attention.py; a one-device
+        host_attention: attention by the host kernel (jlora/model/host/attention.py; a one-device
         CPU mesh in fp32 only), reading each row's own keys in place.
         Returns fp32 logits [S, V] and the updated cache.
         """

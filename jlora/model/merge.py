@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jlora.adapters.backends import HostTensors
-from jlora.adapters.targets import TARGETS
 from jlora.model.dots import einsum_f32
 from jlora.model.llama import Params
+from jlora.model.lora.base import HostTensors
+from jlora.model.lora.targets import TARGETS
 from jlora.model.sharding import TARGET_AXES, TensorParallel
 
 log = logging.getLogger(__name__)

@@ -80,7 +80,7 @@ from jlora.contract.errors import (
 )
 from jlora.contract.metrics import failed_outcome
 from jlora.engine.api import ERROR, Request, SequenceState, TokenEvent
-from jlora.engine.device import StagedAdapter
+from jlora.engine.device_api import StagedAdapter
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
 from jlora.server.metrics import Metrics

@@ -24,10 +24,10 @@ handler then returns at once. It works only at the execute stage. Its callers fi
 argument's shape and dtype, so a handler trusts them.
 
 A handler that runs a parallel Numba kernel holds the process's launch lock around it
-(`cpu_offload.threads`: Numba's workqueue threads abort the process when two threads
+(`cpu_offload.kernels.threads`: Numba's workqueue threads abort the process when two threads
 launch at once, as two engines decoding in one process would). A handler is compiled
 in each process (a copy cached on disk crashed the next one); the kernels it calls are
-cached. Addresses become pointers by `cpu_offload.native.pointer`.
+cached. Addresses become pointers by `cpu_offload.kernels.native.pointer`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from numba import carray, njit
 
-from cpu_offload.native import pointer
+from cpu_offload.kernels.native import pointer
 
 ARGS, RETS = 9, 14  # words of the call frame holding the args' and rets' pointer arrays
 _STAGE, _EXECUTE = 4, 3

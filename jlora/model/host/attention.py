@@ -10,7 +10,7 @@ keys, whatever the batch's bucket): a 32-row SmolLM2 decode step over up to 512 
 took 150-165 ms against 230 with the XLA path (measured side by side on this 2-core
 machine; the replay in bench/results/2026-11-27-cpu-replay.md runs it).
 
-How: an XLA FFI handler (`jlora.model.ffi`: a Numba cfunc that XLA calls itself, no
+How: an XLA FFI handler (`jlora.model.host.ffi`: a Numba cfunc that XLA calls itself, no
 Python in between) is handed the whole cache's buffers without a copy, with the layer's
 index, inside the scan over the layers. It runs the rows on the calling thread, each
 with all its heads (a block's keys for every KV head lie side by side: one run of
@@ -52,9 +52,9 @@ import numpy as np
 from jax.sharding import Mesh
 from numba import cfunc, njit, prange, types
 
-from cpu_offload import threads
-from cpu_offload.kernels import one_blas_thread, sgemm
-from jlora.model import ffi
+from cpu_offload.kernels import threads
+from cpu_offload.kernels.blas import one_blas_thread, sgemm
+from jlora.model.host import ffi
 from jlora.model.kv_cache import KVCache
 
 

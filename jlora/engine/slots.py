@@ -29,7 +29,7 @@ The life of an adapter:
    up front: the "Cached" mode; request, wait, then prefill is the "OnDmd" mode.
 6. `discard(name)` forgets an unregistered adapter; a load of it under way is let finish and
    its payload dropped by `poll()`.
-7. Device memory (optional, `memory`): a pool shared with the KV cache (jlora/memory) is
+7. Device memory (optional, `memory`): a pool shared with the KV cache (jlora/engine/memory) is
    asked for an adapter's pages before its load starts (`reserve`, which names them, and
    the load is given them; None: the load waits, its slot stays free), told when an
    adapter leaves a slot (`released`: evicted, failed or discarded), and orders the idle

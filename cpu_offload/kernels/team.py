@@ -37,7 +37,7 @@ which took each share.
 
 The caller's side is compiled too (`run_team`: the team's words, the posts, the
 wake-ups by `sem_post`), so a step's FFI handler, which runs no Python, uses the team
-as `Team.run` does (jlora/engine/cpu_apply.py).
+as `Team.run` does (jlora/device/cpu_assist/apply.py).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import numpy as np
 from llvmlite import binding
 from numba import carray, float32, int64, njit, types
 
-from cpu_offload.kernels import lora_task
-from cpu_offload.native import load, pointer, store, swap_if
+from cpu_offload.kernels.blas import lora_task
+from cpu_offload.kernels.native import load, pointer, store, swap_if
 from cpu_offload.protocol import JOB_WORDS
 
 # How long a helper stays awake after the last product: longer than the gap between

@@ -3,11 +3,11 @@ Python in the step.
 
 Where the device is the CPU, a CPU-routed input group makes one callback, `apply`, which
 computes the adapter's products on the engine's own threads (the pool's `team.Team`)
-from x where it lies into the callback's output (jlora/engine/cpu_assist.py). As a
+from x where it lies into the callback's output (jlora/device/cpu_assist/callbacks.py). As a
 `buffer_callback` that callback took the GIL and wrapped its buffers, and the pool's
 Python checked the jobs and picked the threads, at every call: on the Intel VM of
 2026-11-29, a no-work `buffer_callback` cost 43-64 µs a group and the Python about 20
-µs more. Here the callback is a Numba `cfunc` that XLA calls itself (jlora/model/ffi.py),
+µs more. Here the callback is a Numba `cfunc` that XLA calls itself (jlora/model/host/ffi.py),
 as the host decode attention is: the overhead of a CPU-routed SmolLM2 layer at 128
 tokens, beyond its products, went from 0.72 / 0.65 ms to 0.34 / 0.15 ms at rank 1 / 16,
 in two runs of the same bench 15 minutes apart on that machine
@@ -39,11 +39,11 @@ import numpy as np
 from numba import carray, cfunc, njit, types
 
 from cpu_offload import CpuLoraPool, LoraJob
-from cpu_offload.native import pointer
+from cpu_offload.kernels.native import pointer
+from cpu_offload.kernels.team import BOX, TEAM_WORDS, run_team
 from cpu_offload.protocol import JOB_WORDS
-from cpu_offload.team import BOX, TEAM_WORDS, run_team
-from jlora.adapters.targets import INPUT_GROUPS
-from jlora.model import ffi
+from jlora.model.host import ffi
+from jlora.model.lora.targets import INPUT_GROUPS
 
 # The plan's header words; a group's words follow, GROUP_WORDS each.
 (ACTIVE, ARENA, ARENA_FLOATS, LAYER_STRIDE, MAIL, HELPERS, TEAM, MAX_THREADS) = range(8)

@@ -15,11 +15,8 @@ over every slot, each row's other slots zeroed between the two halves (it reads 
 slot once, in place; cost ∝ rows × slots × max_rank in flops). Where the slots are
 many (adapters in the pool's pages), the product may run over the batch's own adapters
 instead, when they are at most `batch_slots` (decided at run time, else the gather).
-On a CPU, the adapters in the pool's pages decode by a Numba kernel that reads each
-row's pages in place instead (`PooledReferenceBackend.on_host`, host_bgmv.py), and
-prefill by one that copies each segment's rank rows out of its pages and multiplies by
-BLAS (host_sgmv.py).
-A prefill's LoRA costs
+On one CPU device the pooled form's products are served by host kernels instead
+(`jlora.model.host.backend.HostPooledBackend`). A prefill's LoRA costs
 ∝ rows × max_rank times the segments that have an adapter (each is a masked product
 over every row, or over its `Segments.window` rows where the segments are bounded: a
 packed prefill's, whose LoRA then costs about its prompt rows' worth, not the
@@ -36,16 +33,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jlora.adapters.backends import host_bgmv, host_sgmv
-from jlora.adapters.backends.base import (
+from jlora.model.dots import einsum_f32
+from jlora.model.kv_cache import layer_rows
+from jlora.model.lora.base import (
     POOL,
     KVPagesBackend,
     LoraWeights,
     StackedSlotsBackend,
     rank_bucket,
 )
-from jlora.model.dots import einsum_f32
-from jlora.model.kv_cache import layer_rows
 
 
 def _masked(xa: jax.Array, live: jax.Array | None) -> jax.Array:
@@ -63,7 +59,7 @@ def _adapting(ranks: jax.Array, slots: jax.Array) -> jax.Array:
     return (slots >= 0) & (ranks[jnp.maximum(slots, 0)] > 0)
 
 
-def _unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
+def unless_none(adapting: jax.Array, compute, y: jax.Array) -> jax.Array:
     """compute() if any row's (or segment's) adapter adapts the target, else y: a batch
     of base-model rows, or of adapters that leave this projection alone, skips its LoRA
     work (and reads no adapter weights) at run time."""
@@ -183,7 +179,7 @@ class ReferenceBackend(StackedSlotsBackend):
             compute = through_the_batchs_slots
         else:
             compute = gathered
-        return _unless_none(adapting, compute, y)
+        return unless_none(adapting, compute, y)
 
     def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
         rows = jnp.arange(x.shape[0])
@@ -231,7 +227,7 @@ class ReferenceBackend(StackedSlotsBackend):
                 delta, adapted = jax.lax.fori_loop(0, used, skipping, carry)
             return _add_where(adapted, y, delta)
 
-        return _unless_none(adapting, compute, y)
+        return unless_none(adapting, compute, y)
 
 
 class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
@@ -264,9 +260,6 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
     """
 
     a_dims = "ri"  # A^T, rank rows
-    # Decode and prefill by the host kernels (host_bgmv.py, host_sgmv.py): the engine
-    # sets it where the cache is in host memory (one CPU device).
-    on_host = False
 
     def __init__(self, page_width: int) -> None:
         super().__init__(page_width)
@@ -318,47 +311,6 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
         layers, flat = rows.shape[0], rows.astype(half.dtype).reshape(rows.shape[0], -1)
         flat = jnp.pad(flat, ((0, 0), (0, count * self.page_width // 2 - flat.shape[1])))
         return flat.reshape(layers, count, *half.shape[2:])
-
-    def bgmv(self, weights, target, layer, x, y, idx) -> jax.Array:
-        """On a CPU (`on_host`, fp32), the Numba kernel that reads each row's pages in
-        place (host_bgmv.py), skipped where no row's adapter adapts the target (as the
-        other forms are: q/v adapters decoded 3-4% faster than with the kernel copying y
-        for the other five targets); elsewhere the reference backend's forms."""
-        pool = weights[POOL]
-        if not self._hosted(x, pool):
-            return super().bgmv(weights, target, layer, x, y, idx)
-        table, rank = self._tables(weights[target], idx)
-
-        def compute() -> jax.Array:
-            return host_bgmv.bgmv(x, y, pool["k"], pool["v"], table, rank, layer)
-
-        return _unless_none(rank > 0, compute, y)
-
-    def sgmv(self, weights, target, layer, x, y, segments) -> jax.Array:
-        """On a CPU (`on_host`, fp32), the Numba kernel that copies each segment's
-        rank rows out of its pages and runs its products as BLAS calls (host_sgmv.py),
-        skipped where no segment's adapter adapts the target; elsewhere the reference
-        backend's loop."""
-        pool = weights[POOL]
-        if not self._hosted(x, pool):
-            return super().sgmv(weights, target, layer, x, y, segments)
-        table, rank = self._tables(weights[target], jnp.asarray(segments.slot))
-
-        def compute() -> jax.Array:
-            return host_sgmv.sgmv(x, y, pool["k"], pool["v"], table, rank, segments.start, layer)
-
-        return _unless_none(rank > 0, compute, y)
-
-    def _hosted(self, x: jax.Array, pool) -> bool:
-        """Whether the host kernels serve these products: `on_host`, in fp32."""
-        return self.on_host and host_bgmv.usable(x.dtype, pool["k"].dtype)
-
-    @staticmethod
-    def _tables(w, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The host kernels' page tables and ranks of `slots` (-1: rank 0) for target
-        weights `w`."""
-        safe = jnp.maximum(slots, 0)
-        return w["pages"][safe], jnp.where(slots >= 0, w["rank"][safe], 0)
 
     def factors(self, weights, target, layer, slots) -> tuple[jax.Array, jax.Array]:
         a, b = self._stored(weights, target, layer, slots)

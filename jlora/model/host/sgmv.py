@@ -1,5 +1,5 @@
 """SGMV over adapters in the KV cache's pages, as a Numba kernel XLA calls through FFI:
-the pooled reference backend's prefill on a CPU (host_bgmv.py is its decode).
+the pooled reference backend's prefill on a CPU (jlora/model/host/bgmv.py is its decode).
 
 Why: on XLA:CPU the backend's prefill gathers every segment's pages, then loops over
 the segments, an iteration at a time with a conditional, slices and updates in each.
@@ -39,9 +39,15 @@ import jax
 import numpy as np
 from numba import cfunc, njit, types
 
-from cpu_offload.kernels import block_rows, one_blas_thread, sgemm, sgemm_blocks, small_product_path
-from jlora.adapters.backends.host_bgmv import page_span
-from jlora.model import ffi
+from cpu_offload.kernels.blas import (
+    block_rows,
+    one_blas_thread,
+    sgemm,
+    sgemm_blocks,
+    small_product_path,
+)
+from jlora.model.host import ffi
+from jlora.model.host.bgmv import page_span
 
 
 @njit(inline="always")

@@ -14,10 +14,10 @@ also take the device adapter slots and the rows' slot indices (fixed shapes, so 
 adapter mix never causes a compilation). Both sample inside
 the step, so only token ids cross back to the host, and both donate the KV cache
 so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
-arrays of their own (jlora/model/layer_views.py), so each matmul reads its kernel in
+arrays of their own (jlora/model/host/layer_views.py), so each matmul reads its kernel in
 place instead of a copy sliced out of the stack, and (one CPU device, fp32) its
 attention is a host kernel reading the cache's pages in place, as a packed prefill's
-is one taking each prompt by itself (host_attention.py).
+is one taking each prompt by itself (jlora/model/host/attention.py).
 Executables are compiled ahead of time, once per bucket, and then called directly, so
 nothing is ever traced or compiled twice. The engine compiles at warm-up every shape it
 will use; a shape first met after warm-up is compiled then and logged as a warning (the
@@ -49,15 +49,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import ConfigError, EngineConfig, ModelConfig
-from jlora.adapters.backends import LoraWeights, Segments
-from jlora.adapters.targets import rank_row_bytes, target_shapes
-from jlora.engine.device import HostBlocks, SamplingRow
-from jlora.engine.sampling import SamplingArrays, sample
+from jlora.device.sampling import SamplingArrays, sample
+from jlora.engine.device_api import HostBlocks, SamplingRow
 from jlora.link import wait_for_link
-from jlora.model import host_attention as host_kernel
+from jlora.model.host import attention as host_kernel
+from jlora.model.host.layer_views import LayerViews, WithLayerViews
 from jlora.model.kv_cache import KVCache
-from jlora.model.layer_views import LayerViews, WithLayerViews
 from jlora.model.llama import Llama, Params
+from jlora.model.lora.base import LoraWeights, Segments
+from jlora.model.lora.targets import rank_row_bytes, target_shapes
 from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,10 @@ class CompiledSteps:
     ) -> None:
         """packed_longest: the most tokens of one prompt in a packed prefill (None: any).
         layer_views: decode reading each layer's kernels from arrays of their own where
-        the parameters can be split without a copy (layer_views.py); None: on a CPU mesh
+        the parameters can be split without a copy (host/layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
         host_attention: decode and packed prefill attention by the host kernels
-        (host_attention.py); the engine passes `host_attention.usable`."""
+        (jlora/model/host/attention.py); the engine passes `host_attention.usable`."""
         self.model = model
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
@@ -537,7 +537,7 @@ class _HostParts:
 
 class KVBlocks:
     """Whole KV blocks (every layer, keys and values) copied out of the cache and back
-    in: the device engine's prefix-cache swaps (device.py, `kv_snapshot` to
+    in: the device engine's prefix-cache swaps (jlora/engine/device_api.py, `kv_snapshot` to
     `kv_restore`), each crossing of the link taking at least its emulated time.
 
     A copy of n blocks runs at the next power of two, padded with the sentinel

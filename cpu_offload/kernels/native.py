@@ -1,5 +1,5 @@
 """Compiled-code primitives on raw memory, shared by the pool's team (`team.py`) and
-jlora's FFI kernels (`jlora.model.ffi`), which Numba has no words for:
+jlora's FFI kernels (`jlora.model.host.ffi`), which Numba has no words for:
 
 - `pointer(address)`: an int64 address as a void*, what `numba.carray` views;
 - `load`, `store`, `swap_if`: an acquire load, a release store and an atomic

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import ConfigError
-from jlora.adapters.backends.base import (
+from jlora.model.lora.base import (
     POOL,
     KVPagesBackend,
     LoraBackend,

@@ -2,7 +2,7 @@
 layer group by layer group (Toppings §4.1, pipelined loading).
 
 What crosses the host-to-device link is rank-exact: an adapter's own targets and its
-rank rows alone (backends/base.py, `exact_rows`: the rank rounded up to a power of
+rank rows alone (jlora/model/lora/base.py, `exact_rows`: the rank rounded up to a power of
 two), so a rank-8 adapter of q/v costs the link its A [in, 8] and B [8, out] of those
 two projections, not a slot's worth. The slots stay padded (the compiled steps take
 fixed shapes); the padding to the slots' rank, and the zeros of the targets the
@@ -25,7 +25,7 @@ adapter lacks, are written on the device, by the compiled install.
 `weights` is the device pytree the compiled steps take; only the scheduler thread
 replaces it. A pooled backend (the reference on one device) keeps the adapters in the KV
 cache's pages instead: `weights` are then page tables, `load` is given the pages the
-memory manager reserved (backends/reference.py), and the installs write into the cache,
+memory manager reserved (jlora/model/lora/reference.py), and the installs write into the cache,
 which they take and give back (`attach_pool`).
 
 On a mesh, the slots are split as `specs` says (the sharding rules applied to the
@@ -51,11 +51,18 @@ import jax
 import numpy as np
 
 from configs import ModelConfig
-from jlora.adapters.backends import HostTensors, LoraBackend, LoraWeights, Payload, layer_group
-from jlora.adapters.backends.base import LAYER_PARTS, POOL
-from jlora.adapters.targets import target_shapes
 from jlora.link import wait_for_link
 from jlora.model.kv_cache import KVCache
+from jlora.model.lora.base import (
+    LAYER_PARTS,
+    POOL,
+    HostTensors,
+    LoraBackend,
+    LoraWeights,
+    Payload,
+    layer_group,
+)
+from jlora.model.lora.targets import target_shapes
 from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Why: on XLA:CPU the backend's decode gathers each row's pages into a new array, 
 reduces it (two fusions a factor, a target and a layer; for 16 rows of rank 16 on q and
 v, about 80 µs of gathers and 100 µs of products a SmolLM2 layer, on 2 Zen 5 cores).
 This kernel reads each row's rank rows in place, from its own pages, only up to its
-adapter's own rank, on the XLA thread that calls it (`jlora.model.ffi`, no Python): 24
+adapter's own rank, on the XLA thread that calls it (`jlora.model.host.ffi`, no Python): 24
 µs for q_proj's 16 rows and 18 µs for v_proj's. SmolLM2 decode at batch 16 with 16
 rank-16 adapters on q and v went from 0.87 to 0.89-0.91 of the base step's tokens/s
 (stacked slots, gathered by XLA: 0.92-0.93), on all seven targets to 0.72 (stacked
@@ -20,7 +20,7 @@ pool deals an adapter's pages) and 140 µs over scattered ones, where merely rea
 their bytes took 53 and 124 µs; 30 µs in the cache. None of the variants tried beat
 it: prefetching the next row's pages ran 15-25 µs slower, every row's x·A before any
 ·B within 10 µs either way, and a parallel launch costs 0.1 ms
-(cpu_offload/threads.py). Nor does a spare core wait for it: XLA runs a layer's q and
+(cpu_offload/kernels/threads.py). Nor does a spare core wait for it: XLA runs a layer's q and
 v calls at once on its two threads (in 1442 of 1560 layers), so a helper thread
 splitting a call's rows left a step's time as it was
 (bench/results/2026-11-30-cpu-zen4-issue17-2.md).
@@ -41,7 +41,7 @@ import jax
 import numpy as np
 from numba import cfunc, njit, types
 
-from jlora.model import ffi
+from jlora.model.host import ffi
 
 
 @njit(inline="always")

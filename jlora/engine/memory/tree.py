@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Iterator
 
-from jlora.engine.device import HostBlocks
+from jlora.engine.device_api import HostBlocks
 
 DEVICE, HOST, TO_HOST, TO_DEVICE = "device", "host", "to_host", "to_device"
 GONE = "gone"  # dropped from the tree (a swap still in flight finds it so)

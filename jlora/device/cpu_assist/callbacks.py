@@ -33,7 +33,7 @@ the products run on threads of the engine's process instead (`threads`, EngineCo
 cost. On one device a group then makes one callback, `apply` (the model calls it
 when `overlapped` is false), which computes the products from x where it lies in the
 device's buffer straight into its output buffer: no copy, half the callbacks. On the
-CPU backend `apply` is an XLA FFI handler, no Python in the step (cpu_apply.py: the
+CPU backend `apply` is an XLA FFI handler, no Python in the step (apply.py: the
 prefill's plan is made and checked in `begin`); elsewhere a callback that calls
 `CpuLoraPool.run`. The callbacks are unordered
 (no token threaded through the scan): the data already orders them (the base
@@ -86,8 +86,8 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from cpu_offload import CpuLoraPool, LoraJob, Ticket
 from jlora.adapters.store import StoredAdapter
-from jlora.adapters.targets import INPUT_GROUPS
-from jlora.engine.cpu_apply import CpuApply
+from jlora.device.cpu_assist.apply import CpuApply
+from jlora.model.lora.targets import INPUT_GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class CpuAssist:
         self.in_place = jax.default_backend() == "cpu"  # see _host_op
         # Threads of this process compute the products at the collect anyway, so on one
         # device a group makes one callback (`apply`) instead of a submit and a collect:
-        # where it is `in_place`, an FFI handler (cpu_apply.py).
+        # where it is `in_place`, an FFI handler (jlora/device/cpu_assist/apply.py).
         self.overlapped = not threads or self.shards.size > 1
         self._ffi = None if self.overlapped else CpuApply(self.pool)
         self._adapter: StoredAdapter | None = None

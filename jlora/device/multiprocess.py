@@ -21,7 +21,7 @@ every process to put its part, so a load cannot run on the leader's transfer thr
 alone: every process copies an adapter to its devices and installs it at the leader's
 `install_adapter`, between two steps (the transfer thread only marks it ready to).
 
-KV swaps (the prefix cache's, jlora/memory): the leader's memory manager decides them
+KV swaps (the prefix cache's, jlora/engine/memory): the leader's memory manager decides them
 as on one process. The gather of a swap-out and the scatter of a swap-in are launched
 by every process in order, like a step; the copies between each process's devices and
 its own host memory run beside the steps, on the leader's swap thread and on each
@@ -53,7 +53,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, cast
 
 from jlora.contract.errors import RequestError
-from jlora.engine.device import (
+from jlora.device.llama_engine import LlamaEngine
+from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,
@@ -63,7 +64,6 @@ from jlora.engine.device import (
     PrefillJob,
     StagedAdapter,
 )
-from jlora.engine.llama_engine import LlamaEngine
 
 log = logging.getLogger(__name__)
 

@@ -47,10 +47,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from jlora.engine.api import CacheStats
-from jlora.engine.device import DeviceEngine, HostBlocks
-from jlora.memory import swapper
-from jlora.memory.pool import KV, LORA, PagePool
-from jlora.memory.tree import BASE, DEVICE, GONE, HOST, TO_DEVICE, TO_HOST, Node, Tree
+from jlora.engine.device_api import DeviceEngine, HostBlocks
+from jlora.engine.memory import swapper
+from jlora.engine.memory.pool import KV, LORA, PagePool
+from jlora.engine.memory.tree import BASE, DEVICE, GONE, HOST, TO_DEVICE, TO_HOST, Node, Tree
 
 SWAPPING, FULL = "swapping", "full"  # why `admit` gave no lease
 STATIC_SHARE = ("static share",)  # the owner of "lru"'s LoRA pages no adapter holds
@@ -58,7 +58,7 @@ DEFAULT_LINK_BYTES_PER_S = 16e9  # until a swap has been timed (about PCIe 4.0 x
 
 
 class Slots(Protocol):
-    """What the pool needs of the adapter slot manager (jlora/adapters/slots.py)."""
+    """What the pool needs of the adapter slot manager (jlora/engine/slots.py)."""
 
     def idle(self) -> list[str]: ...
 

@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from configs import SPLIT_TOKENS, EngineConfig, bucket
-from jlora.adapters.backends import LoraWeights, Segments
-from jlora.engine.device import PrefillJob
-from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays
+from jlora.device.steps import CompiledSteps, host_sampling, set_sampling
+from jlora.engine.device_api import PrefillJob
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params
+from jlora.model.lora.base import LoraWeights, Segments
 from jlora.model.sharding import to_host
 
 

@@ -1,6 +1,6 @@
 """The JAX device engine: the Llama model's jitted steps over paged KV and adapter slots.
 
-State, all of it explicit (device.py tells the calls):
+State, all of it explicit (jlora/engine/device_api.py tells the calls):
 
 - `params`, the KV `cache` (paged: `num_blocks` blocks of `block_size` tokens per
   layer) and the adapter slots' `lora.weights`, split over `mesh` as the sharding
@@ -10,7 +10,7 @@ State, all of it explicit (device.py tells the calls):
   iteration; a free row has an all-sentinel block table, so its KV writes are dropped;
 - the adapters' bytes: every staged adapter in the host store's shared-memory arena
   (`jlora.adapters.store`), copied to the device slots by `lora`
-  (`jlora.adapters.device`) layer group by layer group, rank-exact (only the adapter's
+  (`jlora.device.lora_slots`) layer group by layer group, rank-exact (only the adapter's
   own targets and rank rows cross the link; the slot's padding is written on the
   device, by an install compiled for the adapter's shape when it is staged).
 
@@ -41,9 +41,9 @@ to `packed_prefill_tokens`, compiled at warm-up (for the merged steps too where 
 is on); each prompt attends to itself alone, writes its own blocks and samples its
 first token with its own parameters. In `cpu-assist` and
 `auto` modes a prefill whose adapter is still in flight runs layer group by layer group
-instead (`assisted.py`): the landed groups are installed before each segment, and the
+instead (`cpu_assist/prefill.py`): the landed groups are installed before each segment, and the
 layers of the groups still in flight compute their LoRA on the CPU workers
-(`cpu_assist.py`).
+(`jlora/device/cpu_assist/callbacks.py`).
 
 The prefix cache's swaps (`kv_snapshot` ... `kv_restore`) copy whole blocks out of the
 cache and back with `KVBlocks` (steps.py).
@@ -75,15 +75,22 @@ from flax import struct
 
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
-from jlora.adapters.backends import KVPagesBackend, LoraWeights, Segments, make_backend
-from jlora.adapters.backends.reference import PooledReferenceBackend
-from jlora.adapters.device import DeviceSlots, Transfer
 from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
-from jlora.adapters.targets import INPUT_GROUPS, rank_row_bytes, target_shapes
 from jlora.contract.errors import InvalidRequest, RequestError
+from jlora.device.lora_slots import DeviceSlots, Transfer
+from jlora.device.packing import PackedPrefill
+from jlora.device.sampling import SamplingArrays
+from jlora.device.steps import (
+    CompiledSteps,
+    KVBlocks,
+    StepSpecs,
+    host_sampling,
+    set_sampling,
+    size_pool,
+)
 from jlora.engine.cost_model import ColdStart
-from jlora.engine.device import (
+from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,
@@ -94,26 +101,20 @@ from jlora.engine.device import (
     StagedAdapter,
 )
 from jlora.engine.orchestrator import Orchestrator
-from jlora.engine.packing import PackedPrefill
-from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import (
-    CompiledSteps,
-    KVBlocks,
-    StepSpecs,
-    host_sampling,
-    set_sampling,
-    size_pool,
-)
-from jlora.model import host_attention
+from jlora.model.host import attention as host_attention
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
+from jlora.model.lora.backends import make_backend
+from jlora.model.lora.base import KVPagesBackend, LoraWeights, Segments
+from jlora.model.lora.reference import PooledReferenceBackend
+from jlora.model.lora.targets import INPUT_GROUPS, rank_row_bytes, target_shapes
 from jlora.model.merge import WeightMerger
 from jlora.model.sharding import TensorParallel, to_host
 from jlora.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the CPU workers' kernels load only when needed
-    from jlora.engine.assisted import AssistedPrefill
-    from jlora.engine.cpu_assist import CpuAssist, ShardPlan
+    from jlora.device.cpu_assist.callbacks import CpuAssist, ShardPlan
+    from jlora.device.cpu_assist.prefill import AssistedPrefill
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +157,16 @@ class LlamaEngine(DeviceEngine):
         self.params = self.tp.place_params(params)  # what the steps run: merged or not
         self.base_params = self.params  # the pristine parameters, never modified
         # On one device the reference and MBGMV backends keep the adapters in the KV
-        # cache's pages (FastLibra's unified pool; backends/base.py, KVPagesBackend)
+        # cache's pages (FastLibra's unified pool; jlora/model/lora/base.py, KVPagesBackend)
         # unless lora_pool says "slots": a page holds a block's keys and values of every
         # layer.
         page_width = 2 * cfg.block_size * self.tp.kv_heads * model_config.head_dim
         pooled = self.tp.size == 1 and cfg.lora_pool == "kv"
+        # Where the cache lies in host memory (one CPU device, fp32), host kernels serve
+        # the pooled products and the decode attention (jlora.model.host).
+        host = host_attention.usable(self.mesh, jnp.dtype(cfg.dtype))
         backend = (
-            make_backend(cfg.lora_backend, page_width if pooled else None)
+            make_backend(cfg.lora_backend, page_width if pooled else None, host=host)
             if cfg.max_loras
             else None
         )
@@ -206,9 +210,6 @@ class LlamaEngine(DeviceEngine):
             self.lora.resize(max(cfg.max_loras, cfg.num_blocks))
             if isinstance(self.lora.backend, PooledReferenceBackend):
                 self.lora.backend.batch_slots = cfg.max_loras
-        if self.lora is not None and isinstance(self.lora.backend, PooledReferenceBackend):
-            # Its decode and prefill read the pages in place where they are in host memory.
-            self.lora.backend.on_host = host_attention.usable(self.mesh, self.model.dtype)
         cache_specs = KVCache(k=self.tp.kv_spec, v=self.tp.kv_spec)  # type: ignore[arg-type]
         zeros = jax.jit(
             lambda: KVCache.zeros(
@@ -236,7 +237,6 @@ class LlamaEngine(DeviceEngine):
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
-        host = host_attention.usable(self.mesh, self.model.dtype)
         self.steps = CompiledSteps(
             self.model, specs, self.packed.longest or None, host_attention=host
         )
@@ -260,8 +260,8 @@ class LlamaEngine(DeviceEngine):
             and self.store is not None
             and cfg.lora_mode in ("cpu-assist", "auto")
         ):
-            from jlora.engine.assisted import AssistedPrefill
-            from jlora.engine.cpu_assist import CpuAssist, default_workers
+            from jlora.device.cpu_assist.callbacks import CpuAssist, default_workers
+            from jlora.device.cpu_assist.prefill import AssistedPrefill
 
             stored = target_shapes(model_config)  # as the adapters hold them (k/v not widened)
             self.cpu = CpuAssist(
@@ -287,7 +287,7 @@ class LlamaEngine(DeviceEngine):
 
     def _shard_plan(self) -> ShardPlan:
         """How the CPU workers' whole products map onto this mesh's shards."""
-        from jlora.engine.cpu_assist import ShardPlan
+        from jlora.device.cpu_assist.callbacks import ShardPlan
 
         tp = self.tp
         reduce = {"o_proj": tp.attn_reduce, "down_proj": tp.mlp_reduce}
@@ -394,7 +394,7 @@ class LlamaEngine(DeviceEngine):
             return Prefilled(self._run_prefill(steps, None, job, sampling))
         if job.assist is not None:
             assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
-            # A cached prefix is computed again (device.py), its blocks left unwritten.
+            # A cached prefix is computed again (device_api.py), its blocks left unwritten.
             table = job.block_table.copy()
             table[: job.cached // cfg.block_size] = cfg.num_blocks
             token, self.cache, routes = self.assisted.run(
@@ -587,7 +587,7 @@ class LlamaEngine(DeviceEngine):
                 field="path",
             )
         stored = self.store.register(name, path, expect_sha256=expect_sha256)
-        # Off the scheduler thread: the install of its rank-exact transfers (device.py),
+        # Off the scheduler thread: the install of its rank-exact transfers (device_api.py),
         # and with merging on, its merge.
         self.lora.prepare(spec.rank, spec.targets)
         if self.config.merge != "never" and self.merger is not None:

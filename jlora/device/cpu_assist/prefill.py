@@ -29,16 +29,16 @@ import jax
 import numpy as np
 
 from configs import EngineConfig
-from jlora.adapters.backends import Segments
-from jlora.adapters.device import DeviceSlots
 from jlora.adapters.store import HostStore
-from jlora.adapters.targets import INPUT_GROUPS
+from jlora.device.cpu_assist.callbacks import CpuAssist
+from jlora.device.lora_slots import DeviceSlots
+from jlora.device.sampling import SamplingArrays
+from jlora.device.steps import CompiledSteps, host_sampling
 from jlora.engine import cost_model
-from jlora.engine.cpu_assist import CpuAssist
-from jlora.engine.sampling import SamplingArrays
-from jlora.engine.steps import CompiledSteps, host_sampling
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params
+from jlora.model.lora.base import Segments
+from jlora.model.lora.targets import INPUT_GROUPS
 
 log = logging.getLogger(__name__)
 

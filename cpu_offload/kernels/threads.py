@@ -10,10 +10,10 @@ product against its 1-thread time, bench/results/2026-11-28-cpu-offload-workqueu
 callers split work over threads only where it is worth more.
 
 The workqueue aborts the process when two threads launch parallel kernels at once.
-XLA's threads launch them (jlora's FFI kernels, `jlora.model.host_attention`), several
+XLA's threads launch them (jlora's FFI kernels, `jlora.model.host.attention`), several
 at once where steps run side by side, and no Python runs there and no Python lock can
 be taken. (A pool of threads splits its products with helper threads of its own,
-`cpu_offload.team`, not with parallel kernels.) So the lock is a word of this
+`cpu_offload.kernels.team`, not with parallel kernels.) So the lock is a word of this
 process's memory that compiled code finds by its symbol's name: `lock` takes it
 (spinning while another thread holds it), `unlock` frees it; both are compiled code,
 called from compiled code that holds no other lock, so a holder always gets to free it.
