@@ -1,7 +1,7 @@
 """Adapters across the router's workers and the registry (`AdapterCatalog`).
 
 - Register: the name and the directory are checked as every worker checks them
-  (`jlora.contract.adapters`: the name rule, the path guard; `entry_from_directory`
+  (`jlora.contract.adapters`: the name rule, the path guard; `adapter_from_directory`
   reads a real PEFT adapter and its sha256, which must be the client's if it sent one),
   then
   registered on every worker that is up, by its path relative to that directory (rolled
@@ -33,10 +33,11 @@ from jlora.api import jlora_pb2 as pb
 from jlora.contract import registry as reg
 from jlora.contract.adapters import (
     WEIGHTS_FILE,
+    Adapter,
     check_adapter_name,
     check_sha256,
-    file_sha256,
     resolve_adapter_dir,
+    sha256_of,
 )
 from jlora.contract.errors import (
     AlreadyExists,
@@ -93,7 +94,7 @@ class AdapterCatalog:
         name = check_adapter_name(request.name, base_model=base)
         async with self._lock:
             entry = await asyncio.to_thread(
-                reg.entry_from_directory,
+                reg.adapter_from_directory,
                 name,
                 request.path,
                 adapters_dir=self.adapters_dir,
@@ -200,9 +201,7 @@ class AdapterCatalog:
                 if entry.name not in worker.adapters:
                     await self._register_entry(worker, entry, self.adapters_dir)
 
-    async def _register_entry(
-        self, worker: Worker, entry: reg.AdapterEntry, adapters_dir: Path
-    ) -> None:
+    async def _register_entry(self, worker: Worker, entry: Adapter, adapters_dir: Path) -> None:
         try:
             await asyncio.to_thread(verify_entry, entry, adapters_dir)
             reply = await worker.stub.RegisterAdapter(
@@ -252,24 +251,24 @@ def _merge(copies: list[pb.Adapter]) -> pb.Adapter:
     return merged
 
 
-def _with_entry(adapter: pb.Adapter, entry: reg.AdapterEntry) -> pb.Adapter:
+def _with_entry(adapter: pb.Adapter, entry: Adapter) -> pb.Adapter:
     """The adapter with the registry's identity: its path, rank, targets and hash."""
     merged = pb.Adapter()
     merged.CopyFrom(adapter)
     merged.path, merged.sha256, merged.size_bytes = entry.path, entry.sha256, entry.size_bytes
     merged.rank, merged.alpha = entry.rank, entry.alpha
     del merged.target_modules[:]
-    merged.target_modules.extend(entry.target_modules)
+    merged.target_modules.extend(entry.targets)
     return merged
 
 
-def verify_entry(entry: reg.AdapterEntry, adapters_dir: Path) -> None:
+def verify_entry(entry: Adapter, adapters_dir: Path) -> None:
     """The registered adapter's directory, guarded, still holds the weights it was
     registered with (DataLoss if its sha256 changed)."""
     directory = resolve_adapter_dir(entry.path, adapters_dir)
     weights = directory / WEIGHTS_FILE
     try:
-        actual = file_sha256(weights)
+        actual = sha256_of(weights)
     except OSError as err:
         raise FailedPrecondition(
             f"adapter {entry.name!r}: cannot read {weights} ({err})", field="path"

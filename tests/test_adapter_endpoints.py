@@ -57,7 +57,7 @@ class Deployment:
             return err.code, err.read().decode()
 
     def worker_adapters(self) -> list[list[str]]:
-        return [[info.name for info in engine.adapter_infos()] for engine in self.engines]
+        return [[info.adapter.name for info in engine.adapter_infos()] for engine in self.engines]
 
     def close(self) -> None:
         self.client.close()

@@ -21,17 +21,12 @@ import numpy as np
 import pytest
 
 from configs import ModelConfig, load_preset
-from jlora.adapters.peft import (
-    AdapterError,
-    LoraSpec,
-    inspect_peft_adapter,
-    load_peft_adapter,
-    make_demo_adapters,
-    read_lora_spec,
-    write_peft_adapter,
-)
+from jlora.adapters.peft import load_peft_adapter, make_demo_adapters, write_peft_adapter
 from jlora.cli.main import main
-from jlora.model.lora.targets import MODULE_OF, TARGETS, target_shapes
+from jlora.contract.adapters import MODULE_OF, Adapter, AdapterError
+from jlora.contract.errors import InvalidRequest
+from jlora.contract.peft import inspect_adapter, read_adapter_config
+from jlora.model.lora.targets import TARGETS, target_shapes
 from tests.tolerances import assert_close
 
 TINY = load_preset("cpu-tiny").config
@@ -94,10 +89,10 @@ def test_peft_saved_adapter_matches_peft_delta(tmp_path, rank, alpha, use_rslora
     adapter = load_peft_adapter(tmp_path, TINY)
 
     expected_targets = tuple(t for t in TARGETS if any(m.endswith(t) for m in target_modules))
-    assert adapter.spec.targets == expected_targets
+    assert adapter.adapter.targets == expected_targets
     assert set(adapter.weights) == set(expected_targets)
     assert adapter.num_layers == TINY.num_layers
-    assert adapter.nbytes == (tmp_path / "adapter_model.safetensors").stat().st_size
+    assert adapter.adapter.size_bytes == (tmp_path / "adapter_model.safetensors").stat().st_size
     shapes = target_shapes(TINY)
     x = torch.randn(
         5, max(shapes[t][0] for t in TARGETS), generator=torch.Generator().manual_seed(2)
@@ -110,7 +105,7 @@ def test_peft_saved_adapter_matches_peft_delta(tmp_path, rank, alpha, use_rslora
         assert lora_b.shape == (TINY.num_layers, rank, out_features)
         for layer in range(TINY.num_layers):
             module = _peft_layer(peft_model, layer, target)
-            assert module.scaling["default"] == pytest.approx(adapter.spec.scaling, rel=1e-12)
+            assert module.scaling["default"] == pytest.approx(adapter.adapter.scaling, rel=1e-12)
             rows = x[:, :in_features]
             with torch.no_grad():
                 peft_delta = (
@@ -163,14 +158,14 @@ def test_peft_loads_demo_adapters_with_the_same_weights(tmp_path):
         assert [k for k in result.missing_keys if ".again." in k] == []
 
         ours = load_peft_adapter(path, TINY)
-        assert ours.spec.alpha == 2 * ours.spec.rank and ours.spec.scaling == 2.0
+        assert ours.adapter.alpha == 2 * ours.adapter.rank and ours.adapter.scaling == 2.0
         for target in TARGETS:
             lora_a, lora_b = ours.weights[target]
             assert np.all(lora_a != 0) and np.all(lora_b != 0)  # PEFT's B would be zero
             for layer in range(TINY.num_layers):
                 module = _peft_layer(peft_model, layer, target)
-                assert module.r["default"] == ours.spec.rank
-                assert module.scaling["default"] == ours.spec.scaling
+                assert module.r["default"] == ours.adapter.rank
+                assert module.scaling["default"] == ours.adapter.scaling
                 peft_a = module.lora_A["default"].weight.detach().numpy()
                 peft_b = module.lora_B["default"].weight.detach().numpy()
                 np.testing.assert_array_equal(lora_a[layer], peft_a.T)
@@ -184,7 +179,7 @@ def test_demo_adapters_are_deterministic_and_independent_of_n(tmp_path):
     other = make_demo_adapters(TINY, tmp_path / "c", n=1, ranks=[4, 8], seed=6)
 
     assert [p.name for p in first] == ["demo-00-r4", "demo-01-r8", "demo-02-r4"]
-    digest = [inspect_peft_adapter(p).sha256 for p in (*first, *again, *other)]
+    digest = [inspect_adapter(p)[0].sha256 for p in (*first, *again, *other)]
     assert digest[0] == digest[3]  # same seed, same index
     assert digest[0] != digest[2]  # same rank, another index
     assert digest[0] != digest[4]  # another seed
@@ -193,11 +188,11 @@ def test_demo_adapters_are_deterministic_and_independent_of_n(tmp_path):
 def test_demo_adapter_refuses_to_overwrite(tmp_path):
     make_demo_adapters(TINY, tmp_path, n=1, ranks=[4])
     (tmp_path / "demo-01-r8").mkdir()  # empty: allowed
-    sha = inspect_peft_adapter(tmp_path / "demo-00-r4").sha256
+    sha = inspect_adapter(tmp_path / "demo-00-r4")[0].sha256
 
     with pytest.raises(AdapterError, match="demo-00-r4 exists"):
         make_demo_adapters(TINY, tmp_path, n=2, ranks=[4, 8], seed=1)
-    assert inspect_peft_adapter(tmp_path / "demo-00-r4").sha256 == sha
+    assert inspect_adapter(tmp_path / "demo-00-r4")[0].sha256 == sha
     assert not any((tmp_path / "demo-01-r8").iterdir())  # nothing written before the refusal
 
 
@@ -241,8 +236,8 @@ def _write_config(path: Path, **fields) -> Path:
         ),
     ],
 )
-def test_read_lora_spec(tmp_path, fields, targets, scaling):
-    spec = read_lora_spec(_write_config(tmp_path, base_model_name_or_path="base", **fields))
+def test_read_adapter_config(tmp_path, fields, targets, scaling):
+    spec = read_adapter_config(_write_config(tmp_path, base_model_name_or_path="base", **fields))
 
     assert spec.targets == targets
     assert spec.scaling == scaling
@@ -256,7 +251,7 @@ def test_inspect_refuses_a_file_without_lora_tensors(tmp_path):
     save_file({"lm_head.weight": np.ones((2, 2), np.float32)}, path / "adapter_model.safetensors")
 
     with pytest.raises(AdapterError, match="no lora_A/lora_B tensors"):
-        inspect_peft_adapter(path)
+        inspect_adapter(path)
 
 
 def _rank4(target: str, layers: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -278,20 +273,28 @@ def _rank4(target: str, layers: int = 3) -> tuple[np.ndarray, np.ndarray]:
     ids=["targets", "ndim", "layers", "rank"],
 )
 def test_writer_checks_its_arguments(tmp_path, weights, fragment):
-    spec = LoraSpec(4, 8, False, ("v_proj", "q_proj"))
+    spec = Adapter(rank=4, alpha=8, targets=("v_proj", "q_proj"))
     with pytest.raises(AdapterError) as raised:
         write_peft_adapter(tmp_path / "adapter", spec, weights)
     assert fragment in str(raised.value)
     assert not (tmp_path / "adapter").exists()
 
 
-def test_lora_spec_validates_and_normalises():
-    spec = LoraSpec(4, 8, False, ["self_attn.v_proj", "q_proj"])
+def test_the_adapter_record_validates_and_normalises():
+    spec = Adapter(rank=4, alpha=8, targets=["self_attn.v_proj", "q_proj"])
     assert spec.targets == ("q_proj", "v_proj") and spec.alpha == 8.0 and spec.scaling == 2.0
-    with pytest.raises(AdapterError, match="LoraSpec.rank=0"):
-        LoraSpec(0, 8.0, False, ("q_proj",))
-    with pytest.raises(AdapterError, match="LoraSpec.alpha=NaN"):
-        LoraSpec(4, float("nan"), False, ("q_proj",))
+    assert Adapter(rank=4, alpha=8, targets=("q_proj",), use_rslora=True).scaling == 4.0
+    for fields, field in [
+        ({"rank": 0}, "rank"),
+        ({"rank": True}, "rank"),
+        ({"alpha": float("nan")}, "alpha"),
+        ({"targets": ("lm_head",)}, "targets"),
+        ({"targets": "q_proj"}, "targets"),
+        ({"use_rslora": "yes"}, "use_rslora"),
+    ]:
+        with pytest.raises(InvalidRequest) as raised:
+            Adapter(**{"rank": 4, "alpha": 8.0, "targets": ("q_proj",)} | fields)
+        assert raised.value.field == field and raised.value.message.startswith(f"{field}=")
 
 
 # -- refused adapters ------------------------------------------------------------------
@@ -308,7 +311,9 @@ def _good_adapter(path: Path, config: ModelConfig = TINY) -> Path:
         for target, (in_features, out_features) in target_shapes(config).items()
         if target in ("q_proj", "v_proj")
     }
-    return write_peft_adapter(path, LoraSpec(4, 8.0, False, ("q_proj", "v_proj")), weights)
+    return write_peft_adapter(
+        path, Adapter(rank=4, alpha=8.0, targets=("q_proj", "v_proj")), weights
+    )
 
 
 def _edit_config(**fields):

@@ -33,7 +33,8 @@ from bench.workloads import (
     zipf_weights,
 )
 from configs import load_preset
-from jlora.adapters.peft import make_demo_adapters, read_lora_spec
+from jlora.adapters.peft import make_demo_adapters
+from jlora.contract.peft import read_adapter_config
 from jlora.tokenizer import Tokenizer
 
 
@@ -144,7 +145,7 @@ def test_the_demo_pool_is_what_make_demo_adapters_writes(tmp_path):
     paths = make_demo_adapters(load_preset("cpu-tiny").config, tmp_path, n=5, ranks=[4, 8])
     pool = demo_adapter_pool(5, (4, 8))
     assert [path.name for path in paths] == [name for name, _ in pool]
-    assert [read_lora_spec(path).rank for path in paths] == [rank for _, rank in pool]
+    assert [read_adapter_config(path).rank for path in paths] == [rank for _, rank in pool]
     assert pool[:3] == [("demo-00-r4", 4), ("demo-01-r8", 8), ("demo-02-r4", 4)]
 
 

@@ -19,8 +19,8 @@ from jlora.contract.adapters import (
     WEIGHTS_FILE,
     check_adapter_name,
     check_sha256,
-    file_sha256,
     resolve_adapter_dir,
+    sha256_of,
 )
 from jlora.contract.auth import authorized, call_metadata, resolve_api_key
 from jlora.contract.errors import Code, FailedPrecondition, InvalidRequest, NotFound, RequestError
@@ -137,7 +137,7 @@ def test_an_unusable_adapters_dir_is_the_servers_fault(tmp_path):
 def test_a_hash_mismatch_is_data_loss_naming_both_hashes(tmp_path):
     weights = tmp_path / WEIGHTS_FILE
     weights.write_bytes(b"x" * 3_000_000)  # more than one read chunk
-    actual = file_sha256(weights)
+    actual = sha256_of(weights)
     assert actual == hashlib.sha256(weights.read_bytes()).hexdigest()
     check_sha256(actual.upper(), actual, adapter="a", source=weights)  # case does not matter
     check_sha256(None, actual, adapter="a", source=weights)  # nothing expected

@@ -48,14 +48,14 @@ def test_regions_are_layer_major_with_scaling_folded_into_b(tiny, demo):
     try:
         stored = store.register("a", demo[1])
         adapter = load_peft_adapter(demo[1], tiny.config)
-        rank = stored.spec.rank
-        assert stored.spec.targets == ("q_proj", "v_proj", "down_proj")
+        rank = stored.adapter.rank
+        assert stored.adapter.targets == ("q_proj", "v_proj", "down_proj")
         raw = np.frombuffer(store.arena.shm.buf, np.float32)
         for layer in range(tiny.config.num_layers):
             # One layer is one contiguous run: A, B of each target in canonical order.
             start = (stored.offset + layer * stored.layer_stride) // 4
             parts = []
-            for target in stored.spec.targets:
+            for target in stored.adapter.targets:
                 parts += [
                     adapter.weights[target][0][layer].ravel(),
                     adapter.weights[target][1][layer].ravel(),

@@ -425,7 +425,7 @@ def test_jlora_serve_leaves_out_bad_adapters_of_its_dir_and_serves_the_rest(tmp_
         (outside / "adapter_config.json").read_bytes()
     )
     (root / "leak" / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
-    entry = reg.entry_from_directory("registered", good, adapters_dir=root, base_model="cpu-tiny")
+    entry = reg.adapter_from_directory("registered", good, adapters_dir=root, base_model="cpu-tiny")
     with reg.Registry(tmp_path / "registry.sqlite") as registry:
         registry.register(dataclasses.replace(entry, sha256="f" * 64))
     worker = ServeProcess(

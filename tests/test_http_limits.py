@@ -17,7 +17,7 @@ import time
 import openai
 import pytest
 
-from jlora.contract.registry import AdapterEntry
+from jlora.contract.adapters import Adapter
 from router.http_body import MAX_JSON_DEPTH, HttpError, HttpLimits, parse_json_body
 from tests.test_openai_http import CHAT, COMPLETIONS, Deployment, expected_text, wait_for
 
@@ -256,12 +256,12 @@ def test_models_retrieve(deployment):
 def test_models_report_their_registration_time(deployment):
     registry = deployment.router.registry
     registry.register(
-        AdapterEntry(
+        Adapter(
             name="a",
             base_model="smol",
             rank=8,
             alpha=16.0,
-            target_modules=("q_proj", "v_proj"),
+            targets=("q_proj", "v_proj"),
             path="a",
             sha256="0" * 64,
             size_bytes=1,

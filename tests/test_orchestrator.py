@@ -174,7 +174,7 @@ def test_adapter_slots_lru_eviction_holds_and_pins():
         engine.step()
     stats = engine.stats()
     assert (stats.adapter_loads, stats.adapter_evictions) == (2, 1)
-    infos = {info.name: info for info in engine.adapter_infos()}
+    infos = {info.adapter.name: info for info in engine.adapter_infos()}
     assert (infos["a"].state, infos["b"].state, infos["b"].slot) == (HOST, DEVICE, 0)
     engine.load_adapter("a", pin=True)  # evicts idle "b"
     with pytest.raises(RequestError, match="max_loras=1") as caught:
@@ -204,7 +204,8 @@ def test_the_time_queued_requests_wait_for_their_adapter_is_counted():
 def test_register_and_unregister(tmp_path):
     engine = mock_engine()
     info = engine.register_adapter("mine", write_adapter_config(tmp_path / "mine", rank=16))
-    assert (info.rank, info.alpha, info.target_modules) == (16, 32.0, ("q_proj", "v_proj"))
+    adapter = info.adapter
+    assert (adapter.rank, adapter.alpha, adapter.targets) == (16, 32.0, ("q_proj", "v_proj"))
     refusals = [
         ("mine", tmp_path / "mine", Code.ALREADY_EXISTS, "name", "already registered"),
         ("../x", tmp_path / "mine", Code.INVALID_ARGUMENT, "name", "name='../x'"),
@@ -231,14 +232,14 @@ def test_register_and_unregister(tmp_path):
         assert (caught.value.code, caught.value.field) == (code, field), name
         assert names in caught.value.message
     tagged = engine.register_adapter("org/c-lora:v2", tmp_path / "mine")
-    assert tagged.name == "org/c-lora:v2"
+    assert tagged.adapter.name == "org/c-lora:v2"
     engine.add_request(Request("r", [1], adapter="mine"))
     with pytest.raises(RequestError, match="named by 1") as caught:
         engine.unregister_adapter("mine")
     assert caught.value.code == Code.FAILED_PRECONDITION
     engine.abort("r")
     engine.unregister_adapter("mine")
-    assert [info.name for info in engine.adapter_infos()] == ["org/c-lora:v2"]
+    assert [info.adapter.name for info in engine.adapter_infos()] == ["org/c-lora:v2"]
     with pytest.raises(RequestError, match="not registered") as caught:
         engine.unregister_adapter("mine")
     assert caught.value.code == Code.NOT_FOUND
@@ -265,7 +266,7 @@ def test_a_failed_load_fails_only_the_requests_of_that_adapter():
             assert [e.token_id for e in events] == mock_completion(prompt, adapter, 5, VOCAB)
     stats = engine.stats()
     assert stats.running == () and engine.memory.held_pages() == 0
-    assert {i.name: i.state for i in engine.adapter_infos()} == {"good": DEVICE, "bad": HOST}
+    assert {i.adapter.name: i.state for i in engine.adapter_infos()} == {"good": DEVICE, "bad": HOST}
     [again] = run_to_completion(engine, [[9]], SamplingParams(max_tokens=3), ["good"])
     assert again["token_ids"] == mock_completion([9], "good", 3, VOCAB)
 
@@ -309,9 +310,9 @@ def test_staging_runs_on_another_thread_while_the_engine_steps(tmp_path):
     with pytest.raises(RequestError) as caught:
         engine.stage_adapter("late", path)  # the name is taken from staging on
     assert caught.value.code == Code.ALREADY_EXISTS
-    assert "late" not in [i.name for i in engine.adapter_infos()]  # not committed yet
+    assert "late" not in [i.adapter.name for i in engine.adapter_infos()]  # not committed yet
     engine.commit_adapter(staged[0])
-    assert "late" in [i.name for i in engine.adapter_infos()]
+    assert "late" in [i.adapter.name for i in engine.adapter_infos()]
     assert engine.has_unfinished and engine.abort("r")
 
 

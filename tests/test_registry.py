@@ -25,11 +25,10 @@ import pytest
 
 from configs import load_preset
 from jlora.adapters.peft import make_demo_adapters
-from jlora.contract.adapters import WEIGHTS_FILE, resolve_adapter_dir
+from jlora.contract.adapters import WEIGHTS_FILE, Adapter, resolve_adapter_dir
 from jlora.contract.errors import Code, InvalidRequest
 from jlora.contract.registry import (
     SCHEMA_VERSION,
-    AdapterEntry,
     AdapterExists,
     AdapterNotFound,
     InvalidEntry,
@@ -37,7 +36,7 @@ from jlora.contract.registry import (
     RegistryError,
     RegistryUnavailable,
     SchemaError,
-    entry_from_directory,
+    adapter_from_directory,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,19 +57,19 @@ V1_SCHEMA = """CREATE TABLE adapters (
 )"""
 
 
-def _entry(name: str = "sql-lora", **changes) -> AdapterEntry:
+def _entry(name: str = "sql-lora", **changes) -> Adapter:
     fields = dict(
         name=name,
         base_model="smollm2-135m",
         rank=16,
         alpha=32.0,
-        target_modules=("q_proj", "v_proj"),
+        targets=("q_proj", "v_proj"),
         path=f"{name}-dir",
         sha256=SHA,
         size_bytes=1234,
         created_at=1_700_000_000.5,
     )
-    return AdapterEntry(**{**fields, **changes})
+    return Adapter(**{**fields, **changes})
 
 
 @pytest.fixture
@@ -85,17 +84,17 @@ def registry(tmp_path):
 def test_round_trip_list_remove_and_reopen(tmp_path):
     file = tmp_path / "registry.db"
     entries = [
-        _entry("b-lora", rank=64, target_modules=("down_proj", "self_attn.q_proj")),
+        _entry("b-lora", rank=64, targets=("down_proj", "self_attn.q_proj")),
         _entry("a-lora"),
         _entry("org/c-lora", base_model="llama2-7b"),
     ]
     with Registry(file) as registry:
         assert registry.schema_version == SCHEMA_VERSION
-        for entry in entries:
-            assert registry.register(entry) == entry
+        stored = [registry.register(entry) for entry in entries]
         got = registry.get("b-lora")
-        assert got == entries[0]
-        assert got.target_modules == ("q_proj", "down_proj")  # canonical order
+        assert got == stored[0]
+        assert got.targets == ("q_proj", "down_proj")  # canonical order
+        assert stored[1:] == entries[1:]  # already canonical: stored as given
         assert [e.name for e in registry.list()] == ["a-lora", "b-lora", "org/c-lora"]
         assert [e.name for e in registry.list("smollm2-135m")] == ["a-lora", "b-lora"]
         assert registry.list("no-such-model") == ()
@@ -103,8 +102,15 @@ def test_round_trip_list_remove_and_reopen(tmp_path):
         with pytest.raises(AdapterNotFound, match="'a-lora' is not registered"):
             registry.get("a-lora")
     with Registry(file) as reopened:
-        assert reopened.list() == (entries[0], entries[2])
+        assert reopened.list() == (stored[0], stored[2])
         assert reopened.get("org/c-lora").created_at == 1_700_000_000.5
+
+
+def test_the_whole_record_round_trips(registry):
+    """Every field of the record but the worker's sizes: rsLoRA included."""
+    entry = _entry("rs", use_rslora=True, alpha=8.0, rank=4)
+    assert registry.register(entry) == registry.get("rs") == entry
+    assert registry.get("rs").scaling == 4.0  # 8 / sqrt(4)
 
 
 def test_in_memory_registry():
@@ -150,9 +156,10 @@ def test_duplicate_name_is_refused_and_the_first_kept(registry):
         ("rank", 16.0),
         ("alpha", 0),
         ("alpha", math.inf),
-        ("target_modules", ()),
-        ("target_modules", ("lm_head",)),
-        ("target_modules", "q_proj"),
+        ("targets", ()),
+        ("targets", ("lm_head",)),
+        ("targets", "q_proj"),
+        ("use_rslora", 1),
         ("path", ""),
         ("path", "nul\x00byte"),
         ("sha256", "abc"),
@@ -164,8 +171,10 @@ def test_duplicate_name_is_refused_and_the_first_kept(registry):
     ],
 )
 def test_bad_fields_are_named_and_nothing_is_stored(registry, field, value):
+    """The record refuses what no adapter can be (a rank of 0); the registry what it
+    cannot store (a name outside the rule, a hash that is not one): both name the field."""
     with pytest.raises(InvalidRequest) as err:
-        _entry(**{"name": "ok"} | {field: value})
+        registry.register(_entry(**{"name": "ok"} | {field: value}))
     assert err.value.field == field
     assert err.value.message.startswith(f"{field}") and err.value.code == Code.INVALID_ARGUMENT
     assert registry.list() == ()
@@ -214,7 +223,7 @@ def _user_version(file: Path) -> int:
 def test_new_file_gets_the_latest_schema_in_wal_mode(tmp_path):
     file = tmp_path / "fresh.db"
     Registry(file).close()
-    assert _user_version(file) == SCHEMA_VERSION == 2
+    assert _user_version(file) == SCHEMA_VERSION == 3
     assert ("index", "adapters_by_base_model") in _objects(file)
     with sqlite3.connect(file) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -236,8 +245,8 @@ def test_migrates_a_version_1_file(tmp_path):
     with Registry(file) as registry:
         assert registry.schema_version == SCHEMA_VERSION
         assert registry.get("old") == _entry(
-            "old", rank=8, target_modules=("q_proj",), path="old-dir", size_bytes=99, created_at=1.0
-        )
+            "old", rank=8, targets=("q_proj",), path="old-dir", size_bytes=99, created_at=1.0
+        )  # use_rslora, a column of version 3, reads false
         registry.register(_entry("new"))
     assert ("index", "adapters_by_base_model") in _objects(file)
     assert _user_version(file) == SCHEMA_VERSION
@@ -302,19 +311,20 @@ def test_threads_share_one_registry(registry):
 _WRITER = textwrap.dedent(
     """
     import sys
-    from jlora.contract.registry import AdapterEntry, AdapterExists, Registry
+    from jlora.contract.adapters import Adapter
+    from jlora.contract.registry import AdapterExists, Registry
 
     file, tag = sys.argv[1], sys.argv[2]
     with Registry(file) as registry:
         for i in range(20):
-            registry.register(AdapterEntry(
-                name=f"{tag}-{i}", base_model="m", rank=8, alpha=16, target_modules=("q_proj",),
+            registry.register(Adapter(
+                name=f"{tag}-{i}", base_model="m", rank=8, alpha=16, targets=("q_proj",),
                 path=f"{tag}-{i}", sha256="ab" * 32, size_bytes=1,
             ))
             assert registry.get(f"{tag}-{i}").name == f"{tag}-{i}"
         try:
-            registry.register(AdapterEntry(
-                name="contested", base_model="m", rank=8, alpha=16, target_modules=("q_proj",),
+            registry.register(Adapter(
+                name="contested", base_model="m", rank=8, alpha=16, targets=("q_proj",),
                 path=tag, sha256="ab" * 32, size_bytes=1,
             ))
             print("won")
@@ -365,12 +375,12 @@ def demo_adapter(tmp_path):
     return root, path
 
 
-def test_entry_from_directory_reads_rank_targets_and_hash(demo_adapter, registry):
+def test_adapter_from_directory_reads_rank_targets_and_hash(demo_adapter, registry):
     root, path = demo_adapter
-    entry = entry_from_directory("team/tiny", path, adapters_dir=root, base_model="cpu-tiny")
+    entry = adapter_from_directory("team/tiny", path, adapters_dir=root, base_model="cpu-tiny")
     weights = (path / WEIGHTS_FILE).read_bytes()
     assert (entry.rank, entry.alpha) == (4, 8.0)  # demo adapters have alpha = 2 * rank
-    assert entry.target_modules == ("q_proj", "o_proj")
+    assert entry.targets == ("q_proj", "o_proj")
     assert entry.sha256 == hashlib.sha256(weights).hexdigest()
     assert entry.size_bytes == len(weights)
     assert entry.path == "team/demo-00-r4"  # relative to the adapters directory
@@ -379,9 +389,9 @@ def test_entry_from_directory_reads_rank_targets_and_hash(demo_adapter, registry
     assert resolve_adapter_dir(stored.path, root) == path.resolve()
 
 
-def test_entry_from_directory_refuses_a_non_adapter(tmp_path):
+def test_adapter_from_directory_refuses_a_non_adapter(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "adapter_config.json").write_text("{}")
     with pytest.raises(InvalidRequest, match="adapter_config.json|peft_type") as err:
-        entry_from_directory("x", "a", adapters_dir=tmp_path, base_model="m")
+        adapter_from_directory("x", "a", adapters_dir=tmp_path, base_model="m")
     assert err.value.field == "path"

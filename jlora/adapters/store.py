@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from configs import ModelConfig
-from jlora.adapters.peft import LoraSpec, load_peft_adapter
-from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
+from jlora.adapters.peft import load_peft_adapter
+from jlora.contract.adapters import WEIGHTS_FILE, Adapter, check_sha256
 from jlora.contract.errors import AlreadyExists, ResourceExhausted
 from jlora.model.lora.targets import TARGETS, rank_row_bytes, target_shapes
 
@@ -54,14 +54,10 @@ def store_mib(config: ModelConfig, ranks: list[int], targets: tuple[str, ...] = 
 
 
 @dataclasses.dataclass(frozen=True)
-class StoredAdapter:
-    """Where one adapter lives in the arena, and what it is."""
+class Region:
+    """Where one adapter lives in the arena (`adapter`: its record, host_bytes filled in)."""
 
-    name: str
-    path: Path
-    spec: LoraSpec
-    sha256: str
-    file_bytes: int  # size of adapter_model.safetensors
+    adapter: Adapter
     offset: int  # byte offset of the region in the arena
     layer_stride: int  # bytes per layer
     num_layers: int
@@ -151,7 +147,7 @@ class HostStore:
         self.config = config
         self.shapes = target_shapes(config)
         self.arena = SharedArena(capacity)
-        self._adapters: dict[str, StoredAdapter] = {}
+        self._adapters: dict[str, Region] = {}
         self._lock = threading.Lock()  # the arena's allocator and `_adapters`
 
     def __contains__(self, name: object) -> bool:
@@ -163,26 +159,24 @@ class HostStore:
     def names(self) -> list[str]:
         return list(self._adapters)
 
-    def get(self, name: str) -> StoredAdapter:
+    def get(self, name: str) -> Region:
         return self._adapters[name]
 
-    def register(
-        self, name: str, path: str | Path, *, expect_sha256: str | None = None
-    ) -> StoredAdapter:
+    def register(self, name: str, path: str | Path, *, expect_sha256: str | None = None) -> Region:
         """Validate the PEFT adapter at `path` (and its weights' sha256 against
         `expect_sha256`) and copy it into the arena as `name`. Any thread.
 
         Raises RequestError (and changes nothing) for a duplicate name, an invalid
         adapter, a hash mismatch or a full arena.
         """
-        adapter = load_peft_adapter(Path(path), self.config)
+        loaded = load_peft_adapter(Path(path), self.config)
+        adapter = loaded.adapter
         check_sha256(expect_sha256, adapter.sha256, adapter=name, source=Path(path) / WEIGHTS_FILE)
-        spec = adapter.spec
         target_offsets, cursor = {}, 0
-        for target in spec.targets:
+        for target in adapter.targets:
             fan_in, fan_out = self.shapes[target]
-            target_offsets[target] = (cursor, cursor + 4 * fan_in * spec.rank)
-            cursor += 4 * spec.rank * (fan_in + fan_out)
+            target_offsets[target] = (cursor, cursor + 4 * fan_in * adapter.rank)
+            cursor += 4 * adapter.rank * (fan_in + fan_out)
         num_layers = self.config.num_layers
         with self._lock:
             if name in self._adapters:
@@ -191,18 +185,14 @@ class HostStore:
                 offset = self.arena.alloc(cursor * num_layers)
             except MemoryError as err:
                 raise ResourceExhausted(f"adapter {name!r}: {err}", field="path") from None
-        stored = StoredAdapter(
-            name=name,
-            path=Path(path),
-            spec=spec,
-            sha256=adapter.sha256,
-            file_bytes=adapter.nbytes,
+        stored = Region(
+            adapter=dataclasses.replace(adapter, name=name, host_bytes=cursor * num_layers),
             offset=offset,
             layer_stride=cursor,
             num_layers=num_layers,
             target_offsets=target_offsets,
         )
-        for target, (lora_a, lora_b) in adapter.weights.items():
+        for target, (lora_a, lora_b) in loaded.weights.items():
             view_a, view_b = self._stacked(stored, target)
             view_a[...] = lora_a
             view_b[...] = lora_b
@@ -215,9 +205,9 @@ class HostStore:
             stored = self._adapters.pop(name)
             self.arena.free(stored.offset)
 
-    def _stacked(self, stored: StoredAdapter, target: str) -> tuple[np.ndarray, np.ndarray]:
+    def _stacked(self, stored: Region, target: str) -> tuple[np.ndarray, np.ndarray]:
         fan_in, fan_out = self.shapes[target]
-        rank = stored.spec.rank
+        rank = stored.adapter.rank
         a_off, b_off = stored.target_offsets[target]
         layer = stored.layer_stride
         view_a = self.arena.view(
@@ -231,7 +221,7 @@ class HostStore:
     def tensors(self, name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """target -> (A [L, in, r], B·scaling [L, r, out]): strided views into the arena."""
         stored = self._adapters[name]
-        return {target: self._stacked(stored, target) for target in stored.spec.targets}
+        return {target: self._stacked(stored, target) for target in stored.adapter.targets}
 
     def close(self) -> None:
         """Release the shared-memory segment (views into it become invalid)."""

@@ -12,16 +12,9 @@ import json
 from pathlib import Path
 
 from configs.model import DEFAULT_MODEL
-from jlora.adapters.peft import (
-    AdapterError,
-    AdapterSummary,
-    PeftAdapter,
-    check_ranks,
-    inspect_peft_adapter,
-    load_peft_adapter,
-    make_demo_adapters,
-)
+from jlora.adapters.peft import load_peft_adapter, make_demo_adapters
 from jlora.cli.common import model_config, target_list
+from jlora.contract.peft import AdapterError, check_ranks, inspect_adapter
 from jlora.model.lora.targets import TARGETS
 
 
@@ -86,29 +79,28 @@ def run_make_demo(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    info: AdapterSummary | PeftAdapter = (
-        inspect_peft_adapter(args.path)
-        if args.model is None
-        else load_peft_adapter(args.path, model_config(args.model))
-    )
-    spec = info.spec
+    if args.model is None:
+        spec, num_layers = inspect_adapter(args.path)
+    else:
+        loaded = load_peft_adapter(args.path, model_config(args.model))
+        spec, num_layers = loaded.adapter, loaded.num_layers
     fields = {
-        "path": str(info.path),
+        "path": spec.path,
         "rank": spec.rank,
         "alpha": spec.alpha,
         "scaling": spec.scaling,
         "use_rslora": spec.use_rslora,
         "targets": list(spec.targets),
         "base_model": spec.base_model,
-        "num_layers": info.num_layers,
-        "size_bytes": info.nbytes,
-        "sha256": info.sha256,
+        "num_layers": num_layers,
+        "size_bytes": spec.size_bytes,
+        "sha256": spec.sha256,
     }
     if args.json:
         print(json.dumps(fields | ({"compatible_with": args.model} if args.model else {})))
         return 0
     fields["targets"] = ",".join(spec.targets)
-    fields["size_bytes"] = f"{info.nbytes} ({info.nbytes / 2**20:.2f} MiB)"
+    fields["size_bytes"] = f"{spec.size_bytes} ({spec.size_bytes / 2**20:.2f} MiB)"
     for key, value in fields.items():
         print(f"{key}: {value}")
     if args.model is not None:

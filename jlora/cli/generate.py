@@ -258,11 +258,11 @@ def _load(
     """The model's tokenizer as an encoder, and an engine factory taking the slot count
     (the engine serves `adapters`, registered under the names the user gave)."""
     from configs import EngineConfig
-    from jlora.adapters.peft import read_lora_spec
+    from jlora.contract.peft import read_adapter_config
     from jlora.device.llama_engine import build_engine
     from jlora.model.loading import load_model
 
-    specs = [read_lora_spec(path) for _, path in adapters.values()]  # fail before loading
+    specs = [read_adapter_config(path) for _, path in adapters.values()]  # fail before loading
     lora: dict[str, Any] = {}
     if specs:
         lora = {

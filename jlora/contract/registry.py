@@ -2,18 +2,18 @@
 
 Toppings §6 ("Scheduler & global LoRA registry") keeps the adapters every server may
 serve in SQLite; jlora does the same. An entry says what an adapter is (name, base
-model, rank, target modules) and where its weights are: `path`, a PEFT directory
-relative to the adapters directory, and `sha256`/`size_bytes` of its
-`adapter_model.safetensors`, the definition `jlora.adapters.peft` uses for an adapter's
-identity (`inspect_peft_adapter` computes it when `entry_from_directory` describes one).
+model, rank, alpha, rsLoRA, target modules) and where its weights are: `path`, a PEFT
+directory relative to the adapters directory, and `sha256`/`size_bytes` of its
+`adapter_model.safetensors`, the adapter's identity (`jlora.contract.adapters`). An
+entry is the `Adapter` record every layer uses (`created_at` set).
 
 The life of an adapter:
 
-1. Registration (through the router): `entry_from_directory` resolves the path inside
+1. Registration (through the router): `adapter_from_directory` resolves the path inside
    the adapters directory (`contract.adapters.resolve_adapter_dir` refuses `..` and
    symlinks that lead out of it), reads the adapter's rank, targets and hash;
-   `register` stores the entry, refusing a duplicate name (AdapterExists) or a bad
-   field (InvalidEntry, which names the field).
+   `register` checks and stores the entry, refusing a duplicate name (AdapterExists) or
+   a bad field (InvalidEntry, which names the field).
 2. Routing: the router reads `get(name)` for the adapter's rank (the rank-aware policy
    needs it) and `list()` for `/v1/models`.
 3. Loading (a worker): the directory is resolved again and the hash of the bytes the
@@ -51,13 +51,14 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeGuard
 
-from jlora.adapters.peft import AdapterError, canonical_targets, inspect_peft_adapter
 from jlora.contract.adapters import (
+    Adapter,
     check_adapter_name,
     relative_to_adapters_dir,
     resolve_adapter_dir,
 )
 from jlora.contract.errors import Code, InvalidRequest, RequestError
+from jlora.contract.peft import inspect_adapter
 
 MAX_TEXT_LEN = 4096
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -79,6 +80,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # The router lists the adapters of the base model its workers serve.
     ("CREATE INDEX adapters_by_base_model ON adapters (base_model, name)",),
+    # The whole record: PEFT's use_rslora (entries of version 2 were registered without
+    # it; it then reads false, and the workers read the adapter's own config anyway).
+    ("ALTER TABLE adapters ADD COLUMN use_rslora INTEGER NOT NULL DEFAULT 0",),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 _COLUMNS = (
@@ -91,6 +95,7 @@ _COLUMNS = (
     "sha256",
     "size_bytes",
     "created_at",
+    "use_rslora",
 )
 
 
@@ -148,56 +153,31 @@ class AdapterExists(RegistryError):
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class AdapterEntry:
-    """One registered adapter.
+def checked_entry(adapter: Adapter) -> Adapter:
+    """`adapter` as the registry stores it, or InvalidEntry naming the bad field.
 
-    name: unique, `jlora.contract.adapters.NAME_RE`. base_model: the base model it adapts
-    (a preset name or a model path, as the workers name theirs). rank: LoRA rank, > 0.
-    alpha: PEFT's lora_alpha, > 0 (the scaling also depends on use_rslora, which only
-    the worker reads, from adapter_config.json). target_modules: the adapted
-    projections, normalised to jlora's canonical order ("q_proj", ..., "down_proj";
-    "self_attn.q_proj" is accepted). path: the PEFT directory, relative to the adapters
-    directory (see `resolve_path`). sha256: hex digest of its adapter_model.safetensors
-    (lowercased); size_bytes: that file's size. created_at: registration time, seconds
-    since the epoch.
+    The record itself holds a valid rank, alpha and targets. name:
+    `jlora.contract.adapters.NAME_RE`. base_model: the base model it adapts (a preset name
+    or a model path, as the workers name theirs). size_bytes: > 0. path: the PEFT
+    directory, relative to the adapters directory (`resolve_adapter_dir`). sha256: hex
+    digest of its adapter_model.safetensors (lowercased). created_at: registration time,
+    seconds since the epoch (now, if unset).
     """
-
-    name: str
-    base_model: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    path: str
-    sha256: str
-    size_bytes: int
-    created_at: float = dataclasses.field(default_factory=time.time)
-
-    def __post_init__(self) -> None:
-        check_adapter_name(self.name)
-        _check_text("base_model", self.base_model)
-        for field in ("rank", "size_bytes"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidEntry(field, value, "must be a positive integer")
-        if not _is_finite_number(self.alpha) or self.alpha <= 0:
-            raise InvalidEntry("alpha", self.alpha, "must be a positive finite number")
-        object.__setattr__(self, "alpha", float(self.alpha))
-        if isinstance(self.target_modules, str):
-            raise InvalidEntry("target_modules", self.target_modules, "must be a list of names")
-        try:
-            targets = canonical_targets(self.target_modules)
-        except AdapterError as err:
-            raise InvalidEntry("target_modules", self.target_modules, str(err)) from None
-        object.__setattr__(self, "target_modules", targets)
-        _check_text("path", self.path)
-        sha256 = self.sha256.lower() if isinstance(self.sha256, str) else self.sha256
-        if not isinstance(sha256, str) or not SHA256_RE.fullmatch(sha256):
-            raise InvalidEntry("sha256", self.sha256, "must be 64 hexadecimal digits")
-        object.__setattr__(self, "sha256", sha256)
-        if not _is_finite_number(self.created_at) or self.created_at < 0:
-            raise InvalidEntry("created_at", self.created_at, "must be finite seconds >= 0")
-        object.__setattr__(self, "created_at", float(self.created_at))
+    if not isinstance(adapter, Adapter):
+        raise InvalidEntry("entry", adapter, "must be an Adapter")
+    check_adapter_name(adapter.name)
+    _check_text("base_model", adapter.base_model)
+    size = adapter.size_bytes
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise InvalidEntry("size_bytes", size, "must be a positive integer")
+    _check_text("path", adapter.path)
+    sha256 = adapter.sha256.lower() if isinstance(adapter.sha256, str) else adapter.sha256
+    if not isinstance(sha256, str) or not SHA256_RE.fullmatch(sha256):
+        raise InvalidEntry("sha256", adapter.sha256, "must be 64 hexadecimal digits")
+    created_at = adapter.created_at or time.time()
+    if not _is_finite_number(created_at) or created_at < 0:
+        raise InvalidEntry("created_at", adapter.created_at, "must be finite seconds >= 0")
+    return dataclasses.replace(adapter, sha256=sha256, created_at=float(created_at))
 
 
 class Registry:
@@ -230,20 +210,22 @@ class Registry:
         """The file's `PRAGMA user_version` (SCHEMA_VERSION once opened)."""
         return int(self._execute("PRAGMA user_version")[0][0])
 
-    def register(self, entry: AdapterEntry) -> AdapterEntry:
-        """Store `entry`; AdapterExists if its name is taken (nothing changes then)."""
-        if not isinstance(entry, AdapterEntry):
-            raise InvalidEntry("entry", entry, "must be an AdapterEntry")
+    def register(self, adapter: Adapter) -> Adapter:
+        """Check and store `adapter` (`checked_entry`), returning the entry as stored;
+        InvalidEntry for a bad field, AdapterExists if its name is taken (nothing changes
+        then). Its host and device sizes are a worker's, not stored."""
+        entry = checked_entry(adapter)
         row = (
             entry.name,
             entry.base_model,
             entry.rank,
             entry.alpha,
-            json.dumps(list(entry.target_modules)),
+            json.dumps(list(entry.targets)),
             entry.path,
             entry.sha256,
             entry.size_bytes,
             entry.created_at,
+            int(entry.use_rslora),
         )
         placeholders = ", ".join("?" * len(_COLUMNS))
         try:
@@ -256,14 +238,14 @@ class Registry:
             raise
         return entry
 
-    def get(self, name: str) -> AdapterEntry:
+    def get(self, name: str) -> Adapter:
         """The entry named `name`; AdapterNotFound if there is none."""
         rows = self._execute(f"SELECT {', '.join(_COLUMNS)} FROM adapters WHERE name = ?", (name,))
         if not rows:
             raise AdapterNotFound(name)
         return self._entry(rows[0])
 
-    def list(self, base_model: str | None = None) -> tuple[AdapterEntry, ...]:
+    def list(self, base_model: str | None = None) -> tuple[Adapter, ...]:
         """Every entry (of `base_model` only, if given), sorted by name."""
         select = f"SELECT {', '.join(_COLUMNS)} FROM adapters"
         if base_model is None:
@@ -295,22 +277,25 @@ class Registry:
     ) -> None:
         self.close()
 
-    def _entry(self, row: Any) -> AdapterEntry:
+    def _entry(self, row: Any) -> Adapter:
         """The entry a row of `_COLUMNS` stores; RegistryError if the row is corrupt."""
-        name, base_model, rank, alpha, targets, path, sha256, size_bytes, created_at = row
+        name, base_model, rank, alpha, targets, path, sha256, size_bytes, created_at, rslora = row
         try:
-            return AdapterEntry(
-                name=name,
-                base_model=base_model,
-                rank=rank,
-                alpha=alpha,
-                target_modules=tuple(json.loads(targets)),
-                path=path,
-                sha256=sha256,
-                size_bytes=size_bytes,
-                created_at=created_at,
+            return checked_entry(
+                Adapter(
+                    name=name,
+                    base_model=base_model,
+                    rank=rank,
+                    alpha=alpha,
+                    targets=tuple(json.loads(targets)),
+                    use_rslora=bool(rslora),
+                    path=path,
+                    sha256=sha256,
+                    size_bytes=size_bytes,
+                    created_at=created_at,
+                )
             )
-        except (InvalidEntry, TypeError, ValueError) as err:
+        except (RequestError, TypeError, ValueError) as err:
             raise RegistryError(
                 f"{self.path}: the row of adapter {name!r} is corrupt ({err})"
             ) from err
@@ -389,31 +374,28 @@ class Registry:
                 raise _storage_error(self.path, err) from err
 
 
-def entry_from_directory(
+def adapter_from_directory(
     name: str,
     path: str | os.PathLike[str],
     *,
     adapters_dir: str | os.PathLike[str],
     base_model: str,
-) -> AdapterEntry:
+) -> Adapter:
     """Describe the PEFT adapter at `path` (inside `adapters_dir`) as an entry to register.
 
-    The path is guarded (`resolve_adapter_dir`); rank, targets, sha256 and size come from
-    the directory (`inspect_peft_adapter`, which checks the config and the tensor names;
-    an AdapterError naming "path" if they are wrong). The stored path is relative to
-    `adapters_dir`, so the registry survives a different mount point on another machine.
+    The path is guarded (`resolve_adapter_dir`); rank, alpha, targets, sha256 and size
+    come from the directory (`jlora.contract.peft.inspect_adapter`, which checks the
+    config and the tensor names; an AdapterError naming "path" if they are wrong). The
+    stored path is relative to `adapters_dir`, so the registry survives a different
+    mount point on another machine.
     """
     directory = resolve_adapter_dir(path, adapters_dir)
-    summary = inspect_peft_adapter(directory)
-    return AdapterEntry(
+    adapter, _ = inspect_adapter(directory)
+    return dataclasses.replace(
+        adapter,
         name=name,
         base_model=base_model,
-        rank=summary.spec.rank,
-        alpha=summary.spec.alpha,
-        target_modules=summary.spec.targets,
         path=relative_to_adapters_dir(directory, adapters_dir),
-        sha256=summary.sha256,
-        size_bytes=summary.nbytes,
     )
 
 

@@ -75,9 +75,10 @@ from flax import struct
 
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
-from jlora.adapters.peft import read_lora_spec
 from jlora.adapters.store import HostStore
+from jlora.contract.adapters import Adapter
 from jlora.contract.errors import InvalidRequest, RequestError
+from jlora.contract.peft import read_adapter_config
 from jlora.device.lora_slots import DeviceSlots, Transfer
 from jlora.device.packing import PackedPrefill
 from jlora.device.sampling import SamplingArrays
@@ -98,7 +99,6 @@ from jlora.engine.device_api import (
     Payload,
     Prefilled,
     PrefillJob,
-    StagedAdapter,
 )
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.host import attention as host_attention
@@ -376,7 +376,7 @@ class LlamaEngine(DeviceEngine):
             self._compile_decodes(self.merged_steps, decode, None)
             assert self.store is not None
             for name in self.store.names():
-                spec = self.store.get(name).spec
+                spec = self.store.get(name).adapter
                 self.merger.compile(spec.targets, spec.rank)
             self.merged_steps.warmed_up = self.merger.warmed_up = True
 
@@ -569,11 +569,9 @@ class LlamaEngine(DeviceEngine):
 
     # -- adapters ------------------------------------------------------------------------
 
-    def stage_adapter(
-        self, name: str, path: str, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
+    def stage_adapter(self, name: str, path: str, *, expect_sha256: str | None = None) -> Adapter:
         assert self.store is not None and self.lora is not None, "max_loras=0"
-        spec = read_lora_spec(path)
+        spec = read_adapter_config(path)
         if spec.rank > self.lora.max_rank:
             raise InvalidRequest(
                 f"adapter {name!r} has rank r={spec.rank}, above this engine's "
@@ -592,16 +590,8 @@ class LlamaEngine(DeviceEngine):
         self.lora.prepare(spec.rank, spec.targets)
         if self.config.merge != "never" and self.merger is not None:
             self.merger.compile(spec.targets, spec.rank)
-        return StagedAdapter(
-            name=name,
-            path=str(stored.path),
-            rank=spec.rank,
-            alpha=spec.alpha,
-            targets=spec.targets,
-            sha256=stored.sha256,
-            size_bytes=stored.file_bytes,
-            host_bytes=stored.nbytes,
-            device_bytes=self._adapter_bytes(spec.rank, spec.targets),
+        return dataclasses.replace(
+            stored.adapter, device_bytes=self._adapter_bytes(spec.rank, spec.targets)
         )
 
     def drop_adapter(self, name: str) -> None:

@@ -59,7 +59,7 @@ from jlora.model.lora.base import (
     HostTensors,
     LoraBackend,
     LoraWeights,
-    Payload,
+    Packed,
     layer_group,
 )
 from jlora.model.lora.targets import target_shapes
@@ -90,7 +90,7 @@ class Transfer:
     name: str
     slot: int
     installs: list[Any] = dataclasses.field(default_factory=list)
-    landed: list[Payload] = dataclasses.field(default_factory=list)
+    landed: list[Packed] = dataclasses.field(default_factory=list)
     installed: int = 0
     nbytes: int = 0  # what crossed the link so far
 
@@ -217,7 +217,7 @@ class DeviceSlots:
             )
         return self._layer_bytes[key]
 
-    def _stand_in(self, rank: int, targets: tuple[str, ...]) -> Payload:
+    def _stand_in(self, rank: int, targets: tuple[str, ...]) -> Packed:
         """The payload of one layer of an adapter of this shape (zeros, no slot)."""
         zero = np.float32(0)
         zeros = {
@@ -229,7 +229,7 @@ class DeviceSlots:
         }
         return self._pack(zeros, slot=None)
 
-    def _install_for(self, group: Payload) -> _Install:
+    def _install_for(self, group: Packed) -> _Install:
         """The compiled install of `group`'s shape (arrays or ShapeDtypeStructs),
         compiled now if no one has."""
         key = tuple(
@@ -340,7 +340,7 @@ class DeviceSlots:
 
     def _pack(
         self, tensors: HostTensors, *, slot: int | None, pages: Sequence[int] | None = None
-    ) -> Payload:
+    ) -> Packed:
         placed = {  # k/v's B as wide as the replicated KV heads
             target: (a, self._tp.expand_kv(b) if target in ("k_proj", "v_proj") else b)
             for target, (a, b) in tensors.items()

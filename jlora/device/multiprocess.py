@@ -52,6 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, cast
 
+from jlora.contract.adapters import Adapter
 from jlora.contract.errors import RequestError
 from jlora.device.llama_engine import LlamaEngine
 from jlora.engine.device_api import (
@@ -62,7 +63,6 @@ from jlora.engine.device_api import (
     Payload,
     Prefilled,
     PrefillJob,
-    StagedAdapter,
 )
 
 log = logging.getLogger(__name__)
@@ -217,9 +217,7 @@ class Leader(DeviceEngine):
         self._send("free", slot)
         self.engine.free(slot)
 
-    def stage_adapter(
-        self, name: str, path: str, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
+    def stage_adapter(self, name: str, path: str, *, expect_sha256: str | None = None) -> Adapter:
         self._send("stage_adapter", name, path, expect_sha256)
         try:
             return self.engine.stage_adapter(name, path, expect_sha256=expect_sha256)

@@ -26,16 +26,15 @@ reservations are the one state it shares, under a lock.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from jlora.contract.adapters import check_adapter_name
+from jlora.contract.adapters import CONFIG_FILE, Adapter, check_adapter_name, sha256_of
 from jlora.contract.errors import AlreadyExists, FailedPrecondition, NotFound, RequestError
 from jlora.engine.api import DEVICE, HOST, LOADING, AdapterInfo
-from jlora.engine.device_api import DeviceEngine, StagedAdapter
+from jlora.engine.device_api import DeviceEngine
 from jlora.engine.memory.manager import MemoryManager
 from jlora.engine.slots import AdapterLoadError, SlotManager
 
@@ -58,7 +57,7 @@ class AdapterManager:
             num_slots, device.load_adapter, device.install_adapter, memory=memory
         )
         self._keys: dict[str, str] = {}  # staged adapter -> content key
-        self._adapters: dict[str, StagedAdapter] = {}  # registered, in registration order
+        self._adapters: dict[str, Adapter] = {}  # registered, in registration order
         self._reserved: set[str] = set()  # registered or being staged
         self._failures: list[tuple[str, RequestError]] = []  # failed loads, for take_failures
         self._lock = threading.Lock()
@@ -66,7 +65,7 @@ class AdapterManager:
     def __contains__(self, name: object) -> bool:
         return name in self._adapters
 
-    def get(self, name: str) -> StagedAdapter:
+    def get(self, name: str) -> Adapter:
         return self._adapters[name]
 
     def names(self) -> list[str]:
@@ -74,9 +73,7 @@ class AdapterManager:
 
     # -- registration --------------------------------------------------------------
 
-    def stage(
-        self, name: str, path: str | Path, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
+    def stage(self, name: str, path: str | Path, *, expect_sha256: str | None = None) -> Adapter:
         """Any thread: validate and copy in the adapter at `path` as `name` (step 1)."""
         check_adapter_name(name)
         with self._lock:
@@ -94,7 +91,7 @@ class AdapterManager:
             self._keys[name] = key
         return staged
 
-    def commit(self, staged: StagedAdapter, *, load: bool = False, pin: bool = False) -> None:
+    def commit(self, staged: Adapter, *, load: bool = False, pin: bool = False) -> None:
         """Make a staged adapter servable; `load` starts copying it to the device, `pin`
         (implied in cached mode) keeps it there. If that cannot be done (no slot can be
         had), the adapter is discarded and the error raised."""
@@ -117,7 +114,7 @@ class AdapterManager:
             staged.host_bytes / 2**20,
         )
 
-    def discard(self, staged: StagedAdapter) -> None:
+    def discard(self, staged: Adapter) -> None:
         """Forget an adapter staged but not committed."""
         self._forget(staged.name)
 
@@ -195,13 +192,7 @@ class AdapterManager:
         else:
             state, slot = HOST, -1
         return AdapterInfo(
-            name=name,
-            path=staged.path,
-            rank=staged.rank,
-            alpha=staged.alpha,
-            target_modules=staged.targets,
-            sha256=staged.sha256,
-            size_bytes=staged.size_bytes,
+            adapter=staged,
             state=state,
             slot=slot,
             pinned=name in slots.pinned,
@@ -216,7 +207,7 @@ class AdapterManager:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _registered(self, name: str) -> StagedAdapter:
+    def _registered(self, name: str) -> Adapter:
         staged = self._adapters.get(name)
         if staged is None:
             raise NotFound(
@@ -246,19 +237,15 @@ class AdapterManager:
             ) from None
 
 
-def content_key(staged: StagedAdapter) -> str:
+def content_key(staged: Adapter) -> str:
     """What an adapter's cached KV is keyed by: the digest of its weights' file and of its
     adapter_config.json (rank, alpha, rsLoRA, targets), so that KV is shared between
     names exactly when the weights are the same. An adapter whose weights' digest is
     unknown gets a key of its own (its name and path)."""
-    digest = hashlib.sha256()
-    if staged.sha256:
-        digest.update(staged.sha256.encode())
-        config = Path(staged.path) / "adapter_config.json"
-        digest.update(config.read_bytes() if config.is_file() else repr(staged).encode())
-    else:
-        digest.update(f"{staged.name}\0{staged.path}".encode())
-    return digest.hexdigest()
+    if not staged.sha256:
+        return sha256_of(f"{staged.name}\0{staged.path}".encode())
+    config = Path(staged.path) / CONFIG_FILE
+    return sha256_of(staged.sha256.encode(), config if config.is_file() else repr(staged).encode())
 
 
 def load_failed(err: AdapterLoadError) -> RequestError:

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import time
 
+from jlora.contract.adapters import Adapter
 from jlora.contract.errors import InvalidRequest, RequestError
 
 MAX_STOP_STRINGS = 16
@@ -123,15 +124,9 @@ class TokenEvent:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterInfo:
-    """One registered adapter and where it is."""
+    """One registered adapter (its record, as staged) and where it is."""
 
-    name: str
-    path: str
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]  # canonical order
-    sha256: str  # of adapter_model.safetensors ("" if unknown)
-    size_bytes: int  # of adapter_model.safetensors
+    adapter: Adapter
     state: str  # HOST | LOADING | DEVICE
     slot: int  # the device slot, -1 when state is HOST
     pinned: bool

@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from configs import EngineConfig
+from jlora.contract.adapters import Adapter
 from jlora.contract.errors import RequestError
 from jlora.engine.cost_model import ColdStart
 from jlora.engine.detokenizer import Decoder
@@ -130,23 +131,6 @@ class HostBlocks:
     count: int
     nbytes: int
     data: object
-
-
-@dataclasses.dataclass(frozen=True)
-class StagedAdapter:
-    """An adapter validated for this engine and resident in host memory."""
-
-    name: str
-    path: str
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]  # canonical order
-    sha256: str  # of adapter_model.safetensors ("" if unknown)
-    size_bytes: int  # of adapter_model.safetensors
-    host_bytes: int  # in host memory
-    # On the device in the serving dtype at its own rank, what the memory pool charges:
-    # layers · rank · Σ over its targets of (in_dim + out_dim) · itemsize.
-    device_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,13 +228,14 @@ class DeviceEngine(abc.ABC):
     # -- adapters --------------------------------------------------------------------
 
     @abc.abstractmethod
-    def stage_adapter(
-        self, name: str, path: str, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
+    def stage_adapter(self, name: str, path: str, *, expect_sha256: str | None = None) -> Adapter:
         """Any thread: validate the PEFT adapter at `path` for this engine (rank, targets,
         the base model's shapes; its weights' sha256 against `expect_sha256`) and copy it
-        into host memory as `name`. Raises RequestError (and keeps nothing) if it cannot
-        be served here. The caller guarantees `name` is not staged already."""
+        into host memory as `name`: its record, with `host_bytes` and `device_bytes` (in
+        the serving dtype at its own rank, what the memory pool charges: layers · rank ·
+        Σ over its targets of (in_dim + out_dim) · itemsize). Raises RequestError (and
+        keeps nothing) if it cannot be served here. The caller guarantees `name` is not
+        staged already."""
 
     @abc.abstractmethod
     def drop_adapter(self, name: str) -> None:

@@ -30,7 +30,6 @@ at `emulated_link_gbps`; an adapter takes `rank_row_bytes · rank` on the device
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import tempfile
@@ -43,9 +42,9 @@ from typing import cast
 import numpy as np
 
 from configs import ConfigError, EngineConfig
-from jlora.adapters.peft import read_lora_spec
-from jlora.contract.adapters import WEIGHTS_FILE, check_sha256
+from jlora.contract.adapters import WEIGHTS_FILE, Adapter, check_sha256, sha256_of
 from jlora.contract.errors import InvalidRequest
+from jlora.contract.peft import read_adapter_config
 from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
@@ -54,7 +53,6 @@ from jlora.engine.device_api import (
     Payload,
     Prefilled,
     PrefillJob,
-    StagedAdapter,
 )
 from jlora.engine.orchestrator import Orchestrator
 from jlora.link import wait_for_link
@@ -181,7 +179,7 @@ class MockEngine(DeviceEngine):
         self.merge_latency = merge_latency
         self.steps = 0  # generate() calls
         self._rows: dict[int, _Row] = {}
-        self._staged: dict[str, StagedAdapter] = {}
+        self._staged: dict[str, Adapter] = {}
         self._slots: dict[int, str] = {}  # device adapter slot -> installed adapter
         self._loaded: dict[int, str] = {}  # device adapter slot -> the adapter last loaded
         self._merged: str | None = None
@@ -272,13 +270,11 @@ class MockEngine(DeviceEngine):
 
     # -- adapters --------------------------------------------------------------------
 
-    def stage_adapter(
-        self, name: str, path: str, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
-        spec = read_lora_spec(path)
+    def stage_adapter(self, name: str, path: str, *, expect_sha256: str | None = None) -> Adapter:
+        spec = read_adapter_config(path)
         weights = Path(path) / WEIGHTS_FILE
-        data = weights.read_bytes() if weights.is_file() else b""
-        digest = hashlib.sha256(data).hexdigest() if data else ""
+        size = weights.stat().st_size if weights.is_file() else 0
+        digest = sha256_of(weights) if size else ""
         check_sha256(expect_sha256, digest, adapter=name, source=weights)
         if spec.rank > self.config.max_lora_rank:
             raise InvalidRequest(
@@ -286,15 +282,12 @@ class MockEngine(DeviceEngine):
                 f"max_lora_rank={self.config.max_lora_rank}",
                 field="path",
             )
-        staged = StagedAdapter(
-            name,
-            str(path),
-            spec.rank,
-            spec.alpha,
-            spec.targets,
-            digest,
-            len(data),
-            host_bytes=0,
+        staged = dataclasses.replace(
+            spec,
+            name=name,
+            path=str(path),
+            sha256=digest,
+            size_bytes=size,
             device_bytes=self.rank_row_bytes * spec.rank,
         )
         self._staged[name] = staged

@@ -76,6 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from configs import SPLIT_TOKENS, ConfigError, bucket
+from jlora.contract.adapters import Adapter
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -99,7 +100,7 @@ from jlora.engine.api import (
     TokenEvent,
 )
 from jlora.engine.detokenizer import Detokenizer
-from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow, StagedAdapter
+from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
 from jlora.engine.memory.manager import FULL, SWAPPING, Lease, MemoryManager
 from jlora.engine.merging import Batch, DynamicBatcher
 
@@ -317,19 +318,19 @@ class Orchestrator:
 
     def stage_adapter(
         self, name: str, path: str | Path, *, expect_sha256: str | None = None
-    ) -> StagedAdapter:
+    ) -> Adapter:
         """Any thread: validate the adapter at `path` and copy it into host memory as
         `name` (registration's slow half; `commit_adapter` finishes it)."""
         return self._adapter_manager().stage(name, path, expect_sha256=expect_sha256)
 
     def commit_adapter(
-        self, staged: StagedAdapter, *, load: bool = False, pin: bool = False
+        self, staged: Adapter, *, load: bool = False, pin: bool = False
     ) -> AdapterInfo:
         adapters = self._adapter_manager()
         adapters.commit(staged, load=load, pin=pin)
         return adapters.info(staged.name)
 
-    def discard_adapter(self, staged: StagedAdapter) -> None:
+    def discard_adapter(self, staged: Adapter) -> None:
         """Forget an adapter staged but not committed."""
         self._adapter_manager().discard(staged)
 

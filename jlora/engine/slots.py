@@ -55,9 +55,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-# What `load` returns and `install` consumes: an adapter's weights staged for one slot
-# (device arrays in the engine); opaque to the manager.
-Payload = object
+from jlora.engine.device_api import Payload
 
 
 class AdapterLoadError(RuntimeError):

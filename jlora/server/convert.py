@@ -129,14 +129,15 @@ def to_sampling(msg: pb.SamplingParams, *, max_seq_len: int) -> SamplingParams:
 
 
 def adapter_message(info: AdapterInfo) -> pb.Adapter:
+    adapter = info.adapter
     return pb.Adapter(
-        name=info.name,
-        path=info.path,
-        rank=info.rank,
-        alpha=info.alpha,
-        target_modules=list(info.target_modules),
-        sha256=info.sha256,
-        size_bytes=info.size_bytes,
+        name=adapter.name,
+        path=adapter.path,
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        target_modules=list(adapter.targets),
+        sha256=adapter.sha256,
+        size_bytes=adapter.size_bytes,
         state=ADAPTER_STATES.get(info.state, pb.ADAPTER_STATE_UNSPECIFIED),
         slot=info.slot,
         pinned=info.pinned,

@@ -67,7 +67,7 @@ import grpc
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.contract import status
-from jlora.contract.adapters import check_adapter_name, resolve_adapter_dir
+from jlora.contract.adapters import Adapter, check_adapter_name, resolve_adapter_dir
 from jlora.contract.errors import (
     MIGRATED_REASON,
     AlreadyExists,
@@ -80,7 +80,6 @@ from jlora.contract.errors import (
 )
 from jlora.contract.metrics import failed_outcome
 from jlora.engine.api import ERROR, Request, SequenceState, TokenEvent
-from jlora.engine.device_api import StagedAdapter
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
 from jlora.server.metrics import Metrics
@@ -432,10 +431,10 @@ class JloraServicer(pb_grpc.JloraServicer):
         ]
         models += [
             pb.Model(
-                id=info.name,
+                id=info.adapter.name,
                 kind=pb.MODEL_KIND_ADAPTER,
                 parent=self.model_name,
-                rank=info.rank,
+                rank=info.adapter.rank,
                 max_seq_len=self.max_seq_len,
             )
             for info in infos
@@ -444,7 +443,7 @@ class JloraServicer(pb_grpc.JloraServicer):
 
     # -- helpers ----------------------------------------------------------------------
 
-    async def _stage(self, name: str, path: Path, sha256: str | None) -> StagedAdapter:
+    async def _stage(self, name: str, path: Path, sha256: str | None) -> Adapter:
         """Validate, hash and copy an adapter into host memory on a worker thread, off
         the scheduler's; if the call is cancelled meanwhile, the staged adapter is
         discarded once staging ends."""
@@ -456,7 +455,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             return await asyncio.shield(stage)
         except asyncio.CancelledError:
 
-            def discard(done: asyncio.Future[StagedAdapter]) -> None:
+            def discard(done: asyncio.Future[Adapter]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     staged = done.result()
                     self._scheduler.call(lambda engine: engine.discard_adapter(staged))

@@ -85,7 +85,7 @@ from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
 
 from cpu_offload import CpuLoraPool, LoraJob, Ticket
-from jlora.adapters.store import StoredAdapter
+from jlora.adapters.store import Region
 from jlora.device.cpu_assist.apply import CpuApply
 from jlora.model.lora.targets import INPUT_GROUPS
 
@@ -171,7 +171,7 @@ class CpuAssist:
         # where it is `in_place`, an FFI handler (jlora/device/cpu_assist/apply.py).
         self.overlapped = not threads or self.shards.size > 1
         self._ffi = None if self.overlapped else CpuApply(self.pool)
-        self._adapter: StoredAdapter | None = None
+        self._region: Region | None = None
         self._plan: list[list[_Placement]] = []
         self._ticket: Ticket | None = None  # in flight (shard 0's last submit)
         self._probe: Ticket | None = None  # measure_handoff_s's ticket
@@ -189,9 +189,9 @@ class CpuAssist:
 
     # -- one prefill -----------------------------------------------------------
 
-    def begin(self, adapter: StoredAdapter) -> None:
+    def begin(self, region: Region) -> None:
         """Serve the callbacks of one prefill for `adapter`."""
-        self._adapter = adapter
+        self._region = region
         self.failure = None
         self._submitted.clear()
         self._results.clear()
@@ -202,14 +202,14 @@ class CpuAssist:
         for names in self.held:
             placements, column = [], 0
             for name in names:
-                if name in adapter.target_offsets:
-                    a_off, b_off = adapter.target_offsets[name]
+                if name in region.target_offsets:
+                    a_off, b_off = region.target_offsets[name]
                     placements.append(
                         _Placement(
                             name,
-                            adapter.offset + a_off,
-                            adapter.offset + b_off,
-                            adapter.spec.rank,
+                            region.offset + a_off,
+                            region.offset + b_off,
+                            region.adapter.rank,
                             self.shapes[name][1],
                             column,
                         )
@@ -220,8 +220,8 @@ class CpuAssist:
             try:
                 self._ffi.set(
                     [self._group_at_layer_0(group) for group in range(len(self.held))],
-                    adapter.num_layers,
-                    adapter.layer_stride,
+                    region.num_layers,
+                    region.layer_stride,
                 )
             except Exception as err:  # never into the compiled step: see the module docstring
                 self._failed("begin", err)
@@ -234,7 +234,7 @@ class CpuAssist:
         return jobs, columns, self.widths[group], self.shapes[self.held[group][0]][0]
 
     def end(self) -> None:
-        self._adapter, self._plan, self._ticket = None, [], None
+        self._region, self._plan, self._ticket = None, [], None
         if self._ffi is not None:
             self._ffi.clear()
 
@@ -312,7 +312,7 @@ class CpuAssist:
         """Shard 0 hands the real rows of x to the workers and posts the call; the other
         shards only answer the flag."""
         del ctx
-        assert self._adapter is not None, "submit outside begin()/end()"
+        assert self._region is not None, "submit outside begin()/end()"
         placements = self._plan[group]
         np.asarray(flag)[...] = 1 if placements else NO_TICKET
         if not placements or int(np.asarray(shard)) != 0:
@@ -332,8 +332,8 @@ class CpuAssist:
     def layer_jobs(self, group: int, layer: int) -> tuple[list[LoraJob], list[int]]:
         """The pool jobs of one input group of one layer for the adapter of the current
         prefill, and the column of the group's output each writes."""
-        assert self._adapter is not None, "layer_jobs outside begin()/end()"
-        shift = layer * self._adapter.layer_stride
+        assert self._region is not None, "layer_jobs outside begin()/end()"
+        shift = layer * self._region.layer_stride
         placements = self._plan[group]
         jobs = [
             LoraJob(p.a_offset + shift, p.b_offset + shift, p.rank, p.out_features)
@@ -391,7 +391,7 @@ class CpuAssist:
         """The products of the real rows of x, computed here, straight from the device's
         buffer into the callback's output buffer (one device: all the columns)."""
         del ctx, shard
-        assert self._adapter is not None, "apply outside begin()/end()"
+        assert self._region is not None, "apply outside begin()/end()"
         buffer, filled = np.asarray(out), 0
         if self._plan[group] and self.failure is None:
             rows = int(np.asarray(length))
@@ -441,16 +441,16 @@ class CpuAssist:
 
     # -- measurements for the cost model ----------------------------------------
 
-    def layer_seconds(self, rows: int, adapter: StoredAdapter) -> float:
+    def layer_seconds(self, rows: int, region: Region) -> float:
         """Estimated CPU time of one layer's LoRA products for `rows` tokens, split
         across the workers `submit` would give each group (the start-up profile)."""
         profile, total = self.pool.profile, 0.0
         for names in self.held:
-            adapted = [n for n in names if n in adapter.target_offsets]
+            adapted = [n for n in names if n in region.target_offsets]
             if not adapted:
                 continue
             fan_in = self.shapes[adapted[0]][0]
-            flops = sum(2 * adapter.spec.rank * (fan_in + self.shapes[n][1]) for n in adapted)
+            flops = sum(2 * region.adapter.rank * (fan_in + self.shapes[n][1]) for n in adapted)
             per_core_ms = rows * flops / (profile.tokens_per_ms * profile.flops_per_token)
             total += per_core_ms / self.pool.threads_for_flops(rows, flops) / 1e3
         return total
@@ -460,7 +460,7 @@ class CpuAssist:
         jitted function (a submit/collect pair, or one apply where not `overlapped`):
         the callback and hand-off overhead a CPU-routed input group pays."""
         assert self.shapes, "no projections"
-        assert self._adapter is None, "measure_handoff_s during a prefill"
+        assert self._region is None, "measure_handoff_s during a prefill"
         result = jax.ShapeDtypeStruct((1, max(self.widths)), jnp.float32)
         ffi = self._ffi if self.in_place else None
 

@@ -139,7 +139,7 @@ class AssistedPrefill:
         )
         return cost_model.ColdStart(
             load_left_s=layers_left
-            * lora.layer_bytes(stored.spec.rank, stored.spec.targets)
+            * lora.layer_bytes(stored.adapter.rank, stored.adapter.targets)
             / lora.link_bytes_per_s,
             prefill_s=self.prefill_s.get(bucket, 0.0),
             cpu_layer_s=self.cpu.layer_seconds(prompt_len, stored),

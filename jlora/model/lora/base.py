@@ -42,7 +42,7 @@ from jlora.model.dots import einsum_f32
 
 LoraWeights = dict[str, dict[str, jax.Array]]  # target -> device arrays, layout by backend
 HostTensors = dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (A [L,in,r], B [L,r,out])
-Payload = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy or device)
+Packed = dict[str, dict[str, Any]]  # one adapter, packed for `install` (numpy or device)
 # The parts of a payload that hold one entry per layer (leading axis); every other part
 # (ranks, page tables) describes the whole slot.
 LAYER_PARTS = ("a", "b")
@@ -129,7 +129,7 @@ class LoraBackend(abc.ABC):
         dtype: Any,
         rank_shards: int = 1,
         pages: Sequence[int] | None = None,
-    ) -> Payload:
+    ) -> Packed:
         """One adapter's host tensors as they cross the link to `slot` (numpy, `dtype`).
 
         Rank-exact: per target of `shapes` that the adapter adapts, A's and B's rank
@@ -144,7 +144,7 @@ class LoraBackend(abc.ABC):
 
     @abc.abstractmethod
     def install(
-        self, weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Payload
+        self, weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Packed
     ) -> LoraWeights:
         """Write a packed adapter's layers into slot `slot`, from layer `layer_start` on.
 
@@ -304,7 +304,7 @@ class StackedSlotsBackend(LoraBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Packed:
         """`exact_factors`, and each target's "rank": i32."""
         rdim = self.rank_dim(max_rank, rank_shards)
         payload = exact_factors(tensors, shapes, rdim, rank_shards, dtype, a_axis=self.a_axis)
@@ -313,7 +313,7 @@ class StackedSlotsBackend(LoraBackend):
         return payload
 
     def install(self, weights, slot, layer_start, payload) -> LoraWeights:
-        padded: Payload = {}
+        padded: Packed = {}
         for target, w in weights.items():
             rdim, fan_in = w["b"].shape[2], w["a"].shape[3 if self.a_axis == 1 else 2]
             widths = (fan_in, w["b"].shape[-1])
@@ -444,7 +444,7 @@ def padded_rows(exact: jax.Array, rows: int, axis: int = 1) -> jax.Array:
     return jnp.pad(exact, padding)
 
 
-def layer_group(payload: Payload, start: int, stop: int) -> Payload:
+def layer_group(payload: Packed, start: int, stop: int) -> Packed:
     """The layers [start, stop) of a packed adapter (the per-slot parts whole)."""
     return {
         target: {
@@ -462,7 +462,7 @@ def exact_factors(
     shards: int,
     dtype: Any,
     a_axis: int,
-) -> Payload:
+) -> Packed:
     """`pack`'s common part: per target of `shapes` that `tensors` adapts, {"a": A's rank
     rows, "b": B's [L, P, out]} (`exact_rows`; A's split over `shards` devices where the
     slots split it, B's never). a_axis: A's rank axis in the payload, 2 for A [L, in, Q]
@@ -480,7 +480,7 @@ def exact_factors(
 
 
 def padded_factors(
-    payload: Payload, target: str, rows: int, widths: tuple[int, int], dtype: Any, a_axis: int
+    payload: Packed, target: str, rows: int, widths: tuple[int, int], dtype: Any, a_axis: int
 ) -> tuple[jax.Array, jax.Array]:
     """On the device: `target`'s A and B padded to `rows` rank rows from the payload's
     (`padded_rows`; A's rank on `a_axis`, as in `exact_factors`; B [G, rows, out]);
@@ -495,7 +495,7 @@ def padded_factors(
 
 
 def set_slot(
-    weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Payload
+    weights: LoraWeights, slot: jax.Array, layer_start: jax.Array, payload: Packed
 ) -> LoraWeights:
     """`install` for stacked layouts, once `payload` is padded to them: every array of
     it written into slot `slot` of its counterpart in `weights`: a per-layer part

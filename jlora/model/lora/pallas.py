@@ -24,7 +24,7 @@ from jlora.model.lora.base import (
     KVPagesBackend,
     LoraBackend,
     LoraWeights,
-    Payload,
+    Packed,
     Rows,
     Segments,
     StackedSlotsBackend,
@@ -221,7 +221,7 @@ class MbgmvBackend(_PallasBackend):
             for target, (fan_in, fan_out) in shapes.items()
         }
 
-    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Payload:
+    def pack(self, tensors, *, slot, shapes, max_rank, dtype, rank_shards=1, pages=None) -> Packed:
         """`exact_factors` (P rank rows each, no padding to R), and each target's
         "dest": i32[P], the pages of the adapter's rank rows (out of bounds past its
         rank: dropped). The pages are assigned here (slot None: none are)."""

@@ -5,18 +5,7 @@ from __future__ import annotations
 from configs import ModelConfig
 from configs.engine import LORA_TARGETS as TARGETS
 
-__all__ = ["INPUT_GROUPS", "MODULE_OF", "TARGETS", "rank_row_bytes", "target_shapes"]
-
-# The Hugging Face module that holds each projection inside a decoder layer.
-MODULE_OF = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
+__all__ = ["INPUT_GROUPS", "TARGETS", "rank_row_bytes", "target_shapes"]
 
 # The projections that read one input, in the order a layer runs them: q/k/v read the
 # normed attention input, gate/up the normed MLP input. CPU-assisted prefill hands each
