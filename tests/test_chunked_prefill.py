@@ -126,7 +126,7 @@ def test_aborting_or_preempting_a_request_between_its_chunks_gives_back_its_bloc
     for name in ("s1", "s2"):
         engine.add_request(Request(name, [1] * 15, SamplingParams(max_tokens=40)))
     engine.step()
-    while engine._admitted()[0].length < 32:
+    while engine.scheduler.admitted()[0].length < 32:
         engine.step()
     engine.add_request(Request("new", [2] * 80, SamplingParams(max_tokens=3)))
     out: dict[str, list[int]] = {"s1": [], "s2": [], "new": []}

@@ -388,7 +388,7 @@ def test_auto_waits_on_a_fast_link_and_assists_on_a_slow_one(tiny, adapters, dev
     for gbps, chosen in ((100.0, "auto_wait"), (SLOW_LINK_GBPS, "auto_assist")):
         engine = _engine(tiny, adapters, "auto", emulated_link_gbps=gbps)
         try:
-            with caplog.at_level("INFO", logger="jlora.engine.orchestrator"):
+            with caplog.at_level("INFO", logger="jlora.engine.scheduler"):
                 got = run_to_completion(engine, prompts, GREEDY, rows)
             counters = dict(engine.counters)
         finally:

@@ -21,7 +21,7 @@ def test_lazy_kv_admits_by_prompt_and_grows_a_block_at_a_time():
     engine = mock_engine(max_slots=2, max_seq_len=64, num_blocks=8, cache_policy="none")
     engine.add_request(Request("r", [1] * 10, SamplingParams(max_tokens=40)))
     engine.step()  # the prefill: 10 tokens and the first generated one fit one block
-    [seq] = engine._admitted()
+    [seq] = engine.scheduler.admitted()
     held = [len(seq.lease.table)]
     while engine.has_unfinished:
         engine.step()

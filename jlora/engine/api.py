@@ -80,6 +80,62 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
+def check_request(
+    request: Request,
+    generated: tuple[int, ...],
+    *,
+    max_seq_len: int,
+    vocab_size: int,
+    has_tokenizer: bool,
+) -> None:
+    """InvalidRequest naming the field unless `request` (resumed after `generated` tokens)
+    can run on an engine of this context and vocabulary: a prompt that is not empty,
+    leaves room to generate and holds tokens of the vocabulary; stop strings only with
+    a tokenizer; a resumed request's tokens so far (named as the API's
+    `resume.generated_ids`, where they come from) tokens of the vocabulary that leave
+    one to generate."""
+    prompt = request.prompt_ids
+    if not prompt:
+        raise InvalidRequest("prompt is empty", field="prompt")
+    if len(prompt) >= max_seq_len:
+        raise InvalidRequest(
+            f"prompt has {len(prompt)} tokens; the context limit is {max_seq_len} "
+            f"tokens (max_seq_len), which leaves no room to generate",
+            field="prompt",
+        )
+    bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"prompt_ids[{bad}]={prompt[bad]} is outside the vocabulary [0, {vocab_size})",
+            field="prompt",
+        )
+    if request.sampling.stop and not has_tokenizer:
+        raise InvalidRequest(
+            "stop strings need a tokenizer; this model has none", field="sampling.stop"
+        )
+    bad = next((i for i, t in enumerate(generated) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"resume.generated_ids[{bad}]={generated[bad]} is outside the vocabulary "
+            f"[0, {vocab_size})",
+            field="resume.generated_ids",
+        )
+    max_tokens = request.sampling.max_tokens
+    if len(generated) >= max_tokens:
+        raise InvalidRequest(
+            f"resume.generated_ids has {len(generated)} tokens: sampling.max_tokens="
+            f"{max_tokens} leaves none to generate",
+            field="resume.generated_ids",
+        )
+    if len(prompt) + len(generated) >= max_seq_len:
+        raise InvalidRequest(
+            f"the prompt ({len(prompt)} tokens) and resume.generated_ids "
+            f"({len(generated)}) fill the context limit of {max_seq_len} tokens "
+            "(max_seq_len)",
+            field="resume.generated_ids",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceState:
     """A request's whole host state: enough to resume it anywhere with the same tokens.
