@@ -11,7 +11,8 @@ the shared-memory control block they poll. The compiled code they run is the
 Never imports jax: it receives plain numbers (segment names, byte offsets, shapes).
 """
 
-from cpu_offload.pool import CpuLoraPool, Profile, Ticket
+from cpu_offload.pool import CpuLoraPool, Ticket
 from cpu_offload.protocol import MAX_JOBS, LoraJob
+from cpu_offload.workers import Profile
 
 __all__ = ["MAX_JOBS", "CpuLoraPool", "LoraJob", "Profile", "Ticket"]

@@ -316,3 +316,8 @@ def attach(name: str, field: str) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def arena_floats(arena: mmap.mmap) -> np.ndarray:
+    """The arena as f32[bytes / 4], the view `lora_task` reads A and B from."""
+    return np.frombuffer(arena, np.float32, count=len(arena) // 4)
