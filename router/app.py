@@ -45,9 +45,9 @@ from router.frontdoor import FrontDoor
 from router.http import OpenAIApi, start_http
 from router.http_body import HttpLimits
 from router.metrics import RouterMetrics
-from router.migrator import MigrationConfig, Migrator, ResidentFirst
+from router.migrator import MigrationConfig, Migrator
 from router.perf_model import PerfProfile
-from router.policies import Policy, PolicyError, ShortestPending, make_policy
+from router.policies import Policy, PolicyError, ResidentFirst, ShortestPending, make_policy
 from router.service import RouterServicer
 from router.workers import Worker, WorkerPool
 

@@ -57,8 +57,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from collections.abc import Mapping
 
 import grpc
 
@@ -76,7 +75,6 @@ from router.migration import (
 )
 from router.perf_model import PerfProfile
 from router.placement import ReplicaSlots, plan_preloads, request_capacity
-from router.policies import Policy, RouteRequest, WorkerStats
 from router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -176,33 +174,6 @@ def move_cost(
     rebuilt by a prefill that takes `prefill_seconds`."""
     kv_bytes = tokens * kv_bytes_per_token
     return MoveCost(tokens, kv_bytes, kv_bytes / bandwidth, prefill_seconds)
-
-
-# -- the policy's adapter affinity ------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidentFirst(Policy):
-    """dLoRA §5.1's short-term rule over another policy: among the workers with the
-    request's adapter on their device and a decode slot for it (free slots beyond their
-    queue), `inner` chooses; if there are none, `inner` chooses among all. The router
-    uses it with migration or preloading on, unless the policy is shortest-pending, whose
-    pending time already charges the load of an adapter that is not resident."""
-
-    name: ClassVar[str] = "resident-first"
-    inner: Policy
-
-    def _pick(self, request: RouteRequest, candidates: Sequence[WorkerStats]) -> WorkerStats:
-        if request.adapter is not None:
-            holding = [
-                worker
-                for worker in candidates
-                if request.adapter in worker.resident_adapters
-                and worker.free_slots > len(worker.queued)
-            ]
-            if holding:
-                return self.inner.choose(request, holding)
-        return self.inner.choose(request, candidates)
 
 
 # -- the migrator ---------------------------------------------------------------------

@@ -382,3 +382,27 @@ def _check_int(field: str, value: object, *, minimum: int, where: str = "") -> N
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         where = f" {where}" if where else ""
         raise PolicyError(f"{field}={value!r}{where} must be an integer >= {minimum}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentFirst(Policy):
+    """dLoRA §5.1's short-term rule over another policy: among the workers with the
+    request's adapter on their device and a decode slot for it (free slots beyond their
+    queue), `inner` chooses; if there are none, `inner` chooses among all. The router
+    uses it with migration or preloading on, unless the policy is shortest-pending, whose
+    pending time already charges the load of an adapter that is not resident."""
+
+    name: ClassVar[str] = "resident-first"
+    inner: Policy
+
+    def _pick(self, request: RouteRequest, candidates: Sequence[WorkerStats]) -> WorkerStats:
+        if request.adapter is not None:
+            holding = [
+                worker
+                for worker in candidates
+                if request.adapter in worker.resident_adapters
+                and worker.free_slots > len(worker.queued)
+            ]
+            if holding:
+                return self.inner.choose(request, holding)
+        return self.inner.choose(request, candidates)

@@ -23,9 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jlora.engine.device_api import HostBlocks
 from jlora.engine.memory import swapper
-from jlora.engine.memory.manager import FULL, SWAPPING, Lease, MemoryManager
+from jlora.engine.memory.manager import FULL, SWAPPING, MemoryManager
 from jlora.engine.memory.pool import LORA
-from jlora.engine.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Node
+from jlora.engine.memory.tree import BASE, DEVICE, HOST, TO_DEVICE, TO_HOST, Lease, Node
 from jlora.engine.slots import SlotManager
 
 PAGE_BYTES = 100
@@ -542,7 +542,7 @@ def test_a_swap_in_never_evicts_the_adapter_it_is_for(make):
     mem.settle()
     idle.append("a")
     assert mem.admit("a", [1, 1, 2, 2, 7]) == FULL  # the only page to take is a's own
-    assert idle == ["a"] and mem.manager.invalid_kv_pages() == 0
+    assert idle == ["a"] and mem.manager.tree.invalid_kv_pages() == 0
     assert [n.where for n in nodes] == [DEVICE, HOST]
     mem.manager.check()
     mem.finish(filler, [5, 5, 5], written=0)
@@ -562,17 +562,17 @@ def test_an_adapter_leaves_after_its_kv_under_fastlibra_only(make, policy):
     mem.manager.released("a")
     if policy == "fastlibra":
         assert [n.where for n in nodes] == [TO_HOST, TO_HOST]
-        assert mem.manager.invalid_kv_pages() == 0 and mem.manager.pool.used(LORA) == 0
+        assert mem.manager.tree.invalid_kv_pages() == 0 and mem.manager.pool.used(LORA) == 0
     else:  # vLLM's: the KV stays behind, invalid until the adapter is back
         assert [n.where for n in nodes] == [DEVICE, DEVICE]
-        assert mem.manager.invalid_kv_pages() == 2 == mem.manager.stats().invalid_kv_pages
+        assert mem.manager.tree.invalid_kv_pages() == 2 == mem.manager.stats().invalid_kv_pages
     mem.manager.check()
     mem.settle()
     assert mem.manager.reserve("a")
     if policy == "fastlibra":
         assert mem.admit("a", [1, 2, 3, 4, 5, 6]) == SWAPPING
         mem.settle()
-    assert mem.manager.invalid_kv_pages() == 0
+    assert mem.manager.tree.invalid_kv_pages() == 0
     lease = mem.admit("a", [1, 2, 3, 4, 5, 6])
     assert isinstance(lease, Lease) and lease.nodes == nodes and lease.cached_tokens == 4
     mem.assert_holds(nodes)
@@ -621,7 +621,7 @@ def test_the_marks_leave_usage_between_them_alone(make):
         manager.check()
     # 16 cached, then 15, 14, 13 -> 14 (and 13 -> 14 in every later cycle)
     assert (manager.stats().swaps_out, manager.stats().swaps_in) == (6, 4)
-    assert manager.invalid_kv_pages() == 0
+    assert manager.tree.invalid_kv_pages() == 0
     mem.assert_holds([n for n in manager.tree.kv_nodes() if n.where == DEVICE])
 
 
@@ -645,9 +645,12 @@ class InlineExecutor:
 
 
 def run_inline(*owners: MemoryManager | SlotManager) -> None:
+    """The owners' background copies run at once, on the caller's thread (the memory
+    manager's are its transfers')."""
     for owner in owners:
-        owner._executor.shutdown()
-        owner._executor = InlineExecutor()  # type: ignore[assignment]
+        runner = owner._transfers if isinstance(owner, MemoryManager) else owner
+        runner._executor.shutdown()
+        runner._executor = InlineExecutor()  # type: ignore[assignment]
 
 
 ADAPTERS = {  # name: (content key, device bytes, rank); a and a2 are the same weights
@@ -903,7 +906,8 @@ class MemoryMachine(RuleBasedStateMachine):
             for kv in self.manager.tree.kv_nodes()
             if kv.where in (DEVICE, TO_DEVICE) and content_of(kv)[0] not in resident
         )
-        assert self.manager.invalid_kv_pages() == invalid == self.manager.stats().invalid_kv_pages
+        stats = self.manager.stats()
+        assert self.manager.tree.invalid_kv_pages() == invalid == stats.invalid_kv_pages
         if self.POLICY != "lru":
             assert invalid == 0
 

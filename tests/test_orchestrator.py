@@ -266,7 +266,10 @@ def test_a_failed_load_fails_only_the_requests_of_that_adapter():
             assert [e.token_id for e in events] == mock_completion(prompt, adapter, 5, VOCAB)
     stats = engine.stats()
     assert stats.running == () and engine.memory.held_pages() == 0
-    assert {i.adapter.name: i.state for i in engine.adapter_infos()} == {"good": DEVICE, "bad": HOST}
+    assert {i.adapter.name: i.state for i in engine.adapter_infos()} == {
+        "good": DEVICE,
+        "bad": HOST,
+    }
     [again] = run_to_completion(engine, [[9]], SamplingParams(max_tokens=3), ["good"])
     assert again["token_ids"] == mock_completion([9], "good", 3, VOCAB)
 

@@ -175,7 +175,7 @@ def test_a_busy_mixed_workload_gives_every_request_its_tokens(policy):
             got[event.request_id].append(event.token_id)
         engine.memory.check()
         if policy == "fastlibra":
-            assert engine.memory.invalid_kv_pages() == 0
+            assert engine.memory.tree.invalid_kv_pages() == 0
     assert got == expected
     stats = engine.stats().cache
     assert engine.memory.held_pages() == 0

@@ -17,7 +17,8 @@ from jlora.engine.mock import mock_completion, mock_engine
 from jlora.server import WorkerServer, serve
 from router.app import start_router
 from router.migration import violations
-from router.migrator import MigrationConfig, ResidentFirst, move_cost
+from router.migrator import MigrationConfig, move_cost
+from router.policies import ResidentFirst
 from tests.test_router import router_metrics, scrape, stub_for, wait_for
 from tests.test_server import VOCAB, request
 

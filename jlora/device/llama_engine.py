@@ -5,59 +5,36 @@ State, all of it explicit (jlora/engine/device_api.py tells the calls):
 - `params`, the KV `cache` (paged: `num_blocks` blocks of `block_size` tokens per
   layer) and the adapter slots' `lora.weights`, split over `mesh` as the sharding
   config says (`tp`, jlora/model/sharding.py: tensor parallel, one device by default);
-- the decode state: one row per decode slot (last token, position, block table,
-  sampling, adapter slot), host arrays that enter the compiled decode step each
-  iteration; a free row has an all-sentinel block table, so its KV writes are dropped;
+- the decode rows (rows.py), host arrays that enter the compiled decode step;
 - the adapters' bytes: every staged adapter in the host store's shared-memory arena
-  (`jlora.adapters.store`), copied to the device slots by `lora`
-  (`jlora.device.lora_slots`) layer group by layer group, rank-exact (only the adapter's
-  own targets and rank rows cross the link; the slot's padding is written on the
-  device, by an install compiled for the adapter's shape when it is staged).
+  (`jlora.adapters.store`), copied to the device by `lora` (lora_slots.py) layer group
+  by layer group, rank-exact; the slot's padding is written on the device.
 
 On one device the reference and MBGMV backends keep the adapters in the KV cache's own
-pages (FastLibra's unified pool, `KVPagesBackend`; lora_pool "slots" keeps their own
-slots instead, and BGMV always does): an adapter is written into the pages the
+pages (FastLibra's unified pool, `KVPagesBackend`; lora_pool "slots" keeps slots of
+their own, and BGMV always does): an adapter is written into the pages the
 orchestrator's memory manager gives it (`load_adapter`'s `pages`; a caller that names
-none gets `slot_pages`, at the top of the pool), so device memory goes to KV or to
-adapters as the load asks, and the number of adapters resident follows from their
-ranks. The model reads them from the
-cache it is given (`Llama._with_pool`).
+none gets `slot_pages`, at the top of the pool), so the number of adapters resident
+follows from their ranks. The pool's size is `steps.size_pool`'s, carried in `config`.
 
-The KV cache's size is the device pool's (`steps.size_pool`): `pool_bytes`, or
-`pool_fraction` of the device memory free once the weights and the adapter slots are
-placed, in KV blocks; else `kv_cache_tokens`. `config` carries the resolved size
-(`config.num_blocks`), which is what the orchestrator allocates from.
-
-A prefill pads its prompt to the next prefill bucket and runs in one compiled call
-that also samples the first token; a decode step gathers the live rows into the smallest
-decode row bucket holding them (idle rows pad it) and attends over the smallest decode
-bucket holding the longest row. Both compile once per bucket (`warmup`), never while
-serving a known shape. A prefill after a cached prefix (`PrefillJob.cached`) pads only
-the new tokens, in a variant of its own (steps.py), compiled at warm-up unless the cache
-policy keeps no history. `prefill_many` packs plain jobs (nothing cached, no CPU
-assistance) several to a call (packing.py): up to `packed_prefill_prompts` prompts back
-to back, padded together to the prefill bucket holding them, one variant per bucket up
-to `packed_prefill_tokens`, compiled at warm-up (for the merged steps too where merging
-is on); each prompt attends to itself alone, writes its own blocks and samples its
-first token with its own parameters. In `cpu-assist` and
+A prefill pads its prompt to the next prefill bucket and runs in one compiled call that
+also samples the first token; a prefill after a cached prefix pads only the new tokens,
+in a variant of its own; `prefill_many` packs plain jobs several to a call
+(packing.py). A decode step gathers the live rows into the smallest row bucket holding
+them and attends over the smallest decode bucket holding the longest row. Every shape
+compiles at warm-up (warmup.py), never while serving a known one. In `cpu-assist` and
 `auto` modes a prefill whose adapter is still in flight runs layer group by layer group
-instead (`cpu_assist/prefill.py`): the landed groups are installed before each segment, and the
-layers of the groups still in flight compute their LoRA on the CPU workers
-(`jlora/device/cpu_assist/callbacks.py`).
+instead (cpu_assist/): the landed groups are installed before each segment, and the
+layers of the groups still in flight compute their LoRA on the CPU. The prefix cache's
+swaps copy whole blocks out of the cache and back (`steps.KVBlocks`).
 
-The prefix cache's swaps (`kv_snapshot` ... `kv_restore`) copy whole blocks out of the
-cache and back with `KVBlocks` (steps.py).
-
-Merged inference (dLoRA §4.1; device.py has the contract): `merge(name)` folds a staged
-adapter, read from the host store, into a copy of its target kernels
-(`jlora.model.merge`, one compiled call, the outputs split like the base kernels) and
-serves `params` = those merged kernels beside the untouched rest; `base_params` keeps
-the pristine arrays, which `unmerge()` puts back. While merged, prefill and decode run
-`merged_steps`, compiled without LoRA weights (the kind a max_loras=0 engine runs), and
-each step first checks that its rows carry the merged adapter's slot (`_slot_adapter`:
-the adapter each slot was last loaded with). With `merge` other than "never", warm-up
-also compiles those steps and the merge of every staged adapter's shape (targets,
-rank), and staging compiles a new adapter's, so switching never compiles while serving.
+Merged inference (dLoRA §4.1): `merge(name)` folds a staged adapter into a copy of its
+target kernels (`jlora.model.merge`, one compiled call) and serves `params` = those
+merged kernels beside the untouched rest; `base_params` keeps the pristine arrays,
+which `unmerge()` puts back. While merged, prefill and decode run `merged_steps`,
+compiled without LoRA weights, each step first checking that its rows carry the merged
+adapter's slot (`_slot_adapter`: the adapter each slot was last loaded with). Warm-up
+and staging compile every merge a switch may need.
 """
 
 from __future__ import annotations
@@ -71,7 +48,6 @@ from typing import TYPE_CHECKING, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from configs import ConfigError, EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
@@ -79,17 +55,13 @@ from jlora.adapters.store import HostStore
 from jlora.contract.adapters import Adapter
 from jlora.contract.errors import InvalidRequest, RequestError
 from jlora.contract.peft import read_adapter_config
+from jlora.device.kv_pool import KVBlocks, size_pool
 from jlora.device.lora_slots import DeviceSlots, Transfer
 from jlora.device.packing import PackedPrefill
-from jlora.device.sampling import SamplingArrays
-from jlora.device.steps import (
-    CompiledSteps,
-    KVBlocks,
-    StepSpecs,
-    host_sampling,
-    set_sampling,
-    size_pool,
-)
+from jlora.device.rows import DecodeRows
+from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
+from jlora.device.steps import CompiledSteps, StepSpecs
+from jlora.device.warmup import warm_up
 from jlora.engine.cost_model import ColdStart
 from jlora.engine.device_api import (
     DecodeRow,
@@ -107,28 +79,16 @@ from jlora.model.llama import Llama, Params
 from jlora.model.lora.backends import make_backend
 from jlora.model.lora.base import KVPagesBackend, LoraWeights, Segments
 from jlora.model.lora.reference import PooledReferenceBackend
-from jlora.model.lora.targets import INPUT_GROUPS, rank_row_bytes, target_shapes
+from jlora.model.lora.targets import rank_row_bytes
 from jlora.model.merge import WeightMerger
 from jlora.model.sharding import TensorParallel, to_host
 from jlora.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the CPU workers' kernels load only when needed
-    from jlora.device.cpu_assist.callbacks import CpuAssist, ShardPlan
+    from jlora.device.cpu_assist.callbacks import CpuAssist
     from jlora.device.cpu_assist.prefill import AssistedPrefill
 
 log = logging.getLogger(__name__)
-
-
-@struct.dataclass
-class DecodeState:
-    """The decode rows, as the compiled decode step takes them (host arrays)."""
-
-    tokens: np.ndarray  # i32[S], each row's last token (not yet in the cache)
-    positions: np.ndarray  # i32[S], that token's position
-    block_tables: np.ndarray  # i32[S, blocks_per_seq]; a free row is all sentinel (num_blocks)
-    sampling: SamplingArrays  # [S]; a free row is greedy
-    lora_idx: np.ndarray  # i32[S], each row's device adapter slot (-1: the base model)
-    live: np.ndarray  # bool[S], inserted rows
 
 
 class LlamaEngine(DeviceEngine):
@@ -228,7 +188,7 @@ class LlamaEngine(DeviceEngine):
         self.kv_blocks = KVBlocks(
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
-        self.state = self._empty_state()
+        self.rows = DecodeRows(cfg.max_slots, cfg.blocks_per_seq, cfg.num_blocks)
         # prefill_many's calls
         self.packed = PackedPrefill(cfg, None if backend is None else backend.segment_rows)
         specs = StepSpecs(
@@ -255,26 +215,11 @@ class LlamaEngine(DeviceEngine):
         self._slot_adapter: dict[int, str] = {}  # slot -> the adapter last loaded into it
         self.cpu: CpuAssist | None = None
         self.assisted: AssistedPrefill | None = None
-        if (
-            self.lora is not None
-            and self.store is not None
-            and cfg.lora_mode in ("cpu-assist", "auto")
-        ):
-            from jlora.device.cpu_assist.callbacks import CpuAssist, default_workers
+        if self.lora is not None and cfg.lora_mode in ("cpu-assist", "auto"):
             from jlora.device.cpu_assist.prefill import AssistedPrefill
 
-            stored = target_shapes(model_config)  # as the adapters hold them (k/v not widened)
-            self.cpu = CpuAssist(
-                self.store.arena.name,
-                {target: stored[target] for target in self.lora.shapes},
-                workers=cfg.cpu_workers or default_workers(),
-                threads=cfg.cpu_lora == "threads"
-                or (cfg.cpu_lora == "auto" and jax.default_backend() == "cpu"),
-                max_rows=max(cfg.prefill_buckets),
-                shards=self._shard_plan(),
-            )
-            self.model.cpu_lora = self.cpu
-            self.assisted = AssistedPrefill(self.steps, self.lora, self.store, self.cpu, cfg)
+            self.assisted = AssistedPrefill.for_engine(self)
+            self.cpu = self.model.cpu_lora = self.assisted.cpu
         log.info(
             "engine: %d slots, %d KV blocks of %d tokens (%.1f MiB), max_seq_len %d, mesh %s",
             cfg.max_slots,
@@ -285,27 +230,9 @@ class LlamaEngine(DeviceEngine):
             dict(self.tp.sharding.mesh),
         )
 
-    def _shard_plan(self) -> ShardPlan:
-        """How the CPU workers' whole products map onto this mesh's shards."""
-        from jlora.device.cpu_assist.callbacks import ShardPlan
-
-        tp = self.tp
-        reduce = {"o_proj": tp.attn_reduce, "down_proj": tp.mlp_reduce}
-        column = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"}
-        column |= {"gate_proj": "mlp", "up_proj": "mlp"}
-        return ShardPlan(
-            size=tp.size,
-            row_groups=frozenset(
-                i for i, names in enumerate(INPUT_GROUPS) if reduce.get(names[0]) is not None
-            ),
-            split=frozenset(name for name, axis in column.items() if tp.spec(axis)[0] is not None),
-            widen=lambda name, columns: (
-                tp.expand_kv(columns) if name in ("k_proj", "v_proj") else columns
-            ),
-        )
-
     @property
-    def _weights(self) -> LoraWeights | None:
+    def lora_weights(self) -> LoraWeights | None:
+        """The adapters' device weights the steps take (None: no LoRA)."""
         return None if self.lora is None else self.lora.weights
 
     # -- steps -------------------------------------------------------------------------
@@ -317,68 +244,8 @@ class LlamaEngine(DeviceEngine):
         *,
         on_demand: bool = False,
     ) -> None:
-        """Compile each prefill bucket up to the one the longest of `prompt_lengths` needs
-        (or all; none above the bucket of `prefill_token_budget` unless merging, which
-        prefills whole, is on), plain and continuing a cached prefix; the packed
-        prefill's (those from the shortest prompt's bucket up), and each decode bucket up
-        to the one holding `max_length` tokens (or all). Every bucket below the longest
-        prompt's, because a step may prefill any part of a prompt: a chunk under the
-        token budget, or one ended early on a smaller bucket (`Orchestrator._chunk_end`),
-        the rest continuing after it as after a cached prefix (as a prefix cache hit
-        does). CPU assistance, which prefills prompts whole, compiles their buckets
-        alone. With `on_demand`, only what CPU assistance needs ahead (its segments, and
-        in auto mode the device prefills its cost model times); every other shape
-        compiles when first met, and `warmed_up` stays false, so that is not logged as a
-        warning."""
-        cfg = self.config
-        buckets = cfg.prefill_buckets
-        prompts = (
-            buckets
-            if prompt_lengths is None
-            else sorted({bucket(buckets, n) for n in prompt_lengths})
-        )
-        if self.assisted is not None:
-            for size in prompts:
-                self.assisted.compile(self.params, self.cache, size)
-            if cfg.lora_mode == "auto":
-                for size in prompts:  # the device prefills the cost model times
-                    self.steps.compile_prefill(
-                        self.params, self.cache, size, cfg.blocks_per_seq, self._weights
-                    )
-                self.cache = self.assisted.measure(self.params, self.cache, prompts)
-        if on_demand:
-            return
-        top = prompts[-1] if prompts else 0
-        if cfg.merge == "never":  # chunked: a step prefills at most the budget's tokens
-            top = min(top, bucket(buckets, min(cfg.prefill_token_budget, cfg.max_seq_len)))
-        prefill = [size for size in buckets if size <= top]
-        longest = bucket(cfg.decode_buckets, min(max_length or cfg.max_seq_len, cfg.max_seq_len))
-        # A packed call's bucket holds at least its shortest prompt.
-        smallest = min(prompts[0], top) if prompts else cfg.max_seq_len + 1
-        for size in prefill:
-            for cached in (False, True):  # a prefix hit or a later chunk: the cached variant
-                self.steps.compile_prefill(
-                    self.params, self.cache, size, cfg.blocks_per_seq, self._weights, cached=cached
-                )
-        self.packed.compile(self.steps, self.params, self.cache, self._weights, smallest)
-        decode = cfg.decode_buckets[: cfg.decode_buckets.index(longest) + 1]
-        self._compile_decodes(self.steps, decode, self._weights)
-        if cfg.cache_policy != "none" and self.can_swap_kv:
-            self.cache = self.kv_blocks.warm(self.cache)
-        self.steps.warmed_up = True
-        if cfg.merge != "never" and self.merged_steps is not None and self.merger is not None:
-            for size in prefill:
-                for cached in (False, True):
-                    self.merged_steps.compile_prefill(
-                        self.params, self.cache, size, cfg.blocks_per_seq, None, cached=cached
-                    )
-            self.packed.compile(self.merged_steps, self.params, self.cache, None, smallest)
-            self._compile_decodes(self.merged_steps, decode, None)
-            assert self.store is not None
-            for name in self.store.names():
-                spec = self.store.get(name).adapter
-                self.merger.compile(spec.targets, spec.rank)
-            self.merged_steps.warmed_up = self.merger.warmed_up = True
+        """See warmup.py, which says what compiles and why."""
+        warm_up(self, prompt_lengths, max_length, on_demand=on_demand)
 
     def prefill(self, job: PrefillJob) -> Prefilled:
         cfg = self.config
@@ -414,7 +281,7 @@ class LlamaEngine(DeviceEngine):
                 ) from failure
             return Prefilled(token, routes)
         start = time.perf_counter()
-        first = self._run_prefill(self.steps, self._weights, job, sampling)
+        first = self._run_prefill(self.steps, self.lora_weights, job, sampling)
         if self.assisted is not None and not job.cached:  # keep the cost model current
             size = bucket(cfg.prefill_buckets, len(job.tokens))
             self.assisted.observe_prefill(size, time.perf_counter() - start)
@@ -445,7 +312,7 @@ class LlamaEngine(DeviceEngine):
             if job.cached == 0 and (job.assist is None or self._merged is not None)
         }
         for call in self.packed.calls(plain):
-            steps, weights = self.steps, self._weights
+            steps, weights = self.steps, self.lora_weights
             if self._merged is not None:  # no LoRA work: all in the weights
                 slots = np.array([jobs[index].adapter_slot for index in call])
                 steps, weights = self._merged_steps_for(slots, "a prefill job"), None
@@ -500,72 +367,28 @@ class LlamaEngine(DeviceEngine):
         )
         return int(to_host(sampled))
 
-    def _compile_decodes(
-        self, steps: CompiledSteps, sizes: Sequence[int], weights: LoraWeights | None
-    ) -> None:
-        """Compile and prime the decode of each row bucket over each of `sizes` keys."""
-        cfg = self.config
-        for size in sizes:
-            blocks = size // cfg.block_size
-            for rows in cfg.decode_row_buckets:
-                steps.compile_decode(self.params, self.cache, rows, blocks, weights)
-                self.cache = steps.prime_decode(self.params, self.cache, rows, blocks, weights)
-
     def insert(self, slot: int, row: DecodeRow) -> None:
-        state = self.state
-        state.tokens[slot] = row.token
-        state.positions[slot] = row.position
-        state.block_tables[slot] = row.block_table
-        set_sampling(state.sampling, slot, row.sampling)
-        state.lora_idx[slot] = row.adapter_slot
-        state.live[slot] = True
+        self.rows.insert(slot, row)
 
     def generate(self) -> np.ndarray:
-        cfg, state = self.config, self.state
-        live = state.live
-        longest = int(state.positions[live].max(initial=0)) + 1
-        blocks = bucket(cfg.decode_buckets, longest) // cfg.block_size
-        rows = _decode_rows(live, bucket(cfg.decode_row_buckets, max(int(live.sum()), 1)))
-        steps, weights = self.steps, self._weights
+        cfg, rows = self.config, self.rows
+        blocks = bucket(cfg.decode_buckets, rows.longest()) // cfg.block_size
+        batch = rows.batch(bucket(cfg.decode_row_buckets, max(rows.count(), 1)))
+        steps, weights = self.steps, self.lora_weights
         if self._merged is not None:
-            steps, weights = self._merged_steps_for(state.lora_idx[live], "a live decode row"), None
-        steps.compile_decode(self.params, self.cache, len(rows), blocks, weights)
+            steps, weights = self._merged_steps_for(rows.live_slots(), "a live decode row"), None
+        steps.compile_decode(self.params, self.cache, len(batch), blocks, weights)
         sampled, self.cache = steps.decode(
             self.params,
             self.cache,
-            state.tokens[rows],
-            state.positions[rows],
-            state.block_tables[rows, :blocks],
-            jax.tree.map(lambda field: field[rows], state.sampling),
+            *rows.step_inputs(batch, blocks),
             weights,
-            None if weights is None else state.lora_idx[rows],
+            None if weights is None else rows.state.lora_idx[batch],
         )
-        tokens = np.zeros_like(state.tokens)
-        tokens[rows] = to_host(sampled)
-        state.tokens[live] = tokens[live]
-        state.positions[live] += 1
-        state.sampling.step[live] += 1
-        return tokens
+        return rows.advance(batch, to_host(sampled))
 
     def free(self, slot: int) -> None:
-        state = self.state
-        state.live[slot] = False
-        state.block_tables[slot] = self.config.num_blocks
-        state.positions[slot] = 0
-        state.sampling.temperature[slot] = 0.0  # an all-greedy batch skips the sort
-        state.lora_idx[slot] = -1
-
-    def _empty_state(self) -> DecodeState:
-        cfg = self.config
-        rows = cfg.max_slots
-        return DecodeState(
-            tokens=np.zeros(rows, np.int32),
-            positions=np.zeros(rows, np.int32),
-            block_tables=np.full((rows, cfg.blocks_per_seq), cfg.num_blocks, np.int32),
-            sampling=host_sampling(rows),
-            lora_idx=np.full(rows, -1, np.int32),
-            live=np.zeros(rows, bool),
-        )
+        self.rows.free(slot)
 
     # -- adapters ------------------------------------------------------------------------
 
@@ -749,12 +572,6 @@ def unrolled_layer_loop(layer_loop: str, mesh: jax.sharding.Mesh) -> bool:
     if layer_loop == "auto":
         return mesh.devices.flat[0].platform == "gpu"
     return layer_loop == "unrolled"
-
-
-def _decode_rows(live: np.ndarray, count: int) -> np.ndarray:
-    """`count` row indices for a decode step: every live row, in order, then idle rows
-    (all-sentinel block tables: their writes are dropped) to fill the bucket."""
-    return np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])[:count]
 
 
 def build_engine(

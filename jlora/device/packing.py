@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from configs import SPLIT_TOKENS, EngineConfig, bucket
-from jlora.device.sampling import SamplingArrays
-from jlora.device.steps import CompiledSteps, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
+from jlora.device.steps import CompiledSteps
 from jlora.engine.device_api import PrefillJob
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jlora.engine.device_api import SamplingRow
+
 Rows = jax.Array | np.ndarray  # numpy while the host fills it in, jax.Array inside the step
 
 
@@ -55,3 +57,23 @@ def _sample_rows(logits: jax.Array, params: SamplingArrays) -> jax.Array:
 
     choice = jax.vmap(draw)(masked, params.seed, params.step)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def host_sampling(rows: int) -> SamplingArrays:
+    """Greedy sampling arrays on the host (numpy), to be filled in per row."""
+    return SamplingArrays(
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        seed=np.zeros(rows, np.uint32),
+        step=np.zeros(rows, np.int32),
+    )
+
+
+def set_sampling(arrays: SamplingArrays, row: int, sampling: SamplingRow) -> None:
+    """Row `row` of host sampling arrays takes `sampling`'s parameters."""
+    arrays.temperature[row] = sampling.temperature
+    arrays.top_k[row] = sampling.top_k
+    arrays.top_p[row] = sampling.top_p
+    arrays.seed[row] = sampling.seed
+    arrays.step[row] = sampling.step

@@ -44,7 +44,8 @@ from jlora.engine.adapters import AdapterManager
 from jlora.engine.api import Request
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device_api import DeviceEngine, SamplingRow
-from jlora.engine.memory.manager import FULL, SWAPPING, Lease, MemoryManager
+from jlora.engine.memory.manager import FULL, SWAPPING, MemoryManager
+from jlora.engine.memory.tree import Lease
 from jlora.engine.merging import Batch, DynamicBatcher
 
 log = logging.getLogger(__name__)

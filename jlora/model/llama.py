@@ -1,4 +1,4 @@
-"""A Llama-2 family decoder in Flax over stacked layers, run as a `lax.scan` or unrolled.
+"""A Llama-family decoder over stacked layers, run as a `lax.scan` or unrolled.
 
 Parameters are an explicit pytree (`Params`) passed into jitted step functions:
 
@@ -7,34 +7,26 @@ Parameters are an explicit pytree (`Params`) passed into jitted step functions:
      "final_norm": {"scale": [D]},
      "lm_head": {"kernel": [D, V]}}          # absent when embeddings are tied
 
-Dense kernels are stored `[in, out]` (Flax), i.e. transposed w.r.t. PyTorch.
-Stacking the layers keeps compile time independent of depth, and a layer-group
-segment of a CPU-assisted prefill (`prefill_layers`) is a scan over a slice of the
-stack, with the per-layer routing of LoRA to the device or the CPU as an i32 array.
+Dense kernels are stored `[in, out]` (Flax), i.e. transposed w.r.t. PyTorch. Stacking
+the layers keeps compile time independent of depth, and a layer-group segment of a
+CPU-assisted prefill (`prefill_layers`) is a scan over a slice of the stack, with the
+per-layer routing of LoRA to the device or the CPU as an i32 array.
 
-On XLA:CPU, a scan's read of layer i's kernels out of the stack is a copy (a
-dynamic-slice, before each matmul), so `decode` may also take `layers`: every layer's
-parameters as arrays of their own (views of the stack, `jlora/model/host/layer_views.py`). The scan
-then picks layer i's projections with a `lax.switch` over the layers (`_switch_dense`)
-and each matmul reads its kernel in place. Decode, which reads every weight for a few
-rows, gains 9-16% on SmolLM2 (2 cores, batch 1-32). XLA compiles one branch per layer
-and input group; the branches call one jitted function, so JAX traces and lowers it
-once: `jlora serve` on SmolLM2 starts in 19 s with a warm compile cache, 21-22 s before
-(XLA's own compile, cold, is as long as it was). Prefill gains 5-8% at 32-64 tokens
-and nothing measurable past them, so it keeps the plain scan.
+A scan's read of layer i's kernels out of the stack is a copy (a dynamic-slice before
+each matmul) on XLA:CPU and XLA:GPU alike. On a CPU, `decode` may take `layers`: every
+layer's parameters as arrays of their own (views of the stack, host/layer_views.py);
+the scan then picks layer i's projections with a `lax.switch` over the layers
+(`_switch_dense`), and each matmul reads its kernel in place (the branches call one
+jitted function, so JAX traces and lowers it once). On a GPU, where a conditional costs
+a host round trip, the engine unrolls the layer loop instead (`unroll_layers`,
+EngineConfig.layer_loop): every layer's index is a constant and its kernels static
+slices of the stack, for a compile that grows with depth.
 
-XLA:GPU copies them too (on an H200, a Llama-2-7B decode step of 32 rows spent 6.2 of
-its 12.2 device-busy ms in those copies), and switching between per-layer copies there
-costs a host round trip per conditional. There the engine unrolls the layer loop
-instead (`unroll_layers`, EngineConfig.layer_loop): every layer's index is a constant,
-its kernels static slices of the stack, which the matmuls read in place (14.3 -> 7.5 ms
-a step; bench/results/2026-11-28-h200-profile.md), for a compile that grows with depth.
-
-The attention itself is not part of the Flax layer: `DecoderLayer.qkv` projects and
-rotates, the caller attends over the paged KV cache (`attention.py`), and
-`DecoderLayer.finish` applies the output projection and the MLP. A packed prefill
-(`prefill_packed`) runs the prefill's layers over several prompts back to back, each
-token at its own position, writing to its own prompt's blocks and attending to it alone.
+The layer itself is layers.py's; the caller attends over the paged KV cache
+(attention.py, or the host kernels of host/attention.py on one CPU device). A packed
+prefill (`prefill_packed`) runs the prefill's layers over several prompts back to back,
+each token at its own position, writing to its own prompt's blocks and attending to it
+alone.
 
 On a mesh (`sharding.TensorParallel`) the same code runs per shard inside `shard_map`
 (the engine's steps): the config is the shard's (`tp.local`: its heads, its slice of
@@ -46,10 +38,8 @@ is looked up with a mask and an all-reduce and its logits all-gathered.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -67,174 +57,12 @@ from jlora.model.host.attention import (
     paged_decode_attention_host,
 )
 from jlora.model.kv_cache import KVCache
-from jlora.model.lora.base import LoraBackend, LoraWeights, Segments
+from jlora.model.layers import DecoderLayer, DenseFn, LoraFn, Projections, RMSNorm
+from jlora.model.lora.base import CpuLora, LoraBackend, LoraWeights, Segments
 from jlora.model.lora.targets import INPUT_GROUPS, target_shapes
 from jlora.model.sharding import TensorParallel
 
 Params = dict[str, Any]  # the model's parameter pytree (layout in the module docstring)
-Projections = tuple[jax.Array, ...]
-# A layer's LoRA hook for projections sharing an input: (their names, the input h, a
-# function computing their base outputs from h) -> the outputs plus the rows' LoRA
-# deltas (the base output itself where a projection or a row is not adapted). The hook
-# decides when the base projections run, so CPU work can overlap them.
-LoraFn = Callable[[tuple[str, ...], jax.Array, Callable[[jax.Array], Projections]], Projections]
-# A layer's base projections: (their names, their shared input h) -> h @ W for each; by
-# default the layer's own Dense kernels, or another source of the same kernels.
-DenseFn = Callable[[tuple[str, ...], jax.Array], Projections]
-
-
-class CpuLora(Protocol):
-    """The host side of CPU-assisted LoRA: two ops of the jitted prefill that make host
-    callbacks (jlora/device/cpu_assist/callbacks.py).
-
-    For one input group of one layer: `submit` hands the real rows of the group's whole
-    input x (f32[T, in], rows >= length are padding) to the CPU workers and returns a
-    ticket (i32[], 0 when the adapter adapts nothing in the group); `collect` waits for
-    x·A·B of every projection of the group that the device slots hold, f32[shape],
-    side by side in INPUT_GROUPS order, zero where the adapter does not adapt a
-    projection and on padding rows: shard `shard`'s part of them (its columns of a
-    column-parallel group; for a row-parallel group the whole delta on shard 0, to be
-    summed with the partial outputs, and zeros elsewhere). Every shard makes both
-    calls; the workers compute once.
-
-    Where the products cannot overlap the base projections (`overlapped` is false: they
-    run on the threads that would compute those), `apply` is the pair in one callback.
-    """
-
-    overlapped: bool
-
-    def submit(
-        self, group: int, shard: jax.Array, layer: jax.Array, x: jax.Array, length: jax.Array
-    ) -> jax.Array: ...
-
-    def collect(
-        self, group: int, shard: jax.Array, ticket: jax.Array, shape: tuple[int, int]
-    ) -> jax.Array: ...
-
-    def apply(
-        self,
-        group: int,
-        shard: jax.Array,
-        layer: jax.Array,
-        x: jax.Array,
-        length: jax.Array,
-        shape: tuple[int, int],
-    ) -> jax.Array: ...
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) * scale, computed in fp32."""
-
-    eps: float
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf.astype(self.dtype) * scale).astype(self.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, Hugging Face layout (rotate the two halves of each head).
-
-    x: [..., T, heads, head_dim]; positions: i32[..., T].
-    """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, d/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, d]
-    xf = x.astype(jnp.float32)
-    half = head_dim // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
-
-
-class DecoderLayer(nn.Module):
-    config: ModelConfig
-    dtype: Any
-    attn_reduce: str | None = None  # mesh axis to sum o_proj's partial outputs over
-    mlp_reduce: str | None = None  # mesh axis to sum down_proj's partial outputs over
-
-    def setup(self) -> None:
-        cfg = self.config
-
-        def dense(features: int) -> nn.Dense:
-            return nn.Dense(
-                features,
-                use_bias=False,
-                dtype=self.dtype,
-                param_dtype=self.dtype,
-                kernel_init=nn.initializers.normal(0.02),
-            )
-
-        self.attn_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.q_proj = dense(cfg.q_size)
-        self.k_proj = dense(cfg.kv_size)
-        self.v_proj = dense(cfg.kv_size)
-        self.o_proj = dense(cfg.hidden_size)
-        self.mlp_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.gate_proj = dense(cfg.intermediate_size)
-        self.up_proj = dense(cfg.intermediate_size)
-        self.down_proj = dense(cfg.hidden_size)
-
-    def project(
-        self,
-        names: tuple[str, ...],
-        h: jax.Array,
-        lora: LoraFn | None,
-        dense: DenseFn | None = None,
-    ) -> Projections:
-        """The projections `names` of their shared input h, plus the rows' LoRA deltas."""
-
-        def base(h: jax.Array) -> Projections:
-            if dense is not None:
-                return dense(names, h)
-            return tuple(getattr(self, name)(h) for name in names)
-
-        return base(h) if lora is None else lora(names, h, base)
-
-    def qkv(
-        self,
-        x: jax.Array,
-        positions: jax.Array,
-        lora: LoraFn | None = None,
-        dense: DenseFn | None = None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [..., T, D], positions: i32[..., T] -> q [..., T, H, hd], k, v [..., T, KVH, hd].
-        dense: where the projections' kernels come from (None: this layer's own)."""
-        cfg = self.config
-        h = self.attn_norm(x)
-        lead = h.shape[:-1]
-        q, k, v = self.project(("q_proj", "k_proj", "v_proj"), h, lora, dense)
-        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
-
-    def finish(
-        self,
-        x: jax.Array,
-        attn: jax.Array,
-        lora: LoraFn | None = None,
-        dense: DenseFn | None = None,
-    ) -> jax.Array:
-        """Residual output projection, then the residual SwiGLU MLP. attn: [..., T, H*hd]."""
-        (out,) = self.project(("o_proj",), attn, lora, dense)
-        if self.attn_reduce is not None:
-            out = jax.lax.psum(out, self.attn_reduce)
-        h = x + out
-        gate, up = self.project(("gate_proj", "up_proj"), self.mlp_norm(h), lora, dense)
-        (down,) = self.project(("down_proj",), nn.silu(gate) * up, lora, dense)
-        if self.mlp_reduce is not None:
-            down = jax.lax.psum(down, self.mlp_reduce)
-        return h + down
-
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Used only to initialise parameters (attention replaced by q itself)."""
-        q, _, _ = self.qkv(x, positions)
-        return self.finish(x, q.reshape(*q.shape[:-2], -1))
 
 
 class Llama:

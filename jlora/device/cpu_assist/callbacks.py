@@ -88,6 +88,7 @@ from cpu_offload import CpuLoraPool, LoraJob, Ticket
 from jlora.adapters.store import Region
 from jlora.device.cpu_assist.apply import CpuApply
 from jlora.model.lora.targets import INPUT_GROUPS
+from jlora.model.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,23 @@ class ShardPlan:
     split: frozenset[str] = frozenset()
     widen: Callable[[str, np.ndarray], np.ndarray] = lambda name, columns: columns
 
+    @classmethod
+    def for_mesh(cls, tp: TensorParallel) -> ShardPlan:
+        """How the workers' whole products map onto the shards of `tp`'s mesh."""
+        reduce = {"o_proj": tp.attn_reduce, "down_proj": tp.mlp_reduce}
+        column = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"}
+        column |= {"gate_proj": "mlp", "up_proj": "mlp"}
+        return cls(
+            size=tp.size,
+            row_groups=frozenset(
+                i for i, names in enumerate(INPUT_GROUPS) if reduce.get(names[0]) is not None
+            ),
+            split=frozenset(name for name, axis in column.items() if tp.spec(axis)[0] is not None),
+            widen=lambda name, columns: (
+                tp.expand_kv(columns) if name in ("k_proj", "v_proj") else columns
+            ),
+        )
+
 
 def default_workers() -> int:
     """One worker per core this process may use, less one for the engine's thread."""
@@ -130,7 +148,7 @@ def default_workers() -> int:
 
 
 class CpuAssist:
-    """Implements `jlora.model.llama.CpuLora` over a `CpuLoraPool`.
+    """Implements `jlora.model.lora.base.CpuLora` over a `CpuLoraPool`.
 
     arena_name: the host store's shared-memory arena; shapes: (in, out) of each
     projection the device slots hold, as the adapters store them (whole, k/v not

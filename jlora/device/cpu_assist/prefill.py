@@ -24,26 +24,51 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from configs import EngineConfig
 from jlora.adapters.store import HostStore
-from jlora.device.cpu_assist.callbacks import CpuAssist
+from jlora.device.cpu_assist.callbacks import CpuAssist, ShardPlan, default_workers
 from jlora.device.lora_slots import DeviceSlots
-from jlora.device.sampling import SamplingArrays
-from jlora.device.steps import CompiledSteps, host_sampling
+from jlora.device.sampling import SamplingArrays, host_sampling
+from jlora.device.steps import CompiledSteps
 from jlora.engine import cost_model
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params
 from jlora.model.lora.base import Segments
-from jlora.model.lora.targets import INPUT_GROUPS
+from jlora.model.lora.targets import INPUT_GROUPS, target_shapes
+
+if TYPE_CHECKING:
+    from jlora.device.llama_engine import LlamaEngine
 
 log = logging.getLogger(__name__)
 
 
 class AssistedPrefill:
+    """See the module docstring."""
+
+    @classmethod
+    def for_engine(cls, engine: LlamaEngine) -> AssistedPrefill:
+        """The CPU-assisted prefill of `engine` (whose adapters live in a host store), over
+        a `CpuAssist` of its own: worker processes beside an accelerator, threads of this
+        process where the device is the CPU (EngineConfig.cpu_lora "auto")."""
+        cfg, lora, store = engine.config, engine.lora, engine.store
+        assert lora is not None and store is not None
+        stored = target_shapes(engine.model_config)  # as the adapters hold them (k/v whole)
+        cpu = CpuAssist(
+            store.arena.name,
+            {target: stored[target] for target in lora.shapes},
+            workers=cfg.cpu_workers or default_workers(),
+            threads=cfg.cpu_lora == "threads"
+            or (cfg.cpu_lora == "auto" and jax.default_backend() == "cpu"),
+            max_rows=max(cfg.prefill_buckets),
+            shards=ShardPlan.for_mesh(engine.tp),
+        )
+        return cls(engine.steps, lora, store, cpu, cfg)
+
     def __init__(
         self,
         steps: CompiledSteps,

@@ -20,7 +20,7 @@ tells it when an adapter lands or leaves (`installed`, `released`). Policies
   freed when it leaves.
 
 A request's lease grows as its sequence does (`grow`, a block at a time while it
-decodes); when it cannot, the orchestrator preempts a request (`release`s its lease, whose
+decodes); when it cannot, the scheduler preempts a request (`release`s its lease, whose
 full blocks join the cache like any leaving request's) and recomputes it later.
 
 A request reuses the longest cached prefix of full blocks for the same adapter content,
@@ -33,28 +33,38 @@ link the engine emulates or has: `device.kv_to_host` / `kv_to_device` take its t
 bringing it back over the link is quicker than computing it again (`observe_prefill`
 measures that); otherwise it is dropped, and recomputed if it is needed again.
 
-Threads: everything but the copies runs on the scheduler's thread.
+Threads: everything but the copies (transfers.py) runs on the scheduler's thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import queue
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from jlora.engine.api import CacheStats
 from jlora.engine.device_api import DeviceEngine, HostBlocks
 from jlora.engine.memory import swapper
+from jlora.engine.memory.invariants import check_invariants
 from jlora.engine.memory.pool import KV, LORA, PagePool
-from jlora.engine.memory.tree import BASE, DEVICE, GONE, HOST, TO_DEVICE, TO_HOST, Node, Tree
+from jlora.engine.memory.transfers import Transfers
+from jlora.engine.memory.tree import (
+    BASE,
+    DEVICE,
+    GONE,
+    HOST,
+    TO_DEVICE,
+    TO_HOST,
+    Lease,
+    Node,
+    Tree,
+    leading,
+)
 
 SWAPPING, FULL = "swapping", "full"  # why `admit` gave no lease
 STATIC_SHARE = ("static share",)  # the owner of "lru"'s LoRA pages no adapter holds
-DEFAULT_LINK_BYTES_PER_S = 16e9  # until a swap has been timed (about PCIe 4.0 x16)
 
 
 class Slots(Protocol):
@@ -63,21 +73,6 @@ class Slots(Protocol):
     def idle(self) -> list[str]: ...
 
     def evict(self, name: str) -> bool: ...
-
-
-@dataclasses.dataclass(eq=False)
-class Lease:
-    """A request's KV: the cached prefix it reads (`nodes`, held) and its own pages."""
-
-    owner: Hashable
-    adapter: Node | None  # None under the "none" policy
-    nodes: list[Node]
-    pages: list[int]
-    cached_tokens: int
-
-    @property
-    def table(self) -> list[int]:
-        return [node.page for node in self.nodes] + self.pages
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,8 +108,7 @@ class MemoryManager:
         self.block_size = block_size
         self.host_capacity = host_bytes
         self.host_used = 0
-        self._link = link_bytes_per_s
-        self._measured_link = link_bytes_per_s <= 0
+        self._transfers = Transfers(link_bytes_per_s, self.pool.page_bytes, block_size)
         self._clock = clock
         self._adapters: dict[str, _Adapter] = {}
         self._leases: set[Lease] = set()  # granted, not yet released
@@ -123,14 +117,10 @@ class MemoryManager:
         self._base.where = DEVICE
         self._batch = swapper.BatchWindow()
         self._last_tick = clock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jlora-kv-swap")
-        self._done: queue.SimpleQueue[tuple[Node, str, object, float]] = queue.SimpleQueue()
-        self._in_flight = 0
         self._stats = dict.fromkeys(
             ("prompt_tokens", "hit_tokens", "swaps_out", "swaps_in", "out_bytes", "in_bytes"), 0
         )
         self._slots: Slots | None = None  # `attach`ed
-        self._prefill_s_per_token = 0.0  # measured (`observe_prefill`); 0: not yet
         self._share: list[int] = []  # "lru": the static share's pages no adapter holds
         self._min_kv_pages = min_kv_pages
         if policy == "lru" and lora_slots:
@@ -245,12 +235,12 @@ class MemoryManager:
         full = (len(tokens) - 1) // self.block_size if reuse else 0
         bs = self.block_size
         matched = self.tree.match(node, [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(full)])
-        prefix = _leading(matched, DEVICE)
+        prefix = leading(matched, DEVICE)
         rest = matched[len(prefix) :]
         if rest and rest[0].where in (TO_DEVICE, TO_HOST):  # in flight: wait for it
-            return self._wait(owner, prefix + _leading(rest, rest[0].where))
+            return self._wait(owner, prefix + leading(rest, rest[0].where))
         if rest and rest[0].where == HOST and node.where == DEVICE:
-            run = _leading(rest, HOST)
+            run = leading(rest, HOST)
             if self._swap_in(run, protect=prefix, keep=adapter):
                 return self._wait(owner, prefix + run)
         pages = self._allocate(blocks - len(prefix), owner, protect=prefix, keep=adapter)
@@ -281,16 +271,12 @@ class MemoryManager:
     def available(self) -> int:
         """Pages a lease could have now without preempting a request: free ones and
         cached KV that no request reads (idle adapters' pages not counted)."""
-        return self.pool.num_free + self._cached_pages()
+        return self.pool.num_free + self.tree.cached_pages()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A prefill computed `tokens` tokens in `seconds`: the recompute side of the
-        swap-or-drop choice (a moving average of seconds per token)."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = seconds / tokens
-        previous = self._prefill_s_per_token
-        self._prefill_s_per_token = rate if not previous else 0.8 * previous + 0.2 * rate
+        """A prefill computed `tokens` tokens in `seconds` (the recompute side of the
+        swap-or-drop choice)."""
+        self._transfers.observe_prefill(tokens, seconds)
 
     def forget(self, owner: Hashable) -> None:
         """A queued request no longer waits for the swap-in its last `admit` started (it
@@ -337,21 +323,17 @@ class MemoryManager:
 
     def wait(self, timeout: float) -> bool:
         """Block until a swap finishes (or the timeout); True if one did."""
-        if not self._in_flight:
-            return False
-        try:
-            item = self._done.get(timeout=timeout)
-        except queue.Empty:
-            return False
-        self._finish(*item)
-        return True
+        landed = self._transfers.wait(timeout)
+        if landed is not None:
+            self._finish(*landed)
+        return landed is not None
 
     @property
     def swapping(self) -> bool:
-        return self._in_flight > 0
+        return self._transfers.in_flight > 0
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._transfers.close()
 
     # -- reports ------------------------------------------------------------------------------
 
@@ -362,7 +344,7 @@ class MemoryManager:
             page_bytes=self.pool.page_bytes,
             pages_total=self.pool.num_pages,
             pages_kv=self.pool.used(KV),
-            pages_kv_cached=self._cached_pages(),
+            pages_kv_cached=self.tree.cached_pages(),
             pages_lora=self.pool.used(LORA),
             host_bytes_used=self.host_used,
             host_bytes_capacity=self.host_capacity,
@@ -372,60 +354,26 @@ class MemoryManager:
             swaps_in=s["swaps_in"],
             swap_out_bytes=s["out_bytes"],
             swap_in_bytes=s["in_bytes"],
-            invalid_kv_pages=self.invalid_kv_pages(),
+            invalid_kv_pages=self.tree.invalid_kv_pages(),
         )
 
     def held_pages(self) -> int:
         """KV pages that requests hold (their own, and cached ones they read): 0 when none
         runs, whatever stays cached."""
-        return self.pool.used(KV) - self._cached_pages()
-
-    def _cached_pages(self) -> int:
-        """Device KV pages of the tree that no request reads."""
-        return sum(
-            1 for kv in self.tree.kv_nodes() if kv.where in (DEVICE, TO_DEVICE) and kv.refs == 0
-        )
-
-    def invalid_kv_pages(self) -> int:
-        """Device KV pages whose adapter is not on the device (FastLibra's invalid KV)."""
-        return sum(
-            1
-            for adapter in self.tree.adapters()
-            if adapter.where != DEVICE
-            for kv in self.tree.kv_nodes(adapter)
-            if kv.where in (DEVICE, TO_DEVICE)
-        )
+        return self.pool.used(KV) - self.tree.cached_pages()
 
     def check(self) -> None:
-        """Assert the invariants: pages conserved and singly owned, the dependency rule
-        (fastlibra), nodes read by a request on the device."""
-        self.pool.check()
-        owned = self.pool.owned()
-        seen: set[int] = set()
-        for kv in self.tree.kv_nodes():
-            if kv.where in (DEVICE, TO_DEVICE):
-                assert owned.get(kv.page) == (KV, kv), f"node page {kv.page} not owned by it"
-                assert kv.page not in seen
-                seen.add(kv.page)
-                if self.policy == "fastlibra":  # a run swapping in lands parent first
-                    parents = (DEVICE, TO_DEVICE) if kv.where == TO_DEVICE else (DEVICE,)
-                    assert kv.parent is not None and kv.parent.where in parents, "invalid KV"
-            else:
-                assert kv.page == -1
-            if kv.refs:
-                assert kv.where == DEVICE, "a node read by a request is not on the device"
-            assert (kv.where in (HOST, TO_DEVICE)) == (kv.host is not None)
-        for lease in self._leases:
-            for page in lease.pages:
-                assert owned.get(page) == (KV, lease.owner), f"lease page {page} not its own"
-                assert page not in seen
-                seen.add(page)
-            for kv in lease.nodes:
-                assert kv.refs > 0 and kv.where == DEVICE
-        kv_pages = {p for p, (kind, _) in owned.items() if kind == KV}
-        assert kv_pages == seen, f"KV pages without an owner: {sorted(kv_pages - seen)}"
-        host = sum(kv.host.nbytes for kv in self.tree.kv_nodes() if kv.host is not None)
-        assert host + self._pending_host() == self.host_used, "host pool bytes drifted"
+        """Assert the invariants (invariants.py): the tests call it after each operation."""
+        check_invariants(self)
+
+    @property
+    def leases(self) -> frozenset[Lease]:
+        """The leases granted and not yet released."""
+        return frozenset(self._leases)
+
+    def pending_host_bytes(self) -> int:
+        """Host pool bytes that copies on their way to the host hold."""
+        return sum(self.pool.page_bytes for kv in self.tree.kv_nodes() if kv.where == TO_HOST)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -549,7 +497,7 @@ class MemoryManager:
             self.pool.free([kv.page])
             kv.page, kv.where = -1, HOST
             return
-        if not self._worth_swapping() or not self._host_room(nbytes):
+        if not self._transfers.worth_keeping() or not self._host_room(nbytes):
             self.pool.free([kv.page])
             kv.page = -1
             self._drop(kv)
@@ -558,19 +506,9 @@ class MemoryManager:
         self.pool.free([kv.page])
         kv.page, kv.where = -1, TO_HOST
         self.host_used += nbytes
-        self._submit(kv, TO_HOST, lambda: self.device.kv_to_host(snapshot))
+        self._transfers.submit(kv, TO_HOST, lambda: self.device.kv_to_host(snapshot))
         self._stats["swaps_out"] += 1
         self._stats["out_bytes"] += nbytes
-
-    def _worth_swapping(self) -> bool:
-        """Whether a block is worth keeping on the host: its copy back (one page over the
-        link) is quicker than a prefill computing its tokens again. The swap-out itself
-        overlaps with the steps, so only the way back is weighed; before a prefill has
-        been timed, it is."""
-        back_s = self.pool.page_bytes / (self._link or DEFAULT_LINK_BYTES_PER_S)
-        return not self._prefill_s_per_token or back_s < (
-            self._prefill_s_per_token * self.block_size
-        )
 
     def _swap_in(self, run: list[Node], protect: list[Node], keep: str | None = None) -> bool:
         """Start moving host nodes (a parent before its children) to the device, never
@@ -584,40 +522,20 @@ class MemoryManager:
             kv.page, kv.where = page, TO_DEVICE
             host = kv.host
             assert host is not None
-            self._submit(kv, TO_DEVICE, functools.partial(self.device.kv_to_device, host))
+            self._transfers.submit(kv, TO_DEVICE, functools.partial(self.device.kv_to_device, host))
             self._stats["swaps_in"] += 1
             self._stats["in_bytes"] += host.nbytes
         return True
 
-    def _submit(self, kv: Node, direction: str, copy: Callable[[], object]) -> None:
-        done, start = self._done, time.perf_counter()
-
-        def run() -> None:
-            try:
-                result = copy()
-            except BaseException as error:  # noqa: BLE001 (handed to the scheduler thread)
-                result = error
-            done.put((kv, direction, result, time.perf_counter() - start))
-
-        self._in_flight += 1
-        self._executor.submit(run)
-
     def _poll(self) -> None:
-        while True:
-            try:
-                item = self._done.get_nowait()
-            except queue.Empty:
-                return
-            self._finish(*item)
+        for landed in self._transfers.landed():
+            self._finish(*landed)
 
-    def _finish(self, kv: Node, direction: str, result: object, seconds: float) -> None:
-        self._in_flight -= 1
+    def _finish(self, kv: Node, direction: str, result: object) -> None:
+        """A copy landed: the node moves where it went (unless dropped meanwhile)."""
         if isinstance(result, BaseException):
             raise RuntimeError(f"a KV swap ({direction}) failed") from result
         nbytes = self.pool.page_bytes
-        if self._measured_link and seconds > 0:
-            rate = nbytes / seconds
-            self._link = rate if self._link <= 0 else 0.8 * self._link + 0.2 * rate
         if kv.where != direction:  # dropped, or a swap-in called off (or landed already)
             return
         if direction == TO_HOST:
@@ -629,9 +547,6 @@ class MemoryManager:
             assert kv.host is not None
             self.host_used -= kv.host.nbytes
             kv.host, kv.where = None, DEVICE
-
-    def _pending_host(self) -> int:
-        return sum(self.pool.page_bytes for kv in self.tree.kv_nodes() if kv.where == TO_HOST)
 
     def _host_room(self, nbytes: int) -> bool:
         """Make room in the host pool for `nbytes` by dropping its least valuable leaves."""
@@ -659,7 +574,7 @@ class MemoryManager:
     def _demand(self) -> swapper.Demand:
         adapters = [a for a in self.tree.adapters() if a is not self._base]
         return swapper.Demand(
-            link_bytes_per_s=self._link or DEFAULT_LINK_BYTES_PER_S,
+            link_bytes_per_s=self._transfers.bytes_per_s,
             total_visits=sum(a.visits for a in self.tree.adapters()),
             adapter_visits=[a.visits for a in adapters],
             batch=self._batch.mean(),
@@ -675,13 +590,3 @@ class MemoryManager:
     def _candidate(self, node: Node, adapter: _Adapter | None = None) -> swapper.Candidate:
         nbytes = adapter.device_bytes if adapter is not None else self.pool.page_bytes
         return swapper.Candidate(node, adapter is not None, nbytes, node.visits, node.last_used)
-
-
-def _leading(nodes: list[Node], where: str) -> list[Node]:
-    """The first nodes of `nodes`, as long as they are all `where`."""
-    run = []
-    for node in nodes:
-        if node.where != where:
-            break
-        run.append(node)
-    return run

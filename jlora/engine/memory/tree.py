@@ -132,3 +132,42 @@ class Tree:
             for node in self.kv_nodes()
             if node.where == HOST and not node.children and node.refs == 0
         ]
+
+    def cached_pages(self) -> int:
+        """Device KV pages of the tree that no request reads."""
+        return sum(1 for kv in self.kv_nodes() if kv.where in (DEVICE, TO_DEVICE) and kv.refs == 0)
+
+    def invalid_kv_pages(self) -> int:
+        """Device KV pages whose adapter is not on the device (FastLibra's invalid KV)."""
+        return sum(
+            1
+            for adapter in self.adapters()
+            if adapter.where != DEVICE
+            for kv in self.kv_nodes(adapter)
+            if kv.where in (DEVICE, TO_DEVICE)
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    """A request's KV: the cached prefix it reads (`nodes`, held) and its own pages."""
+
+    owner: Hashable
+    adapter: Node | None  # None under the "none" policy
+    nodes: list[Node]
+    pages: list[int]
+    cached_tokens: int
+
+    @property
+    def table(self) -> list[int]:
+        return [node.page for node in self.nodes] + self.pages
+
+
+def leading(nodes: list[Node], where: str) -> list[Node]:
+    """The first nodes of `nodes`, as long as they are all `where`."""
+    run = []
+    for node in nodes:
+        if node.where != where:
+            break
+        run.append(node)
+    return run

@@ -31,7 +31,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -513,3 +513,42 @@ def set_slot(
         target: {part: put(part, array, payload[target][part]) for part, array in parts.items()}
         for target, parts in weights.items()
     }
+
+
+class CpuLora(Protocol):
+    """The host side of CPU-assisted LoRA: two ops of the jitted prefill that make host
+    callbacks (jlora/device/cpu_assist/callbacks.py).
+
+    For one input group of one layer: `submit` hands the real rows of the group's whole
+    input x (f32[T, in], rows >= length are padding) to the CPU workers and returns a
+    ticket (i32[], 0 when the adapter adapts nothing in the group); `collect` waits for
+    x·A·B of every projection of the group that the device slots hold, f32[shape],
+    side by side in INPUT_GROUPS order, zero where the adapter does not adapt a
+    projection and on padding rows: shard `shard`'s part of them (its columns of a
+    column-parallel group; for a row-parallel group the whole delta on shard 0, to be
+    summed with the partial outputs, and zeros elsewhere). Every shard makes both
+    calls; the workers compute once.
+
+    Where the products cannot overlap the base projections (`overlapped` is false: they
+    run on the threads that would compute those), `apply` is the pair in one callback.
+    """
+
+    overlapped: bool
+
+    def submit(
+        self, group: int, shard: jax.Array, layer: jax.Array, x: jax.Array, length: jax.Array
+    ) -> jax.Array: ...
+
+    def collect(
+        self, group: int, shard: jax.Array, ticket: jax.Array, shape: tuple[int, int]
+    ) -> jax.Array: ...
+
+    def apply(
+        self,
+        group: int,
+        shard: jax.Array,
+        layer: jax.Array,
+        x: jax.Array,
+        length: jax.Array,
+        shape: tuple[int, int],
+    ) -> jax.Array: ...

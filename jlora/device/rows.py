@@ -1,0 +1,107 @@
+"""The decode rows: the state of each decode slot, host arrays that enter the compiled
+decode step each iteration (JetStream's decode state).
+
+A row holds its last token (not yet in the KV cache), that token's position, its block
+table, its sampling parameters and its device adapter slot. A free row has an
+all-sentinel block table, so its KV writes are dropped, and is greedy (an all-greedy
+batch skips the sampler's sort). A decode step takes the live rows, in order, padded
+with idle rows to the row bucket (`batch`), and each live row then continues from its
+new token (`advance`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import struct
+
+from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
+from jlora.engine.device_api import DecodeRow
+
+
+@struct.dataclass
+class DecodeState:
+    """The decode rows, as the compiled decode step takes them (host arrays)."""
+
+    tokens: np.ndarray  # i32[S], each row's last token (not yet in the cache)
+    positions: np.ndarray  # i32[S], that token's position
+    block_tables: np.ndarray  # i32[S, blocks_per_seq]; a free row is all sentinel (num_blocks)
+    sampling: SamplingArrays  # [S]; a free row is greedy
+    lora_idx: np.ndarray  # i32[S], each row's device adapter slot (-1: the base model)
+    live: np.ndarray  # bool[S], inserted rows
+
+
+class DecodeRows:
+    """`slots` rows of tables of `blocks_per_seq` blocks; `sentinel` is the block id no
+    write reaches (the pool's size)."""
+
+    def __init__(self, slots: int, blocks_per_seq: int, sentinel: int) -> None:
+        self.sentinel = sentinel
+        self.state = DecodeState(
+            tokens=np.zeros(slots, np.int32),
+            positions=np.zeros(slots, np.int32),
+            block_tables=np.full((slots, blocks_per_seq), sentinel, np.int32),
+            sampling=host_sampling(slots),
+            lora_idx=np.full(slots, -1, np.int32),
+            live=np.zeros(slots, bool),
+        )
+
+    def insert(self, slot: int, row: DecodeRow) -> None:
+        state = self.state
+        state.tokens[slot] = row.token
+        state.positions[slot] = row.position
+        state.block_tables[slot] = row.block_table
+        set_sampling(state.sampling, slot, row.sampling)
+        state.lora_idx[slot] = row.adapter_slot
+        state.live[slot] = True
+
+    def free(self, slot: int) -> None:
+        state = self.state
+        state.live[slot] = False
+        state.block_tables[slot] = self.sentinel
+        state.positions[slot] = 0
+        state.sampling.temperature[slot] = 0.0
+        state.lora_idx[slot] = -1
+
+    def count(self) -> int:
+        return int(self.state.live.sum())
+
+    def longest(self) -> int:
+        """The tokens the longest live row attends to (its keys, the new one included)."""
+        state = self.state
+        return int(state.positions[state.live].max(initial=0)) + 1
+
+    def live_slots(self) -> np.ndarray:
+        """The live rows' device adapter slots."""
+        return self.state.lora_idx[self.state.live]
+
+    def batch(self, count: int) -> np.ndarray:
+        """`count` row indices for a decode step: every live row, in order, then idle rows
+        (all-sentinel block tables: their writes are dropped) to fill the bucket."""
+        live = self.state.live
+        return np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)])[:count]
+
+    def step_inputs(
+        self, batch: np.ndarray, blocks: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, SamplingArrays]:
+        """The decode step's row inputs for `batch`: tokens, positions, the first `blocks`
+        of their block tables, sampling."""
+        state = self.state
+        return (
+            state.tokens[batch],
+            state.positions[batch],
+            state.block_tables[batch, :blocks],
+            jax.tree.map(lambda field: field[batch], state.sampling),
+        )
+
+    def advance(self, batch: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+        """i32[slots]: the token `sampled` gave each row of `batch` (other rows hold
+        zeros); each live row continues from its new token."""
+        state = self.state
+        tokens = np.zeros_like(state.tokens)
+        tokens[batch] = sampled
+        live = state.live
+        state.tokens[live] = tokens[live]
+        state.positions[live] += 1
+        state.sampling.step[live] += 1
+        return tokens
