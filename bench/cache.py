@@ -26,8 +26,8 @@ resident (FastLibra §5.1): the adapters live in the pool's pages, and the engin
 many slots as the pool has pages (EngineConfig.max_loras). Only `lru` sets a share of
 the pool aside for its `max_loras` slots.
 
-Each replays the same `multiturn_workload` (bench/workloads.py), closed loop within a
-session: turn k is sent at max(its trace arrival, turn k-1's finish + think_s), its
+Each replays the same `multiturn_workload` (`bench.lib.workloads`), closed loop within
+a session: turn k is sent at max(its trace arrival, turn k-1's finish + think_s), its
 prompt turn k-1's prompt + turn k-1's generated tokens + its new message
 (`Conversations`). Greedy decoding with EOS ignored, so every answer has exactly its
 max_tokens and the three policies should produce the same tokens; the report counts the
@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import dated_stem, machine_facts, write_report
-from bench.workloads import (
+from bench.lib.report import dated_stem, machine_facts, write_report
+from bench.lib.workloads import (
     MultiTurnWorkload,
     Turn,
     demo_adapter_pool,

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from bench import report
+from bench.lib import report
 
 
 @dataclasses.dataclass(frozen=True)

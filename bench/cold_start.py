@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.report import machine_facts, write_report
+from bench.lib.report import machine_facts, write_report
 from configs import EngineConfig
 from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters

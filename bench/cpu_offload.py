@@ -500,7 +500,7 @@ def main() -> None:
     args = parser.parse_args()
     # bench.report imports jax; imported here so spawned workers (which re-import this
     # module as __mp_main__) never load it.
-    from bench.report import machine_facts
+    from bench.lib.report import machine_facts
 
     facts = {
         **machine_facts(),

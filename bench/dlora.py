@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import dated_stem, machine_facts, write_report
-from bench.workloads import Workload, demo_adapter_pool, poisson_workload
+from bench.lib.report import dated_stem, machine_facts, write_report
+from bench.lib.workloads import Workload, demo_adapter_pool, poisson_workload
 from configs import EngineConfig
 from jlora.adapters.peft import make_demo_adapters
 from jlora.device.llama_engine import build_engine

@@ -12,9 +12,9 @@ measured), and in front of them one `jlora router` with `--policy random --seed 
 started twice against the same workers: first `--migration off`, then `--migration on`
 (a check every `Plan.period_s` seconds; a worker where a request has waited
 `Plan.queue_delay_s` seconds for its first token is overloaded). The same seeded
-workload is replayed open loop through the router's gRPC API (`bench.serve`) each
-time, and the random policy, with the same seed and the same arrivals, makes the same
-first placements.
+workload is replayed open loop through the router's gRPC API (`bench.lib.harness`)
+each time, and the random policy, with the same seed and the same arrivals, makes the
+same first placements.
 
 Why there is an imbalance: dLoRA §5.2 — a dispatcher cannot know how long a request
 will generate, so requests with long outputs pile up on some replicas while others
@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.processes import ROOT, ServerProcess, scrape
-from bench.report import dated_stem, machine_facts, write_report
-from bench.serve import run, summarize
-from bench.workloads import (
+from bench.lib.harness import run, summarize
+from bench.lib.processes import ROOT, ServerProcess, scrape
+from bench.lib.report import dated_stem, machine_facts, write_report
+from bench.lib.workloads import (
     TextTokenizer,
     Workload,
     demo_adapter_pool,

@@ -63,7 +63,7 @@ from jax import lax
 
 import pallas_kernels.bgmv.kernel as bgmv_kernel
 import pallas_kernels.mbgmv.kernel as mbgmv_kernel
-from bench import report
+from bench.lib import report
 from configs import load_preset
 from pallas_kernels import common
 from pallas_kernels.bgmv import bgmv

@@ -38,8 +38,8 @@ import time
 
 import numpy as np
 
-from bench import report
-from bench.workloads import read_trace
+from bench.lib import report
+from bench.lib.workloads import read_trace
 from configs import EngineConfig
 from jlora.device.llama_engine import build_engine
 from jlora.engine.api import Request, SamplingParams

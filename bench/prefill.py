@@ -7,7 +7,7 @@ then holds up to 8 x 512 tokens).
 
 One process, SmolLM2-135M-Instruct fp32, the device engine alone (`LlamaEngine`, no
 orchestrator, so only the prefill is timed): N = 64 prompts of 16-64 tokens (seeded
-uniform lengths; real text, as `bench.timing` makes it, each prompt starting
+uniform lengths; real text, as `bench.lib.timing` makes it, each prompt starting
 elsewhere in the passage), greedy, each into blocks of its own. Two scenarios, each
 on an engine of its own: the base model, and LoRA (the reference backend, K = 4 demo
 adapters of rank 16 on all 7 projections, loaded beforehand, prompts round-robin over
@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.report import machine_facts
-from bench.timing import Measurement, compare, make_prompts, write_report
+from bench.lib.report import machine_facts
+from bench.lib.timing import Measurement, compare, make_prompts, write_report
 from configs import EngineConfig, bucket
 from configs.engine import DTYPES
 from jlora.adapters.peft import make_demo_adapters

@@ -4,7 +4,7 @@ transformers + PEFT serving the same mixed-adapter requests.
 Run: `python -m bench.replay [--quick]` (`make bench-replay`; about 10 minutes on two
 cores, `--quick` about 4). Writes `bench/results/<date>-cpu-replay.md` and `.json`.
 
-Workload (`bench.workloads.azure_workload`): the first `requests` requests of the code
+Workload (`bench.lib.workloads.azure_workload`): the first `requests` requests of the code
 trace, every one queued at once (an offline batch, as vLLM's throughput benchmark: the
 arrival times are dropped), prompts = the trace's lengths x `prompt_scale` clipped to
 `prompt_tokens`, outputs = its lengths clipped to `output_tokens` (scaled to fit a
@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.workloads import Workload, azure_workload, demo_adapter_pool, load_tokenizer
+from bench.lib import report
+from bench.lib.workloads import Workload, azure_workload, demo_adapter_pool, load_tokenizer
 from configs import EngineConfig, load_preset
 
 BASELINE = "hf-peft"

@@ -9,7 +9,7 @@ device holds and that the sharded steps run, not a speed-up.
 Per preset and scheme (`follow-base`, `fully-sharded`): one engine with `adapters`
 distinct rank-R adapters on all seven projections, loaded and pinned (`cached`), and
 B prompts of L tokens, each row on an adapter; decode tokens/s (N greedy tokens, the
-median over repetitions, timed as in `bench.timing`), and the bytes of the
+median over repetitions, timed as in `bench.lib.timing`), and the bytes of the
 parameters, the KV cache and the adapter slots on the busiest device.
 """
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, facts = run(plan)
     print(render(plan, rows, facts))
     if args.json:
-        from bench.report import write_report
+        from bench.lib.report import write_report
 
         write_report(args.json, facts, plan, rows)
 
@@ -79,8 +79,8 @@ def run(plan: Plan) -> tuple[list[dict], dict]:
     import jax
     import numpy as np
 
-    from bench.report import machine_facts
-    from bench.timing import compare, jlora_decode
+    from bench.lib.report import machine_facts
+    from bench.lib.timing import compare, jlora_decode
     from configs import EngineConfig, load_sharding
     from jlora.adapters.peft import make_demo_adapters
     from jlora.device.llama_engine import LlamaEngine, build_engine

@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.cluster import (
+from bench.lib.cluster import (
     LINK_GBPS,
     InstanceConfig,
     Request,
@@ -89,8 +89,8 @@ from bench.cluster import (
     make_workload,
     simulate,
 )
-from bench.report import dated_stem
-from bench.workloads import DATA_DIR
+from bench.lib.report import dated_stem
+from bench.lib.workloads import DATA_DIR
 from router.app import SLO_TIMES_BASE, build_policy
 from router.perf_model import PerfModel, PerfProfile
 from router.policies import POLICIES, Policy
@@ -248,7 +248,7 @@ def plot(
     scenario: Scenario, runs: Sequence[Run], out_dir: Path, stem: str, cdf_rate: float
 ) -> list[Path]:
     """SLO attainment against rate (one line per policy) and the TPT CDF at `cdf_rate`."""
-    from bench.plots import cdf_plot, plt  # matplotlib only when plotting
+    from bench.lib.plots import cdf_plot, plt  # matplotlib only when plotting
 
     slo = slo_ms(scenario.profile)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)

@@ -52,8 +52,8 @@ import grpc
 import numpy as np
 import openai
 
-from bench.processes import ROOT, ServerProcess, scrape
-from bench.report import dated_stem, machine_facts, write_report
+from bench.lib.processes import ROOT, ServerProcess, scrape
+from bench.lib.report import dated_stem, machine_facts, write_report
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
@@ -127,7 +127,7 @@ class Up(ServerProcess):
         listening = _listening_ports()  # socket inode -> port
         pids = {}
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or _parent(int(entry.name)) != self.process.pid:
+            if not entry.name.isdigit() or _parent(int(entry.name)) != self.pid:
                 continue
             with contextlib.suppress(OSError):
                 for fd in (entry / "fd").iterdir():
@@ -308,7 +308,7 @@ class Soak:
 
     def sample(self, phase: str) -> None:
         row: dict[str, Any] = {"t": time.monotonic(), "phase": phase, "shm": _shm_entries()}
-        pids = {"up": self.up.process.pid}
+        pids = {"up": self.up.pid}
         pids.update((f"worker{i}", pid) for i, pid in self.up.worker_pids().items())
         for name, pid in pids.items():
             row[f"{name}_pid"] = pid

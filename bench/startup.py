@@ -247,7 +247,7 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def render(facts: dict, plan: Plan, result: dict[str, Any]) -> str:
-    from bench import report  # not at the top: a child times its own imports of jax
+    from bench.lib import report  # not at the top: a child times its own imports of jax
 
     command, phases, loading = result["command"], result["phases"], result["loading"]
     lines = [
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup, cache, plan_json = args.child
         print(json.dumps(child(warmup, cache, Plan(**json.loads(plan_json)))))
         return
-    from bench import report
+    from bench.lib import report
 
     plan = QUICK if args.quick else Plan()
     facts = report.machine_facts()

@@ -60,9 +60,9 @@ from typing import Any
 import jax
 from jax.profiler import ProfileData
 
-from bench.lora_decode import SLOT_TARGETS, Plan, System, make_engine, spread
-from bench.report import machine_facts, write_report
-from bench.timing import jlora_decode, make_prompts
+from bench.lib.engines import SLOT_TARGETS, Plan, System, make_engine, spread
+from bench.lib.report import machine_facts, write_report
+from bench.lib.timing import jlora_decode, make_prompts
 from jlora.adapters.peft import make_demo_adapters
 from jlora.cli.common import names_from, target_list
 from jlora.device.steps import CompiledSteps

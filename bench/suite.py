@@ -5,16 +5,16 @@
 
 1. Adapters: `Plan.adapters` demo PEFT adapters of mixed ranks (`make_demo_adapters`, the
    same files for every system) in a temporary directory.
-2. The workload (`bench.workloads`): a window of the Azure 2023 code trace, its real
-   inter-arrival times stretched by `Plan.rate_scale` and its real prompt and output
-   lengths scaled and clipped to fit a 2-core CPU; adapters drawn from a seeded Zipf
-   popularity with a share of base-model requests. Saved as JSONL beside the results,
-   so the run can be repeated as is (`python -m bench.serve --workload ...`).
+2. The workload (`bench.lib.workloads`): a window of the Azure 2023 code trace, its
+   real inter-arrival times stretched by `Plan.rate_scale` and its real prompt and
+   output lengths scaled and clipped to fit a 2-core CPU; adapters drawn from a seeded
+   Zipf popularity with a share of base-model requests. Saved as JSONL beside the
+   results, so the run can be repeated as is (`python -m bench.serve --workload ...`).
 3. Each system in turn, alone on the machine: started as a user starts it (`jlora up`
    with the system's flags, or the PyTorch baseline's server), warmed up with a few
    base-model requests (compilation and first-touch are not what is measured), then
-   driven open-loop over its OpenAI-compatible HTTP API by `bench.serve` — the same
-   client, the same requests, the same schedule — and stopped. A model without a
+   driven open-loop over its OpenAI-compatible HTTP API by `bench.lib.harness` — the
+   same client, the same requests, the same schedule — and stopped. A model without a
    tokenizer (`--gpu`: Llama-2-7B shapes, random weights) gets a workload of
    `WordTokenizer` words, sent as token ids over jlora's gRPC API instead.
 4. One table (throughput, TTFT, time per output token, end-to-end latency; ratios to
@@ -46,11 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.plots import cdf_plot
-from bench.processes import ROOT, ServerProcess
-from bench.report import dated_stem, machine_facts
-from bench.serve import run, summarize
-from bench.workloads import (
+from bench.lib.harness import run, summarize
+from bench.lib.plots import cdf_plot
+from bench.lib.processes import ROOT, ServerProcess
+from bench.lib.report import dated_stem, machine_facts
+from bench.lib.workloads import (
     WordTokenizer,
     Workload,
     azure_workload,

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 import transformers
 
-from bench import report
 from bench.baselines import hf_model
-from bench.timing import Measurement, compare, jlora_decode, make_prompts, write_report
+from bench.lib import report
+from bench.lib.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs import EngineConfig, load_preset
 from jlora.device.llama_engine import build_engine
 from jlora.engine.api import Request, SamplingParams

@@ -239,7 +239,7 @@ def hlo(model: str, preset: str, scheme: str) -> dict:
             model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config
         )
         try:
-            state, weights = engine.state, None if engine.lora is None else engine.lora.weights
+            state, weights = engine.rows.state, None if engine.lora is None else engine.lora.weights
             text = (
                 engine.steps._decode_jit.lower(
                     engine.params,

@@ -22,7 +22,7 @@ from bench.cache import (
     mismatches,
     render,
 )
-from bench.workloads import Turn, WordTokenizer, demo_adapter_pool, multiturn_workload
+from bench.lib.workloads import Turn, WordTokenizer, demo_adapter_pool, multiturn_workload
 from configs import load_preset
 from jlora.engine.mock import MockEngine, mock_adapter_dir
 from jlora.engine.orchestrator import Orchestrator

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from bench.dlora_migration import COUNTERS, QUICK, SYSTEMS, Plan, make_workload, render
-from bench.processes import parse_counters
-from bench.workloads import WordTokenizer
+from bench.lib.processes import parse_counters
+from bench.lib.workloads import WordTokenizer
 from tests.bench_helpers import FACTS
 
 

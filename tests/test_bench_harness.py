@@ -14,8 +14,9 @@ import socket
 
 import pytest
 
-from bench.serve import RequestFailed, RequestRecord, main, run, summarize
-from bench.workloads import WordTokenizer, Workload, WorkloadRequest
+from bench.lib.harness import RequestFailed, RequestRecord, run, summarize
+from bench.lib.workloads import WordTokenizer, Workload, WorkloadRequest
+from bench.serve import main
 from jlora.engine.mock import mock_engine
 from router.app import start_router
 from tests.test_openai_http import Deployment, expected_text

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from bench import lora_decode
-from bench.lora_decode import Plan, System
+from bench.lib.engines import Plan, System, lora_targets
 from configs.engine import LORA_TARGETS
 
 
@@ -43,8 +43,8 @@ def test_each_engine_runs_once_per_slot_targets_and_all_seven_is_tagged():
 
 def test_slots_cover_the_adapters_targets_unless_all_are_asked_for():
     plan = Plan(targets=("q_proj", "v_proj"))
-    assert lora_decode.lora_targets(plan, "adapters") == ("q_proj", "v_proj")
-    assert lora_decode.lora_targets(plan, "all") == LORA_TARGETS == Plan().targets
+    assert lora_targets(plan, "adapters") == ("q_proj", "v_proj")
+    assert lora_targets(plan, "all") == LORA_TARGETS == Plan().targets
 
 
 def test_unknown_slot_targets_are_refused_naming_the_flag(capsys):
@@ -76,7 +76,7 @@ def test_names_from_keeps_the_order_given_and_lists_the_choices_when_one_is_unkn
 
 
 def test_the_benches_of_jlora_against_itself_need_no_torch():
-    """bench.timing holds what they share with bench.throughput, which imports torch:
+    """bench.lib.timing holds what they share with bench.throughput, which imports torch:
     these benches run where only jlora's own dependencies are installed."""
     modules = ["bench.lora_decode", "bench.prefill", "bench.step_profile", "bench.sharding"]
     code = (

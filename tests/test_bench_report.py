@@ -6,7 +6,7 @@ import dataclasses
 import datetime
 import json
 
-from bench.report import dated_stem, save_cpu_results
+from bench.lib.report import dated_stem, save_cpu_results
 
 
 def test_a_second_run_of_the_day_gets_the_next_free_name(tmp_path):

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from bench.workloads import (
+from bench.lib.workloads import (
     DATA_DIR,
     REQUEST_KEYS,
     PromptSynthesizer,
@@ -26,12 +26,12 @@ from bench.workloads import (
     azure_workload,
     demo_adapter_pool,
     load_tokenizer,
-    main,
     multiturn_workload,
     poisson_workload,
     synth_prompt,
     zipf_weights,
 )
+from bench.workloads import main
 from configs import load_preset
 from jlora.adapters.peft import make_demo_adapters
 from jlora.contract.peft import read_adapter_config

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
-import queue
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,12 +21,12 @@ import torch
 
 from bench.baselines.hf_engine import BASE_ROW
 from bench.baselines.hf_server import LISTENING
+from bench.lib.processes import ServerProcess
 from configs import load_preset
 from jlora.adapters.peft import make_demo_adapters
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
 ADAPTERS = ["demo-00-r8", "demo-01-r16"]
 # (model, prompt): one batch; different prompt lengths (4, 13 and 8 tokens).
@@ -42,47 +39,24 @@ NEW_TOKENS = 16
 START_TIMEOUT_S = 300.0
 
 
-class _Server:
-    """`python -m bench.baselines.hf_server` started at once; `url` waits for its line."""
+class _Server(ServerProcess):
+    """`python -m bench.baselines.hf_server` started at once, its stderr in a file; `url`
+    waits for its line on stdout (START_TIMEOUT_S from the first call)."""
 
     def __init__(self, adapters_dir: Path, log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "bench.baselines.hf_server", "--model", MODEL,
              "--adapters-dir", str(adapters_dir), "--port", "0", "--max-batch", "4",
              "--threads", "1"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            LISTENING, stdout="log", stderr=log_path, session=False,
+            start_timeout_s=START_TIMEOUT_S, wait=False,
         )  # fmt: skip
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._url: str | None = None
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
 
     def url(self) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self._url is None:
-            assert self.process.poll() is None, self.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "hf_server did not start"
-            try:
-                match = LISTENING.search(self._lines.get(timeout=0.5))
-            except queue.Empty:
-                continue
-            self._url = match.group(1) if match else None
-        return self._url
+        return self.wait_ready().groups[0]
 
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
+    def stop(self, timeout: float = 30.0, *, group: bool = False) -> int:
+        return super().stop(timeout, group=group)
 
 
 @pytest.fixture(scope="module")

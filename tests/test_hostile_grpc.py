@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -30,6 +27,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
+from bench.lib.processes import ServerProcess
 from configs import load_preset
 from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
 from jlora.api import SERVICE_NAME
@@ -368,25 +366,18 @@ def test_jlora_router_on_a_taken_port_exits_2_naming_it(deployment, tmp_path):
 # -- 9: a truncated adapter in `jlora serve --adapters-dir` ------------------------------
 
 
-class ServeProcess:
-    """A `jlora serve` process on cpu-tiny, its stderr in a file."""
+class ServeProcess(ServerProcess):
+    """A `jlora serve` process on cpu-tiny, its stderr in a file (`output()`)."""
 
     def __init__(self, tmp: Path, *flags: str) -> None:
-        self.port_file = tmp / "port"
-        self.log = tmp / "serve.stderr"
-        with self.log.open("w") as stderr:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny",
-                 "--port", "0", "--port-file", str(self.port_file), "--max-seq-len", "32",
-                 "--max-slots", "2", "--max-lora-rank", "8", "--warmup", "on-demand", *flags],
-                cwd=ROOT, stderr=stderr, text=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 300
-        while not self.port_file.exists() or not self.port_file.read_text().strip():
-            assert self.process.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "jlora serve did not start"
-            time.sleep(0.1)
-        self.port = int(self.port_file.read_text())
+        port_file = tmp / "port"
+        super().__init__(
+            [sys.executable, "-m", "jlora.cli.main", "serve", "--model", "cpu-tiny",
+             "--port", "0", "--port-file", str(port_file), "--max-seq-len", "32",
+             "--max-slots", "2", "--max-lora-rank", "8", "--warmup", "on-demand", *flags],
+            port_file=port_file, stdout="inherit", stderr=tmp / "serve.stderr",
+            session=False, start_timeout_s=300,
+        )  # fmt: skip
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.JloraStub(self.channel)
 
@@ -398,15 +389,9 @@ class ServeProcess:
         )
         return token_ids(list(self.stub.Generate(message, timeout=60)))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0, *, group: bool = False) -> int:
         self.channel.close()
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        return super().stop(timeout, group=group)
 
 
 def test_jlora_serve_leaves_out_bad_adapters_of_its_dir_and_serves_the_rest(tmp_path):
@@ -434,7 +419,7 @@ def test_jlora_serve_leaves_out_bad_adapters_of_its_dir_and_serves_the_rest(tmp_
     try:
         names = [a.name for a in worker.stub.ListAdapters(pb.ListAdaptersRequest()).adapters]
         assert names == [good.name]
-        log = worker.log.read_text()
+        log = worker.output()
         assert f"adapter {broken.name!r} is not served: " in log and "safetensors" in log
         assert "adapter 'leak' is not served: " in log and "outside the adapters directory" in log
         assert "adapter 'registered' is not served: " in log and "f" * 64 in log

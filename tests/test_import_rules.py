@@ -1,4 +1,12 @@
-"""The import rules of DESIGN.md, enforced on the source tree and in a fresh interpreter."""
+"""The import rules of DESIGN.md and docs/architecture.md, enforced on the source tree and
+in a fresh interpreter.
+
+The layers, each importing only those below it: `jlora.contract` (shared with the
+router) -> `jlora.engine` (the host side: requests, scheduling, memory bookkeeping) and
+`jlora.adapters` (adapters as files and in host memory) -> `jlora.model` (the JAX model,
+its LoRA backends, its CPU host kernels) -> `jlora.device` (the JAX device engine) ->
+`jlora.server` and `jlora.cli`.
+"""
 
 from __future__ import annotations
 
@@ -68,6 +76,51 @@ def test_router_and_worker_share_only_the_contract():
     assert worker == []
 
 
+def _within(package: str, allowed: tuple[str, ...]) -> list[str]:
+    """The absolute imports of project packages in `package` outside `allowed` (prefixes
+    of dotted names)."""
+    project = ("jlora", "cpu_offload", "pallas_kernels", "router", "bench", "tests")
+    return [
+        f"{p.relative_to(ROOT)}:{line} imports {module}"
+        for p, line, module in _imports(package, full=True)
+        if module.split(".")[0] in project and not module.startswith(allowed)
+    ]
+
+
+def test_the_engine_is_the_host_side():
+    """jlora.engine imports neither jax nor numba, and from the project only itself, the
+    contract and the link throttle: the device engine is an interface to it."""
+    heavy = {"jax", "jaxlib", "flax", "numba", "pallas_kernels", "cpu_offload", "torch"}
+    assert _violations("jlora/engine", lambda m: m not in heavy) == []
+    assert _within("jlora/engine", ("jlora.engine", "jlora.contract", "jlora.link")) == []
+
+
+def test_the_contract_imports_nothing_of_the_worker():
+    """What the router and the worker share imports only itself and the API stubs."""
+    assert _within("jlora/contract", ("jlora.contract", "jlora.api")) == []
+    assert _violations("jlora/contract", lambda m: m not in {"jax", "numpy", "numba"}) == []
+
+
+def test_the_model_imports_only_the_kernel_helpers_of_cpu_offload():
+    """jlora.model knows no engine, server or adapter files: it imports itself, the
+    tokenizer it loads, and from cpu_offload only the compiled helpers it shares."""
+    allowed = ("jlora.model", "jlora.tokenizer", "cpu_offload.kernels", "pallas_kernels")
+    assert _within("jlora/model", allowed) == []
+
+
+def test_adapters_in_host_memory_need_no_jax():
+    assert _violations("jlora/adapters", lambda m: m not in {"jax", "flax", "numba"}) == []
+    allowed = ("jlora.adapters", "jlora.contract", "jlora.model.lora.targets")
+    assert _within("jlora/adapters", allowed) == []
+
+
+def test_the_rule_checks_see_the_imports():
+    """The layer rules above would pass vacuously if the scanner missed dotted imports."""
+    found = {module for _, _, module in _imports("jlora/device", full=True)}
+    assert {"jlora.engine.device_api", "jlora.model.llama", "cpu_offload"} <= found
+    assert _within("jlora/device", ("jlora.engine",)) != []
+
+
 def test_pallas_kernels_import_only_jax_and_numpy():
     allowed = STDLIB | {"jax", "jaxlib", "numpy", "pallas_kernels"}
     assert _violations("pallas_kernels", lambda m: m in allowed) == []
@@ -91,6 +144,11 @@ def test_the_scanner_sees_imports(tmp_path):
         ("jlora, jlora.cli.main, jlora.engine.api, configs, router, cpu_offload", "jax flax torch"),
         # A client, or a server test with the mock engine, never pays for jax.
         ("jlora.api, jlora.server, jlora.engine.mock", "jax flax torch"),
+        # The host side of the engine: scheduling, memory, adapters as files.
+        (
+            "jlora.engine.orchestrator, jlora.engine.scheduler, jlora.adapters.peft",
+            "jax flax numba torch",
+        ),
         # The router runs on a small CPU box: gRPC, HTTP and the registry need no jax.
         ("router.app, router.http, jlora.cli.router", "jax flax torch numba"),
         # The contract both sides import: no jax, no numba.

@@ -7,7 +7,6 @@ text is known exactly from `mock_completion`.
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -16,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.lib.processes import wait_for
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
@@ -93,13 +93,6 @@ def deployment():
     deployment = Deployment(poll_interval=0.1)
     yield deployment
     deployment.close()
-
-
-def wait_for(condition, timeout: float = 10, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 # -- the openai client -------------------------------------------------------------------

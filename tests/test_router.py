@@ -22,6 +22,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.lib.processes import ServerProcess, wait_for
 from configs import load_preset
 from jlora.adapters.peft import WEIGHTS_FILE, make_demo_adapters
 from jlora.api import jlora_pb2 as pb
@@ -49,33 +50,30 @@ server.stop_on_signals(grace=10)
 print(server.port, server.metrics_port, flush=True)
 server.wait()
 """
+WORKER_PORTS = re.compile(r"^(\d+) (\d+)$")  # WORKER_SCRIPT's one line on stdout
 
 
-class WorkerProcess:
-    """A MockEngine worker in its own process (`jlora.server.serve`)."""
+class WorkerProcess(ServerProcess):
+    """A MockEngine worker in its own process (`jlora.server.serve`); `kill()` SIGKILLs it."""
 
     def __init__(self, *, port: int = 0, adapters_dir: Path | None = None, **engine) -> None:
         options = {"engine": engine, "port": port, "metrics_port": 0, "max_queue": 16}
         if adapters_dir is not None:
             options["adapters_dir"] = str(adapters_dir)
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-c", WORKER_SCRIPT, json.dumps(options)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
+            WORKER_PORTS,
+            stdout="log",
+            stderr="inherit",
+            session=False,
+            start_timeout_s=600,
         )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, "the worker process did not start"
-        self.port, self.metrics_port = map(int, line.split())
+        assert WORKER_PORTS.search(self.log[0]), self.log  # its first line, as printed
+        self.port, self.metrics_port = map(int, self.groups)
         self.address = f"127.0.0.1:{self.port}"
 
     def metric(self, name: str, **labels) -> float:
         return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics", name, **labels)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
 
 
 def scrape(url: str, name: str, **labels) -> float:
@@ -135,13 +133,6 @@ def workers():
 
 def stub_for(address: str) -> pb_grpc.JloraStub:
     return pb_grpc.JloraStub(grpc.insecure_channel(address))
-
-
-def wait_for(condition, timeout: float = 10, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def running_ids(address: str) -> set[str]:
@@ -582,32 +573,34 @@ def test_registering_needs_an_adapters_dir(workers, routers):
 # -- drain ----------------------------------------------------------------------------
 
 
+ROUTER_LISTENING = re.compile(r"gRPC on (\S+), OpenAI HTTP on http://\S+:(\d+)/v1")
+
+
 def test_sigterm_drains_the_router_process(processes):
     worker = processes(step_latency=0.01)
-    router = subprocess.Popen(
+    router = ServerProcess(
         [sys.executable, "-m", "jlora.cli.router", "--workers", worker.address]
         + ["--port", "0", "--http-port", "0", "--registry", ":memory:"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
+        ROUTER_LISTENING,
+        stdout="inherit",
+        stderr="log",
+        session=False,
+        start_timeout_s=600,
     )
     try:
-        assert router.stderr is not None
-        line = router.stderr.readline()
-        match = re.search(r"gRPC on (\S+), OpenAI HTTP on http://\S+:(\d+)/v1", line)
-        assert match, line
-        stub = stub_for(match.group(1))
+        first_line = router.log[0]
+        assert ROUTER_LISTENING.search(first_line), router.log
+        stub = stub_for(router.groups[0])
         call = stub.Generate(request(ids=[1], max_tokens=80))
         first = next(call)
-        router.send_signal(signal.SIGTERM)
+        router.process.send_signal(signal.SIGTERM)
         wait_for(lambda: _refused(stub) == Code.UNAVAILABLE, timeout=5, what="new calls refused")
         rest = list(call)
         assert token_ids([first, *rest]) == mock_completion([1], None, 80, VOCAB)
         assert router.wait(timeout=10) == 0
-        assert "drained" in router.stderr.read()
+        assert "drained" in router.output().removeprefix(first_line)
     finally:
         router.kill()
-        router.wait()
 
 
 def _refused(stub: pb_grpc.JloraStub) -> Code | None:

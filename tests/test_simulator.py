@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import router.app
-from bench import cluster, simulator
-from bench.cluster import InstanceConfig, Request, RunResult, simulate
+from bench import simulator
+from bench.lib import cluster
+from bench.lib.cluster import InstanceConfig, Request, RunResult, simulate
 from router.perf_model import PerfModel, PerfProfile, rank_feature
 from router.policies import (
     POLICIES,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -30,6 +31,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.lib.processes import ROOT, ServerProcess
+from bench.lib.processes import wait_for as wait_for_each
 from jlora.adapters.peft import make_demo_adapters
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
@@ -40,7 +43,7 @@ from jlora.engine.mock import MockTokenizer, mock_engine
 from jlora.server import serve
 from router.workers import WorkerPool
 from tests.test_server import request
-from tests.test_up import ROOT, Up, _generate
+from tests.test_up import Up, _generate
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROBE_TIMEOUT = 1.0  # the router's default poll_timeout
@@ -106,13 +109,8 @@ def listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until `condition()` held."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
+# Every 50 ms: the conditions here scan /proc or make a call, beside what they time.
+wait_for = functools.partial(wait_for_each, interval=0.05)
 
 
 # -- supervision under `jlora up` --------------------------------------------------------
@@ -136,7 +134,7 @@ def test_a_sigkilled_worker_comes_back_on_its_port_with_its_adapters(tmp_path):
         prompts = [([3, 1, 4, 1, 5], name) for name in ("", demo.name, "late")]
         before = [_generate(up.grpc, ids, adapter) for ids, adapter in prompts]
         assert len({tuple(tokens) for tokens in before}) == 3  # each adapter matters
-        (victim,) = serve_pids(up.process.pid)
+        (victim,) = serve_pids(up.pid)
         os.kill(victim, signal.SIGKILL)
 
         def served() -> bool:
@@ -147,7 +145,7 @@ def test_a_sigkilled_worker_comes_back_on_its_port_with_its_adapters(tmp_path):
 
         back = wait_for(served, 180, "the restarted worker to serve through the router")
         print(f"worker SIGKILLed, serving again through the router after {back:.1f} s")
-        (restarted,) = serve_pids(up.process.pid)
+        (restarted,) = serve_pids(up.pid)
         assert restarted != victim
         assert "exited: process 0 killed by SIGKILL; restarting it in 1 s" in "".join(up.log)
         # The port it had; said once `jlora up` reads it, which may follow the router's
@@ -168,16 +166,15 @@ def test_a_sigkilled_up_leaves_no_process_listener_segment_or_temp_file(tmp_path
     monkeypatch.setenv("TMPDIR", str(temp))
     up = Up(tmp_path / "state", "--model", "cpu-tiny", "--workers", "2", "--max-seq-len", "64",
             "--max-slots", "4")  # fmt: skip
-    processes = descendants(up.process.pid)
-    assert len(serve_pids(up.process.pid)) == 2
+    processes = descendants(up.pid)
+    assert len(serve_pids(up.pid)) == 2
     segments = shm_segments(processes)
     assert segments, "the workers' host stores live in /dev/shm"
     ports = [int(address.rpartition(":")[2]) for address in (up.grpc, *up.workers)]
     ports.append(int(up.http.rpartition(":")[2].split("/")[0]))
     assert all(listening(port) for port in ports)
 
-    up.process.kill()
-    up.process.wait()
+    up.kill()  # the leader alone: its workers must follow it by themselves
     try:
         gone = wait_for(
             lambda: not any(alive(pid) for pid in processes), 30, "every worker process to exit"
@@ -474,24 +471,24 @@ def test_a_worker_tokenizing_a_long_prompt_answers_its_probes():
         server.stop(grace=0)
 
 
-class ServeProcess:
+class ServeProcess(ServerProcess):
     """A `jlora serve` process; `.address` once it listens."""
 
     def __init__(self, tmp_path: Path, *args: str) -> None:
         port_file = tmp_path / "port"
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "jlora.cli.main", "serve", "--port", "0",
              "--port-file", str(port_file), *args],
-            cwd=ROOT,
+            port_file=port_file, stdout="inherit", stderr="inherit", session=False,
+            start_timeout_s=600,
         )  # fmt: skip
-        wait_for(lambda: port_file.exists() or self.process.poll() is not None, 600, "the worker")
-        assert self.process.poll() is None, "the worker exited"
-        time.sleep(0.1)
-        self.address = f"127.0.0.1:{int(port_file.read_text())}"
+        self.address = f"127.0.0.1:{self.port}"
 
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(60)
+    def stop(self, timeout: float = 60.0, *, group: bool = False) -> int:
+        """SIGTERM; a worker still running `timeout` s later fails the test (SIGKILLed)."""
+        code = super().stop(timeout, group=group)
+        assert code != -signal.SIGKILL, f"jlora serve did not exit within {timeout:g} s of SIGTERM"
+        return code
 
 
 @pytest.mark.serial

@@ -8,62 +8,37 @@ an API key (401 without it).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
 
+from bench.lib.processes import ServerProcess
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-class Up:
-    """A `jlora up` process; `.grpc` and `.http` are where its router listens. Its workers
-    compile what the test's requests need, when they need it (`--warmup on-demand`)."""
+class Up(ServerProcess):
+    """A `jlora up` process, its stderr in `log`; `.grpc` and `.http` are where its router
+    listens. Its workers compile what the test's requests need, when they need it
+    (`--warmup on-demand`)."""
 
     def __init__(self, state_dir: Path, *args: str) -> None:
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "jlora.cli.main", "up", "--port", "0", "--http-port", "0",
              "--state-dir", str(state_dir), "--warmup", "on-demand", *args],
-            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            LISTENING, stdout="inherit", stderr="log", start_timeout_s=600,
         )  # fmt: skip
-        self.log: list[str] = []
-        found = threading.Event()
-        self.grpc = self.http = ""
-        self.workers: list[str] = []
+        self.grpc, self.http, workers = self.groups
+        self.workers = workers.split(", ")
 
-        def read() -> None:
-            assert self.process.stderr is not None
-            for line in self.process.stderr:
-                self.log.append(line)
-                if match := LISTENING.search(line):
-                    self.grpc, self.http, workers = match.groups()
-                    self.workers = workers.split(", ")
-                    found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + 600
-        while not found.wait(0.2):
-            assert self.process.poll() is None, "".join(self.log)
-            assert time.monotonic() < deadline, "jlora up did not start:\n" + "".join(self.log)
-
-    def stop(self) -> int:
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            raise
+    def stop(self, timeout: float = 120.0, *, group: bool = True) -> int:
+        """SIGTERM to the whole process group at once (SIGKILL after `timeout` s)."""
+        return super().stop(timeout, group=group)
 
 
 def _generate(address: str, ids: list[int], adapter: str) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.processes import ROOT
+from bench.lib.processes import ROOT
 
 CACHE = Path(os.environ.get("JLORA_HF_CACHE", ROOT / ".cache" / "hf"))
 

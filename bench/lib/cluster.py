@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.workloads import DATA_DIR, read_trace, zipf_weights
+from bench.lib.workloads import DATA_DIR, read_trace, zipf_weights
 from router.perf_model import PerfProfile
 from router.policies import Policy, QueuedRequest, RouteRequest, WorkerStats
 

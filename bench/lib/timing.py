@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import report
+from bench.lib import report
 from jlora.engine.api import Request, SamplingParams
 from jlora.engine.orchestrator import Orchestrator
 from jlora.model.loading import LoadedModel

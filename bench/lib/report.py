@@ -62,7 +62,7 @@ def dated_stem(directory: Path, name: str) -> str:
     return stem
 
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def save_cpu_results(
