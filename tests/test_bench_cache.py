@@ -28,6 +28,8 @@ from jlora.engine.mock import MockEngine, mock_adapter_dir
 from jlora.engine.orchestrator import Orchestrator
 from tests.bench_helpers import FACTS
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 WORDS = WordTokenizer()
 POOL = demo_adapter_pool(2, (8, 16))
 

@@ -13,6 +13,8 @@ from bench.lib.processes import parse_counters
 from bench.lib.workloads import WordTokenizer
 from tests.bench_helpers import FACTS
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 
 def test_the_workload_has_bimodal_output_lengths_and_is_seeded():
     plan = dataclasses.replace(Plan(), requests=200)

@@ -11,6 +11,8 @@ import pytest
 
 from bench import suite
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 TINY = dataclasses.replace(
     suite.Plan(),
     model="cpu-tiny",

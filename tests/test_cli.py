@@ -27,6 +27,8 @@ from jlora.cli.main import build_parser
 from jlora.engine.api import SamplingParams
 from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 _SCRIPT = Path(sys.executable).with_name("jlora")
 JLORA = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "jlora.cli.main"]
 

@@ -25,7 +25,7 @@ from bench.lib.processes import ServerProcess
 from configs import load_preset
 from jlora.adapters.peft import make_demo_adapters
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MODEL = "smollm2-135m"
 ADAPTERS = ["demo-00-r8", "demo-01-r16"]

@@ -22,6 +22,8 @@ from router.policies import ResidentFirst
 from tests.test_router import router_metrics, scrape, stub_for, wait_for
 from tests.test_server import VOCAB, request
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 Code = grpc.StatusCode
 
 

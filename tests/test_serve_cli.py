@@ -23,6 +23,8 @@ from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.engine.api import SamplingParams
 from tests.engine_helpers import make_engine, run_to_completion
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 9, 2, 77, 31], [400, 3, 3, 12, 8, 9, 1, 250]]
 

@@ -212,6 +212,7 @@ def _assert_equal_tokens(result: dict, mode: str) -> None:
         assert result["sharded_assisted"] >= 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", TOKEN_CASES, ids=["-".join(case) for case in TOKEN_CASES])
 def test_sharded_tokens_equal_the_single_device_engines(tiny_checks, case):
     _assert_equal_tokens(tiny_checks[f"tokens:{':'.join(case)}"], case[4])
@@ -224,6 +225,7 @@ TRANSFER_CASES = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", TRANSFER_CASES, ids=["-".join(case) for case in TRANSFER_CASES])
 def test_an_adapter_crosses_to_the_mesh_rank_exact(tiny_checks, case):
     """The rank-12 adapter (bucket 16) of every target, under tp2: the mesh's transfer
@@ -268,6 +270,7 @@ SPLIT = {  # parameter -> the dim tp4 splits (None: replicated)
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("scheme", ["follow-base", "fully-sharded"])
 def test_each_device_holds_its_share(tiny_checks, scheme):
     result = tiny_checks[f"memory:cpu-tiny:tp4:{scheme}"]
@@ -294,6 +297,7 @@ def test_each_device_holds_its_share(tiny_checks, scheme):
             assert split if expect_split else whole, name
 
 
+@pytest.mark.e2e
 def test_follow_base_adds_no_collective_and_fully_sharded_exactly_its_own(tiny_checks):
     follow = tiny_checks["hlo:cpu-tiny:tp2:follow-base"]
     fully = tiny_checks["hlo:cpu-tiny:tp2:fully-sharded"]
@@ -317,6 +321,7 @@ def test_follow_base_adds_no_collective_and_fully_sharded_exactly_its_own(tiny_c
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("preset", ["tp2", "tp4"])
 def test_a_checkpoint_restores_straight_into_the_mesh(tiny_checks, preset):
     """`jlora convert` output read by each device's shards alone: the restored params
@@ -333,6 +338,7 @@ def test_a_checkpoint_restores_straight_into_the_mesh(tiny_checks, preset):
         assert entry["per_device"] == [share] * size, name
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_smollm2_tp3_tokens_equal_the_single_device_engines():
     """SmolLM2 on three devices: 9 heads and 3 KV heads, 3 per device and 1 per device."""
@@ -397,6 +403,7 @@ class ProcessGroup:
             process.wait()
 
 
+@pytest.mark.e2e
 @pytest.mark.serial
 def test_a_worker_over_two_processes_serves_behind_the_router(tiny, tmp_path):
     """Two processes, two devices each, one tp4 mesh behind `jlora router`: concurrent
@@ -498,6 +505,7 @@ def test_followers_let_go_of_their_kv_copies_when_the_leader_does():
     follower.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.serial
 def test_a_worker_over_two_processes_swaps_its_prefix_cache_to_host_memory(tiny, tmp_path):
     """Two processes, one tp4 mesh, a pool of six KV blocks: a second prompt pushes the

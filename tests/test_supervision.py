@@ -261,6 +261,8 @@ time.sleep(120)
 CHILD = """
 import sys, time
 import jlora.contract.lifetime as lifetime
+
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
 if {watch_only}:
     lifetime._set_parent_death_signal = lambda signum: None
 assert lifetime.die_with_parent()

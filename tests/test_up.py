@@ -21,6 +21,8 @@ from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 
 class Up(ServerProcess):
     """A `jlora up` process, its stderr in `log`; `.grpc` and `.http` are where its router
