@@ -24,8 +24,7 @@ KV_ALLOCATIONS = ("lazy", "upfront")  # the first is the default
 LAYER_LOOPS = ("auto", "scan", "unrolled")  # the first is the default
 # A prefill is split across two compiled calls on smaller buckets where that saves at
 # least this many padding tokens (the orchestrator's chunks, packed calls): about what a
-# call of its own costs on a 2-core CPU (37-40 ms against 1.3-1.45 ms a token;
-# bench/results/2026-11-25-cpu-packed-prefill.md).
+# call of its own costs (on a CPU a call's fixed cost is some 25-30 tokens' worth).
 SPLIT_TOKENS = 32
 
 
@@ -69,7 +68,8 @@ class EngineConfig:
     decode_row_buckets: compiled decode batch sizes (vLLM's CUDA-graph capture sizes):
       a decode step runs its live rows gathered into the smallest of these that holds
       them, so a batch that has drained to a few rows stops paying for max_slots (a
-      SmolLM2 step over 512 keys on 2 CPU cores: 217 ms at 32 rows, 84 at 8, 38 at 1).
+      SmolLM2 step over 512 keys on a CPU takes about 0.4x its 32-row time at 8 rows,
+      under 0.2x at 1).
       0-tuple: max_slots, then a quarter of it while that is at least 8 (32 slots: 8
       and 32); each size costs a compile per decode bucket at warm-up. Must end at
       max_slots.
@@ -153,11 +153,11 @@ class EngineConfig:
       `lax.scan`: one layer's code, compiled once), "unrolled" (a Python loop: each
       layer's code of its own, its weights static slices of the stack; longer compiles)
       or "auto" (unrolled on a GPU, a scan elsewhere). Inside a scan XLA:GPU copies each
-      layer's weights out of the stack before its matmuls read them: on an H200 a
-      Llama-2-7B decode step of 32 rows took 14.3 ms scanned and 7.5 ms unrolled
-      (bench/results/2026-11-28-h200-profile.md). The price is compile time: each
-      step holds every layer's code, and a 7B engine's full warm-up compiles for
-      minutes on a first start (the persistent compilation cache serves later ones).
+      layer's weights out of the stack before its matmuls read them: a Llama-2-7B
+      decode step of 32 rows takes nearly twice as long scanned as unrolled. The price
+      is compile time: each step holds every layer's code, and a 7B engine's full
+      warm-up compiles for minutes on a first start (the persistent compilation cache
+      serves later ones).
       On a CPU the scan reads each layer's weights in place through per-layer views
       (jlora/model/host/layer_views.py).
     sharding: the device mesh and placement rules (configs/sharding.py); None is one

@@ -76,7 +76,7 @@ SEGMENT_PREFIX = "jlora_cpu_"  # control segments: /dev/shm/jlora_cpu_<pid>_<ran
 LOCAL = -1  # Share.worker for rows computed in the calling process
 # `collect` spins this long before it sleeps: its caller (the device's host callback)
 # has nothing else to do, and a sleep overshoots by the timer slack (~50-100 µs), which
-# the old 50 µs spin paid on every product longer than that.
+# a spin of tens of microseconds would pay on every product longer than it.
 COLLECT_SPIN_S = 5e-3
 # A running worker takes its task within microseconds of the submit; one that has not
 # after this long is descheduled or asleep, and `collect` computes its rows itself.

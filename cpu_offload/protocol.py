@@ -116,11 +116,11 @@ ALIAS_PAD = 16  # floats (one cache line) added to an output row whose bytes are
 def out_stride(out_total: int) -> int:
     """Floats between two rows of an out_total-wide output in the output region.
 
-    OpenBLAS's sgemm wrote rows 4 KiB apart (SmolLM2's gate/up: 2 x 1536 floats) 1.7-2x
-    slower than rows a cache line further apart at ranks 1-4, where the product is
-    all stores (the rows alias in the cache; no difference from rank 16 on); measured
-    on this project's 2-core EPYC. PyTorch's output is contiguous, the host callback's
-    buffer too: only this region is padded, and `collect` copies row by row.
+    OpenBLAS's sgemm writes rows 4 KiB apart (SmolLM2's gate/up: 2 x 1536 floats) about
+    half as fast as rows a cache line further apart at ranks 1-4, where the product is
+    all stores (the rows alias in the cache; no difference from rank 16 on). PyTorch's
+    output is contiguous, the host callback's buffer too: only this region is padded,
+    and `collect` copies row by row.
     """
     return out_total + ALIAS_PAD if (4 * out_total) % 2048 == 0 else out_total
 

@@ -9,19 +9,18 @@ Both products are single-precision GEMMs of OpenBLAS (SciPy's, the library Numba
 own `np.dot` calls), made directly from the compiled function through its Fortran
 `sgemm` symbol, so that nothing is allocated but the tiny [rows, rank] product x·A and
 nothing is copied: the second product is written straight into the caller's output
-columns, whatever its row stride (BLAS's leading dimension), where `np.dot` wrote a
-temporary that was then copied into the strided columns. Measured on this project's
-2-core EPYC (bench/results/2026-11-25-cpu-offload.md): as fast as PyTorch's MKL
-`x @ A @ B` on one thread at ranks 16-64 (0.94-1.08x), 2-2.9x faster at rank 8 (where
-MKL takes a slow path), 1.1-1.9x faster than the `np.dot` version. Not taken, measured
-first: a fused Numba loop (x·A of a block of rows, then its ·B, with fastmath) ran
-2-5x slower than the two sgemm calls, and fusing saves little since x·A is only
-[rows, rank]; the transposed orientation of the two calls ran 1.1-1.4x slower.
+columns, whatever its row stride (BLAS's leading dimension), where `np.dot` writes a
+temporary that must then be copied into the strided columns. On one thread this is as
+fast as PyTorch's MKL `x @ A @ B` at ranks 16-64, two to three times as fast at rank 8
+(where MKL takes a slow path), and faster than the `np.dot` form. Rejected: a fused
+Numba loop (x·A of a block of rows, then its ·B, with fastmath) was several times
+slower than the two sgemm calls, and fusing saves little since x·A is only
+[rows, rank]; the transposed orientation of the two calls was slower too.
 OpenBLAS writes rows 4 KiB apart slowly at small ranks, which the pool avoids by
 padding its output rows (`protocol.out_stride`).
 
-`lora_task` runs every job of one worker's task in one compiled call (the pool's
-worker loop used to create numpy views and call the kernel once per job from Python).
+`lora_task` runs every job of one worker's task in one compiled call, not a Python loop
+that makes numpy views and calls the kernel once per job.
 
 The signatures are fixed, so the kernels are compiled (or loaded from Numba's on-disk
 cache: the BLAS symbol is resolved by name when the cached code is linked) once at
@@ -82,9 +81,10 @@ def one_blas_thread() -> bool:
     process, which computes a late worker's or a dead worker's share and the start-up
     profile, has already loaded OpenBLAS with a thread per core, and OpenBLAS's helper
     threads spin for about 0.1 s after every call, on the cores the workers and the
-    device's host threads need (measured: 0.11 CPU-seconds in the half second after
-    ten calls). SciPy's OpenBLAS is process-wide: nothing else in the engine's process
-    relies on its threads. Best effort: a SciPy on another BLAS is left as it is.
+    device's host threads need (ten calls leave about 0.1 CPU-seconds of spinning in
+    the next half second). SciPy's OpenBLAS is process-wide: nothing else in the
+    engine's process relies on its threads. Best effort: a SciPy on another BLAS is left
+    as it is.
     """
     setter = _openblas_function("set_num_threads")
     if setter is None:
@@ -98,10 +98,9 @@ def blas_core() -> str:
 
     OpenBLAS picks them for the CPU at load, unless OPENBLAS_CORETYPE names others: some
     machines set it to an older core for every process (older builds miscompute on
-    their CPUs), and the CPU LoRA kernel then runs at that core's speed (on a Zen 5,
-    Haswell's AVX2 kernels take about 1.6x as long as its own AVX-512 ones at rank 16:
-    bench/results/2026-11-28-cpu-offload-native.md). The engine leaves the environment
-    as it finds it; benchmarks record this."""
+    their CPUs), and the CPU LoRA kernel then runs at that core's speed (on an AVX-512
+    CPU, Haswell's AVX2 kernels take about 1.6x as long as its own at rank 16). The
+    engine leaves the environment as it finds it; benchmarks record this."""
     corename = _openblas_function("get_corename")
     if corename is None:
         return "unknown"
@@ -118,14 +117,12 @@ _NO_TRANSPOSE, _TRANSPOSE = 78, 84  # ord("N"), ord("T")
 # rows and short in the rest (x @ A: rank x in a row; xa @ B: out x rank), so they are
 # made in blocks of rows that each take that path (`rows_per_call`), of at most 256 KiB
 # of output: past that the path slows down (xa @ B at rank 8 into 1536 columns, 512
-# rows: 189 µs in blocks of 40 rows, 199 of 56, 280 of 64; 286 in one call). On the
-# Intel VM of 2026-11-29, one thread, 512 rows (median µs, one call -> blocks; torch's
-# MKL): x @ A 576 -> 16 101 -> 68 (77), 1536 -> 16 330 -> 231 (250), 576 -> 64 276 ->
-# 222 (228); xa @ B 64 -> 576 258 -> 210 (232), 16 -> 1536 320 -> 208 (213). Other
+# rows: blocks of 40 or 56 rows take about two thirds of one call's time, blocks of 64
+# about as long as one call). On one thread at 512 rows, each of SmolLM2's products in
+# blocks takes 0.65-0.8x its time in one call, as fast as torch's MKL or faster. Other
 # cores have no such path: with OPENBLAS_CORETYPE=Haswell every block size was slower
-# than one call (16 -> 1536 in 32-row blocks: 380 -> 496 µs), so there each product is
-# one call. (The 192 KiB output blocks this replaces sped up the SkylakeX shapes they
-# met for this reason, not the one their comment gave.)
+# than one call (by about a third for 16 -> 1536 in 32-row blocks), so there each
+# product is one call.
 SMALL_PRODUCT_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
 SMALL_PRODUCT_MADDS = 100**3
 SMALL_PRODUCT_OUT_BYTES = 256 << 10

@@ -1,14 +1,13 @@
 """A team of helper threads that stay awake between products: a split that costs microseconds.
 
 A pool of threads (`CpuLoraPool(local_threads=N)`) splits a product's rows over N
-threads of the engine's process. Numba's workqueue did that at a cost of about 0.1 ms
-a launch on this project's 2-core VMs (its threads sleep on a condition variable, and
-a sleeping vCPU wakes late), more than half of a mid-sized product: 512 rows at rank
-16 took 263 µs on two threads, 275 µs on one, where PyTorch's two OpenMP threads,
-which spin between calls, took 164 µs (bench/results/2026-11-29-cpu-offload.md). With
-a team, two threads took 184 µs against torch's 244, and over three runs the pool on
-two threads was 0.98-4.57x torch on two at the 12 shapes of that table: at parity at
-rank 64, 1.07x and more at ranks 8 and 16 (`2026-11-29-cpu-team.md`).
+threads of the engine's process. Numba's workqueue costs about 0.1 ms a launch for that
+(its threads sleep on a condition variable, and a sleeping vCPU wakes late), more than
+half of a mid-sized product: 512 rows at rank 16 ran barely faster on two threads than
+on one, where PyTorch's two OpenMP threads, which spin between calls, took about 0.6x
+the one-thread time. With a team, two threads take about three quarters of torch's
+time on that product, and on two threads the pool is as fast as torch on two at rank
+64 and faster at ranks 8 and 16.
 
 A `Team` keeps N - 1 helper threads. A helper that has computed a share stays awake,
 in compiled code polling its mailbox (no GIL), while a caller is computing and for

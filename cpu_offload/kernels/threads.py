@@ -1,13 +1,12 @@
 """Numba's threads in this project's processes: the workqueue layer, one launch at a time.
 
 The layer is Numba's workqueue, not GNU OpenMP, whose threads spin after each launch:
-they left PyTorch in the same process 1.8x slower afterwards (a benchmark's
-transformers side: 10.9 s before a jlora run, 19.6 s after; 12.8 s with the workqueue,
-jlora as fast). A process takes the layer its first parallel kernel (compiled or loaded
-from the cache) starts, so it is set here, on import, and every module of the project
-with a parallel kernel imports this one first. A launch costs about 0.1 ms (a 2-thread
-product against its 1-thread time, bench/results/2026-11-28-cpu-offload-workqueue.md):
-callers split work over threads only where it is worth more.
+they leave PyTorch in the same process nearly twice as slow after a jlora run, where
+with the workqueue PyTorch loses far less and jlora runs as fast. A process takes the
+layer its first parallel kernel (compiled or loaded from the cache) starts, so it is set
+here, on import, and every module of the project with a parallel kernel imports this one
+first. A launch costs about 0.1 ms (a 2-thread product's time against its 1-thread
+time): callers split work over threads only where it is worth more.
 
 The workqueue aborts the process when two threads launch parallel kernels at once.
 XLA's threads launch them (jlora's FFI kernels, `jlora.model.host.attention`), several

@@ -56,8 +56,8 @@ def _chunked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     Each chunk's scores and output are one batched matmul over the KV heads, the
     queries of a head's group stacked as rows (`_by_kv_head`): [kvh, group * chunk, d]
     @ [kvh, d, T]. Letting XLA pick the layouts of the 4-D einsum (or the fused form's,
-    which copies the keys for every query head) cost 1.6-2.6x as much at T = 512-1024 on
-    SmolLM2's heads (2 cores).
+    which copies the keys for every query head) costs 1.6-2.6x as much at T = 512-1024
+    on SmolLM2's heads.
     """
     seq, heads, head_dim = q.shape
     keys = jnp.transpose(k, (1, 2, 0))  # [kvh, d, T]
@@ -104,8 +104,8 @@ def packed_causal_attention(
     their output is unspecified). longest: None, or (static) the most tokens a prompt
     has: the queries then attend in chunks of C = longest // 2, each chunk to itself
     and the 2C keys before it, all a prompt that long can reach; the scores cost
-    T·3C instead of T² (SmolLM2's heads, T = 512, on 2 CPU cores: 3.0 ms a layer at
-    C = 32, 5.8 at C = 64, 10.6 for all the keys), and the result is the same.
+    T·3C instead of T² (on SmolLM2's heads at T = 512, C = 32 takes under a third of
+    the time of attending to all the keys), and the result is the same.
     Returns [T, heads * head_dim] in q's dtype.
     """
     seq, heads, head_dim = q.shape
@@ -227,12 +227,12 @@ def _chunked_prefix(
     """`paged_prefix_attention` on XLA:CPU: the keys in chunks of KEY_BLOCKS blocks, as
     many as the last query reaches (a loop of run-time length, with an online softmax),
     not the whole table: a 512-token chunk after 256 cached tokens reads 48 of a 2048-
-    token table's 128 blocks. One layer of that on SmolLM2's heads (2 cores): 106 ms
-    attending to the whole table, 16 ms in chunks. Each chunk's products are batched
-    matmuls over the KV heads, as in `_chunked_causal`. The blocks are gathered from the
-    whole cache (`layer_rows`): gathering from `k_cache[layer]` copied the layer's
-    pages out of the cache first, which made any call after a cached prefix cost about
-    300 ms more than a plain prefill, whatever its length.
+    token table's 128 blocks, about a sixth of the time of attending to the whole table
+    on SmolLM2's heads. Each chunk's products are batched matmuls over the KV heads, as
+    in `_chunked_causal`. The blocks are gathered from the whole cache (`layer_rows`):
+    gathering from `k_cache[layer]` copies the layer's pages out of the cache first,
+    which makes any call after a cached prefix cost far more than a plain prefill,
+    whatever its length.
     """
     seq, heads, head_dim = q.shape
     _, num_blocks, block_size, kv_heads, _ = k_cache.shape

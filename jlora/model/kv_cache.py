@@ -52,9 +52,9 @@ def layer_rows(stack: jax.Array, layer: jax.Array | int, index: jax.Array) -> ja
     pages), as one gather over its rows `layer * N + index` of the array viewed as
     [L * N, ...]. Gathering from `stack[layer]` instead lets XLA:CPU hoist the slice out
     of an enclosing loop and copy the layer's pages first (50 MB a layer for a
-    4096-block SmolLM2 cache); indexing both axes at once gathered a decode step's
-    adapter pages 1.3x slower than this (2 Zen 5 cores, 16 rows of rank 16 on q and v,
-    30 layers: 8.7 against 6.5 ms for the LoRA alone). index: clipped into range."""
+    4096-block SmolLM2 cache); indexing both axes at once gathers a decode step's
+    adapter pages about 1.3x slower than this (16 rows of rank 16 on q and v). index:
+    clipped into range."""
     rows = stack.reshape(stack.shape[0] * stack.shape[1], *stack.shape[2:])
     index = jnp.clip(index, 0, stack.shape[1] - 1)
     return rows.at[layer * stack.shape[1] + index].get(mode="promise_in_bounds")

@@ -14,8 +14,8 @@ at or beyond the row's own rank are masked to zero before they are multiplied.
 2. expand, grid (S, out tiles): sums row s's parts into v = x @ A^T, rounds it to
    x.dtype (common.py's arithmetic rule), and adds v @ B[:, tile] to y[s, tile] in place
    (y's buffer is the output), only for rows with an adapter. Summing the parts in
-   XLA cost a reduce launch per projection: on an H200, 384 of them took 0.65 ms of a
-   Llama-2-7B decode step (bench/results/2026-11-28-h200-profile-k0.md).
+   XLA would cost a reduce launch per projection, 384 of them in a Llama-2-7B decode
+   step.
 
 `bgmv_shrink` (the parts summed) and `bgmv_expand` (from v) are the two halves alone,
 for a LoRA split across devices (a collective runs on v between them).

@@ -6,14 +6,13 @@ gathered through the page table, into its part of f32[S, K, R] (K: the `in` bloc
 rounded up to a power of two, `common.shrink_parts`); programs at or past the slot's
 rank only write zeros, so the loads are proportional to the sum of the rows' ranks
 (never the batch's largest rank). One load per program keeps thousands in flight: a
-loop per row over its chunks and blocks left the GPU waiting on each load in turn
-(bench/results/2026-11-27-h200-kernels.md). Expand: one program per (row, out tile)
-sums the row's parts into v = x @ A, rounded to x.dtype (`common.summed_parts`: no
-reduce launch of XLA's in between), and adds v[s] @ B to y in place, looping over the
-slot's rank chunks. A chunk's rank rows are gathered from
-the pool through the slot's page table; rows of the last chunk at or beyond the rank are
-masked out before they are multiplied, so whatever their pages hold (NaN included) is
-ignored.
+loop per row over its chunks and blocks left the GPU waiting on each load in turn.
+Expand: one program per (row, out tile) sums the row's parts into v = x @ A, rounded to
+x.dtype (`common.summed_parts`: no reduce launch of XLA's in between), and adds v[s] @ B
+to y in place, looping over the slot's rank chunks. A chunk's rank rows are gathered
+from the pool through the slot's page table; rows of the last chunk at or beyond the
+rank are masked out before they are multiplied, so whatever their pages hold (NaN
+included) is ignored.
 
 `mbgmv_shrink` (the parts summed) and `mbgmv_expand` (from v) are the two halves alone,
 for a LoRA split across devices (a collective runs on v between them).

@@ -3,15 +3,13 @@ Python in the step.
 
 Where the device is the CPU, a CPU-routed input group makes one callback, `apply`, which
 computes the adapter's products on the engine's own threads (the pool's `team.Team`)
-from x where it lies into the callback's output (jlora/device/cpu_assist/callbacks.py). As a
-`buffer_callback` that callback took the GIL and wrapped its buffers, and the pool's
-Python checked the jobs and picked the threads, at every call: on the Intel VM of
-2026-11-29, a no-work `buffer_callback` cost 43-64 µs a group and the Python about 20
-µs more. Here the callback is a Numba `cfunc` that XLA calls itself (jlora/model/host/ffi.py),
-as the host decode attention is: the overhead of a CPU-routed SmolLM2 layer at 128
-tokens, beyond its products, went from 0.72 / 0.65 ms to 0.34 / 0.15 ms at rank 1 / 16,
-in two runs of the same bench 15 minutes apart on that machine
-(bench/results/2026-11-29-cpu-intel-offload-ffi.md).
+from x where it lies into the callback's output (jlora/device/cpu_assist/callbacks.py).
+That callback is a Numba `cfunc` that XLA calls itself (jlora/model/host/ffi.py), as the
+host decode attention is, not a `buffer_callback`: one of those takes the GIL and wraps
+its buffers, and the pool's Python checks the jobs and picks the threads, at every call
+(tens of microseconds a group before any work). As a `cfunc` the overhead of a
+CPU-routed SmolLM2 layer at 128 tokens, beyond its products, is about half that of the
+`buffer_callback` at rank 1 and a quarter at rank 16.
 
 What Python decided per call is decided once a prefill, in `begin`: the plan, an
 int64 array at a fixed address (one a `CpuApply`), holds the arena's and the team's

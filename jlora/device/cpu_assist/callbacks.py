@@ -39,15 +39,12 @@ prefill's plan is made and checked in `begin`); elsewhere a callback that calls
 (no token threaded through the scan): the data already orders them (the base
 projections take h from an optimization barrier with the ticket, the collect takes
 the ticket from one with their outputs, and the next group's input depends on this
-group's output). Measured per CPU-routed layer at 128 tokens on SmolLM2, 2-core CPU
-(bench/results/2026-11-25-cpu-offload.md): the callback pairs with their copies cost
-0.38-0.51 ms, 3.5-4.7x less than io_callback pairs moving the same data (the 2.27 ms of
-2026-11-22); the whole path, hand-off to the workers included, 0.75-1.3 ms beyond the
-products, where the previous one paid about 5 ms. With one `apply` a group on the
-engine's threads (bench/results/2026-11-27-cpu-offload-apply.md): 0.22-0.28 ms beyond
-the products, everything included; on the Intel VM of 2026-11-29, 0.65-0.72 ms as a
-`buffer_callback`, 0.15-0.34 ms as the FFI handler
-(bench/results/2026-11-29-cpu-intel-offload-ffi.md).
+group's output). Per CPU-routed SmolLM2 layer at 128 tokens, the callback pairs with
+their copies cost several times less (3.5-4.7x) than `io_callback` pairs moving the same
+data, and the whole path beyond the products, hand-off to the workers included, a
+quarter or less of what the `io_callback` path paid. One `apply` a group on the
+engine's threads costs less again beyond the products, and as the FFI handler less
+still (apply.py).
 
 On a mesh (tensor parallel) every shard makes both callbacks, in the same order, on
 threads of its own. Shard 0's submit hands the whole input to the workers (a

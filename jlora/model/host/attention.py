@@ -1,42 +1,37 @@
 """Attention as Numba kernels on the host, called from the jitted step: paged decode
 attention, and a packed prefill's (at the end).
 
-Why: on XLA:CPU, `paged_decode_attention` gathers every row's blocks up to the batch's
-longest bucket into a new array, then reads it twice (two einsums and their layout
-changes): about 7.5 ms a SmolLM2 layer for 32 rows of 512 keys, two thirds of a decode
-step. The kernel here reads each row's keys and values in place, straight from the
-cache's pages, and only up to the row's own position (a row 100 tokens long reads 100
-keys, whatever the batch's bucket): a 32-row SmolLM2 decode step over up to 512 keys
-took 150-165 ms against 230 with the XLA path (measured side by side on this 2-core
-machine; the replay in bench/results/2026-11-27-cpu-replay.md runs it).
-
-How: an XLA FFI handler (`jlora.model.host.ffi`: a Numba cfunc that XLA calls itself, no
-Python in between) is handed the whole cache's buffers without a copy, with the layer's
-index, inside the scan over the layers. It runs the rows on the calling thread, each
-with all its heads (a block's keys for every KV head lie side by side: one run of
-memory), or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). Until
-2026-11-28 it was a `buffer_callback` (Python, the GIL and a thread launch each layer,
-about 0.1-0.4 ms), which did not pay below 16 rows; through FFI it pays at any batch:
-SmolLM2 decode against transformers on 2 cores went from 2.05x / 1.77x / 1.19x to
-2.20x / 1.86x / 1.29x at batch 1 / 8 / 32 (bench/results/2026-11-28-cpu-throughput-2.md).
-It serves wherever it reads host memory in place (`usable`: a one-device CPU mesh, in
-float32); elsewhere the XLA path serves.
-
 Semantics are `paged_decode_attention`'s: out[s] = softmax_{j <= positions[s]}(q[s]
 K_s[j] / sqrt(d)) V_s[j], fp32 throughout; a sentinel block (an idle row's) is read
 clipped to the last block, as `jnp.take(..., mode="clip")` does, and its output is
 meaningless.
 
+Why: on XLA:CPU, `paged_decode_attention` gathers every row's blocks up to the batch's
+longest bucket into a new array, then reads it twice (two einsums and their layout
+changes): for 32 rows of 512 keys, two thirds of a SmolLM2 decode step. The kernel
+here reads each row's keys and values in place, straight from the cache's pages, and
+only up to the row's own position (a row 100 tokens long reads 100 keys, whatever the
+batch's bucket): a 32-row SmolLM2 decode step over up to 512 keys takes about two
+thirds of its time with the XLA path.
+
+How: an XLA FFI handler (`jlora.model.host.ffi`: a Numba cfunc that XLA calls itself, no
+Python in between) is handed the whole cache's buffers without a copy, with the layer's
+index, inside the scan over the layers. It runs the rows on the calling thread, each
+with all its heads (a block's keys for every KV head lie side by side: one run of
+memory), or on Numba's threads where the rows read many keys (`PARALLEL_KEYS`). Not a
+`buffer_callback`: its Python, the GIL and a thread launch each layer cost more than
+the kernel saves below 16 rows; through FFI it pays at any batch.
+It serves wherever it reads host memory in place (`usable`: a one-device CPU mesh, in
+float32); elsewhere the XLA path serves.
+
 A packed prefill's attention (`packed_causal_attention_host`) is a second kernel here,
 on the same terms. XLA's form computes each chunk of queries against a window of 3C
-keys that other prompts' share, and its batched matmuls over SmolLM2's heads are small:
-3.5-3.8 ms a layer for 448 tokens in 12 prompts of 16-64, on 2 Zen 4 cores. The kernel
-takes each prompt and query head in turn, reads its keys and values where they lie, and
-makes its two products (scores, then the weighted values) as OpenBLAS sgemm calls on
-the XLA thread that calls it: 1.07 ms. In `bench.prefill` the packed calls then ran at
-787 and 819 prompt tokens/s (base model) and 682 and 712 (4 adapters), against 780, 779,
-662 and 668 in the two runs before (bench/results/2026-11-30-cpu-zen4-issue17-2.md). A
-prompt's result depends on its own tokens alone, whatever else shares the call.
+keys that other prompts' share, and its batched matmuls over SmolLM2's heads are small.
+The kernel takes each prompt and query head in turn, reads its keys and values where
+they lie, and makes its two products (scores, then the weighted values) as OpenBLAS
+sgemm calls on the XLA thread that calls it: about a third of XLA's time a layer (448
+tokens in 12 prompts of 16-64). A prompt's result depends on its own tokens alone,
+whatever else shares the call.
 """
 
 from __future__ import annotations
@@ -132,9 +127,9 @@ def _attend_parallel(q, k, v, layer, tables, positions, out, parts):  # pragma: 
 
 # Keys a step's rows read in all (the sum of their positions) from which the pairs run on
 # Numba's threads rather than on the XLA thread that calls: a launch costs about 0.1 ms
-# and its threads contend with XLA's own on a small machine. SmolLM2 decode on 2 cores:
-# at 16 rows of 64-96 keys the calling thread alone made the step 5% faster (13% with
-# adapters); at 32 rows of 512 keys the threads halve the attention's 3.3 ms a layer.
+# and its threads contend with XLA's own where cores are few. In SmolLM2 decode, at 16
+# rows of 64-96 keys the calling thread alone makes the step faster (more so with
+# adapters); at 32 rows of 512 keys the threads halve the attention's time a layer.
 PARALLEL_KEYS = 4096
 
 

@@ -1,35 +1,29 @@
 """BGMV over adapters in the KV cache's pages, as a Numba kernel XLA calls through FFI:
 the pooled reference backend's decode on a CPU.
 
-Why: on XLA:CPU the backend's decode gathers each row's pages into a new array, then
-reduces it (two fusions a factor, a target and a layer; for 16 rows of rank 16 on q and
-v, about 80 µs of gathers and 100 µs of products a SmolLM2 layer, on 2 Zen 5 cores).
-This kernel reads each row's rank rows in place, from its own pages, only up to its
-adapter's own rank, on the XLA thread that calls it (`jlora.model.host.ffi`, no Python): 24
-µs for q_proj's 16 rows and 18 µs for v_proj's. SmolLM2 decode at batch 16 with 16
-rank-16 adapters on q and v went from 0.87 to 0.89-0.91 of the base step's tokens/s
-(stacked slots, gathered by XLA: 0.92-0.93), on all seven targets to 0.72 (stacked
-slots 0.59-0.75 over two runs; bench/results/2026-11-28-cpu-lora-pool-qv-5.json,
--lora-pool-2.json).
-
-What bounds it is memory: in a step the rows come from DRAM (the base weights stream
-past every cache in between), 71 MB a step for 16 rank-16 adapters on q and v, 13% of
-SmolLM2's 538 MB of fp32 weights. On a 2-core Zen 4 VM, caches flushed (a scratch
-measurement, 2026-11-28), q_proj's 16 rows took 82 µs over pages in order (as the
-pool deals an adapter's pages) and 140 µs over scattered ones, where merely reading
-their bytes took 53 and 124 µs; 30 µs in the cache. None of the variants tried beat
-it: prefetching the next row's pages ran 15-25 µs slower, every row's x·A before any
-·B within 10 µs either way, and a parallel launch costs 0.1 ms
-(cpu_offload/kernels/threads.py). Nor does a spare core wait for it: XLA runs a layer's q and
-v calls at once on its two threads (in 1442 of 1560 layers), so a helper thread
-splitting a call's rows left a step's time as it was
-(bench/results/2026-11-30-cpu-zen4-issue17-2.md).
-
 Semantics are `ReferenceBackend.bgmv`'s over `PooledReferenceBackend`'s layout: a row s
 whose adapter adapts the target (rank[s] > 0) gets y[s] + (x[s] @ A_s) @ B_s, in fp32;
 A_s^T's rank rows lie across the key halves of its pages in table order, `in` values
 each, and B_s's across their value halves, `out` values each. Every other row keeps y[s].
 fp32 only (`usable`).
+
+Why: on XLA:CPU the backend's decode gathers each row's pages into a new array, then
+reduces it (two fusions a factor, a target and a layer). This kernel reads each row's
+rank rows in place, from its own pages, only up to its adapter's own rank, on the XLA
+thread that calls it (`jlora.model.host.ffi`, no Python): for 16 rows of rank 16 on q
+and v it takes about a quarter of the gathers' and products' time a SmolLM2 layer, and
+brings the pooled decode's throughput close to that of stacked slots gathered by XLA.
+
+What bounds it is memory: in a step the rows come from DRAM (the base weights stream
+past every cache in between), 71 MB a step for 16 rank-16 adapters on q and v, 13% of
+SmolLM2's 538 MB of fp32 weights. With caches flushed the kernel takes little more than
+merely reading those bytes does, and less over pages in order (as the pool deals an
+adapter's pages) than over scattered ones. None of the variants tried beat it:
+prefetching the next row's pages was slower, every row's x·A before any ·B made no
+difference, and a parallel launch costs more than the whole call
+(cpu_offload/kernels/threads.py). Nor does a spare core wait for it: XLA runs a layer's
+q and v calls at once on threads of its own (in nearly every layer), so a helper thread
+splitting a call's rows did not shorten a step.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 in between.
 
 `jax.experimental.buffer_callback` hands a host function the step's buffers without a
-copy, but through Python: each call takes the GIL and wraps its buffers, about 0.1-0.4
-ms on this project's 2-core machine, once per layer (bench.cpu_offload: "one
-buffer_callback a group, no work", 91-114 µs). A typed XLA FFI handler is a C function
-XLA calls itself; a Numba `cfunc` is one. Thirty calls in a scanned step cost about 2 µs
-in all (measured with a kernel that adds one to 8 floats).
+copy, but through Python: each call takes the GIL and wraps its buffers, a tenth of a
+millisecond or more, once per layer. A typed XLA FFI handler is a C function XLA calls
+itself; a Numba `cfunc` is one. A scanned step's thirty such calls cost a few
+microseconds in all.
 
 A handler takes XLA's call frame (xla/ffi/api/c_api.h, `XLA_FFI_CallFrame`) and reads it
 as 64-bit words:

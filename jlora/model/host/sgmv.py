@@ -1,14 +1,17 @@
 """SGMV over adapters in the KV cache's pages, as a Numba kernel XLA calls through FFI:
 the pooled reference backend's prefill on a CPU (jlora/model/host/bgmv.py is its decode).
 
+Semantics are `ReferenceBackend.sgmv`'s over `PooledReferenceBackend`'s layout: a row
+of segment g (rows starts[g] to starts[g + 1]) whose adapter adapts the target
+(rank[g] > 0) gets y + (x @ A_g) @ B_g in fp32; every other row keeps y. fp32 only
+(`host_bgmv.usable`).
+
 Why: on XLA:CPU the backend's prefill gathers every segment's pages, then loops over
 the segments, an iteration at a time with a conditional, slices and updates in each.
-A packed call of 512 rows over 4 rank-16 adapters on all seven targets then took 1.30x
-the base model's time; with this kernel 1.12x, and one prompt per call as long as
-before (0.997x the loop's time, the median of 416 calls), on 2 Zen 4 cores
-(bench/results/2026-11-28-cpu-packed-prefill-host.md). Batching the loop's segments
-into one product each instead (every segment's window of rows gathered) was slower
-still on the pages, 1.32-1.38x.
+For a packed call of 512 rows over 4 rank-16 adapters on all seven targets, this kernel
+adds under half the time the loop adds to the base model's, and one prompt per call
+costs what it costs through the loop. Batching the loop's segments into one product
+each instead (every segment's window of rows gathered) was slower still on the pages.
 
 This kernel copies a segment's rank rows out of its pages once (A^T [r, in] and B
 [r, out], only up to the adapter's own rank: 37-98 KB each for SmolLM2 at rank 16) and
@@ -17,17 +20,11 @@ on the XLA thread that calls it, y's rows added in the second. On the cores with
 OpenBLAS's small-product path, a product of more rows than one call of that path takes
 is made in blocks of rows that each take it (`kernels.block_rows`, as the CPU LoRA
 kernel makes its products). The path wants A untransposed, so x @ A then first
-transposes the copy of A^T: worth it only for more than one block. On the Intel VM of
-2026-11-29, one thread, four segments of 128 rows: 1.06-1.21x as fast at rank 16 on
-each SmolLM2 target, 0.93-1.08x (the noise) at rank 64; a segment of one block makes the
-same calls as before (bench/results/2026-11-29-cpu-intel-issue17-4.md).
+transposes the copy of A^T: worth it only for more than one block, where it is somewhat
+faster at rank 16 and no slower at rank 64; a segment of one block makes x @ A as one
+call on A^T as copied.
 OpenBLAS runs on one thread in such a process (`kernels.one_blas_thread`): its helper
 threads would spin on the cores XLA's threads use.
-
-Semantics are `ReferenceBackend.sgmv`'s over `PooledReferenceBackend`'s layout: a row
-of segment g (rows starts[g] to starts[g + 1]) whose adapter adapts the target
-(rank[g] > 0) gets y + (x @ A_g) @ B_g in fp32; every other row keeps y. fp32 only
-(`host_bgmv.usable`).
 """
 
 from __future__ import annotations

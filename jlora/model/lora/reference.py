@@ -75,8 +75,8 @@ class ReferenceBackend(StackedSlotsBackend):
 
     name = "reference"
     # A segment costs reading its adapter (2.6 MB a SmolLM2 layer at rank 64 on every
-    # target) plus its window's products (about 13 us a row on 2 cores): 32 rows balance
-    # the two.
+    # target) plus its window's products, which grow with its rows: at about 32 rows the
+    # two take as long as each other.
     segment_rows = 32
     # Decode's form: "auto" (`over_slots` decides), "gather" or "over-slots" (forced: the
     # benchmark's, bench.lora_decode --reference-forms).
@@ -125,12 +125,11 @@ class ReferenceBackend(StackedSlotsBackend):
 
     def over_slots(self, rows: int, slots: int) -> bool:
         """Whether a decode of `rows` rows over `slots` slots takes the product over every
-        slot rather than the per-row gather. On XLA:CPU (SmolLM2's seven targets, 30
-        layers, 2 Zen 5 cores; bench/results/2026-11-28-cpu-reference-decode.md) the
-        gather's copy costs about 0.06 ms per row and rank unit whatever the slots, the
-        product about 0.008, 0.005 and 0.003 ms per row, slot and rank unit at 8, 16
-        and 32 rows (its GEMMs grow more efficient with rows): the product wins while
-        2 × slots < rows + 8, which held at each of the nine shapes measured."""
+        slot rather than the per-row gather. On XLA:CPU the gather's copy costs the
+        same per row and rank unit whatever the slots, and the product's cost per row,
+        slot and rank unit is an eighth to a twentieth of that, the smaller the more
+        rows (its GEMMs grow more efficient with rows): the product wins while
+        2 × slots < rows + 8, a rule fitted on SmolLM2's seven targets at 8-32 rows."""
         if self.decode_form != "auto":
             return self.decode_form == "over-slots"
         return 2 * slots < rows + 8
@@ -347,8 +346,8 @@ class PooledReferenceBackend(KVPagesBackend, ReferenceBackend):
         return jnp.arange(self._rows) < weights[target]["rank"][slots][..., None]
 
     # Each row's two products as a product and a sum, which XLA:CPU fuses with the
-    # gather of the pages: its batched dots over gathered pages took 1.2x (x @ A^T) and
-    # 2.2x (xa @ B) as long on 2 Zen 5 cores, 30 layers, 16 rows of rank 16.
+    # gather of the pages: its batched dots over gathered pages take longer, 1.2x for
+    # x @ A^T and 2.2x for xa @ B (16 rows of rank 16).
     def _shrink_rows(self, x: jax.Array, a: jax.Array) -> jax.Array:
         return jnp.sum(x.astype(jnp.float32)[:, None, :] * a.astype(jnp.float32), axis=-1)
 
