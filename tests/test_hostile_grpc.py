@@ -394,6 +394,7 @@ class ServeProcess(ServerProcess):
         return super().stop(timeout, group=group)
 
 
+@pytest.mark.e2e
 def test_jlora_serve_leaves_out_bad_adapters_of_its_dir_and_serves_the_rest(tmp_path):
     """A truncated adapter, one whose weights link out of the directory and a registry
     entry whose file changed since: each left out with a warning that names it and why;

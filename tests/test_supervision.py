@@ -45,6 +45,8 @@ from router.workers import WorkerPool
 from tests.test_server import request
 from tests.test_up import Up, _generate
 
+pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROBE_TIMEOUT = 1.0  # the router's default poll_timeout
 
@@ -262,7 +264,6 @@ CHILD = """
 import sys, time
 import jlora.contract.lifetime as lifetime
 
-pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
 if {watch_only}:
     lifetime._set_parent_death_signal = lambda signum: None
 assert lifetime.die_with_parent()
