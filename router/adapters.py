@@ -130,6 +130,7 @@ class AdapterCatalog:
         return _with_entry(done[0].adapters[name], entry)
 
     async def unregister(self, name: str) -> None:
+        check_adapter_name(name)  # an empty or malformed name is the caller's, not unknown
         async with self._lock:
             users = self._users(name)
             if users:
@@ -154,11 +155,13 @@ class AdapterCatalog:
             self._sync_errors.pop(name, None)
 
     async def load(self, name: str, *, pin: bool) -> pb.Adapter:
+        check_adapter_name(name)
         return await self._on_holders(
             name, lambda w: w.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, pin=pin))
         )
 
     async def unload(self, name: str) -> pb.Adapter:
+        check_adapter_name(name)
         return await self._on_holders(
             name, lambda w: w.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name))
         )

@@ -16,8 +16,8 @@ GenerateResponse messages, on the router's event loop):
 4. Failures before the first token: a worker that is unreachable, draining or stopped
    (UNAVAILABLE, or CANCELLED that the router did not ask for) is taken out of routing
    and the request placed again on another worker (a re-route); one whose queue is
-   full (RESOURCE_EXHAUSTED) is skipped until its next poll. Any other error is the
-   caller's, passed through unchanged (status and message).
+   full (RESOURCE_EXHAUSTED with reason QUEUE_FULL) is skipped until its next poll. Any
+   other error is the caller's, passed through unchanged (status and message).
 5. Failures after the first token: the worker is taken out of routing and the request
    resumed on another (GenerateRequest.resume: the prompt as the caller gave it, the
    tokens forwarded, the seed), so the caller sees one stream, no token repeated or
@@ -66,6 +66,7 @@ from jlora.api import jlora_pb2 as pb
 from jlora.contract import registry as reg
 from jlora.contract.errors import (
     MIGRATED_REASON,
+    QUEUE_FULL,
     AlreadyExists,
     Code,
     NotFound,
@@ -297,7 +298,8 @@ class FrontDoor:
                         route = RouteRequest(rank, prefill, adapter)
                         tried = {}
                         continue
-                    if leg == 0 and code == Code.RESOURCE_EXHAUSTED:
+                    full = code == Code.RESOURCE_EXHAUSTED and error.reason == QUEUE_FULL
+                    if leg == 0 and full:
                         worker.full = True  # until its next poll; wait for room elsewhere
                         continue
                     if code in _WORKER_GONE:  # out of routing; the request goes elsewhere
@@ -480,7 +482,7 @@ class FrontDoor:
             raise ResourceExhausted(
                 f"the router's queue is full: {self._waiting} requests wait for a worker with "
                 f"room (max_queue={self.max_queue})",
-                reason="QUEUE_FULL",
+                reason=QUEUE_FULL,
             )
         self._waiting += 1
         self.metrics.queued.inc()

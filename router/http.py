@@ -61,7 +61,7 @@ from jlora.api import jlora_pb2 as pb
 from jlora.contract.auth import authorized, missing_key
 from jlora.contract.errors import Code, RequestError
 from router.frontdoor import FrontDoor
-from router.http_body import HttpError, HttpLimits, answer, read_json_body
+from router.http_body import HttpError, HttpLimits, answer, app_runner, read_json_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -572,7 +572,7 @@ async def start_http(api: OpenAIApi, host: str, port: int) -> tuple[web.AppRunne
 
     A client that disconnects cancels its handler (and so its worker call); a connection
     without a whole request head for `api.limits.idle_timeout` seconds is closed."""
-    runner = web.AppRunner(
+    runner = app_runner(
         api.app,
         handler_cancellation=True,
         access_log=None,

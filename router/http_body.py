@@ -18,6 +18,12 @@ What one client may hold (`HttpLimits`), each hit answered in OpenAI's error sha
    surrogate (`\\ud800`), every string must be valid Unicode: a lone surrogate, which
    UTF-8 cannot encode, is 400 (`code` "invalid_unicode") naming the field, such as
    `prompt` or `messages[0].content`.
+
+A request aiohttp cannot parse at all (a bad request line, a bad chunk size, both
+Content-Length and Transfer-Encoding) never reaches a handler: `app_runner` answers it in
+the same error shape (400, `code` "malformed_request"), where a response can still be
+written, closes the connection, and logs one WARNING line without a traceback, so a
+client cannot flood the log.
 """
 
 from __future__ import annotations
@@ -25,16 +31,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import re
 from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol
+
+from jlora.contract.grpc_server import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 64  # nesting of a request body; OpenAI's bodies need about 6
 _THREAD_PARSE_BYTES = 2**20  # bodies larger than this are parsed off the event loop
 # A JSON escape of a UTF-16 surrogate: only through one can a string hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+# The largest body HttpLimits takes: what a forwarded request may hold, with room for the
+# proto's own fields beside the prompt.
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES - (8 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +72,12 @@ class HttpLimits:
             value = getattr(self, field)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{field}={value!r} must be a positive number")
+        if self.max_body_bytes > MAX_BODY_BYTES:
+            raise ValueError(
+                f"max_body_bytes={self.max_body_bytes} must be at most {MAX_BODY_BYTES} "
+                f"({MAX_BODY_BYTES / 2**20:g} MiB: a request forwarded to a worker must fit "
+                "a gRPC message)"
+            )
 
 
 class HttpError(Exception):
@@ -213,3 +235,45 @@ def _too_deep(field: str | None) -> HttpError:
         param=field,
         code="invalid_json",
     )
+
+
+def app_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """`web.AppRunner(app, **kwargs)` whose connections answer malformed requests in
+    OpenAI's error shape (see the module docstring)."""
+    return _Runner(app, **kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same server; its connections' handler is ours
+        return server
+
+
+class _Server(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _RequestHandler(web_protocol.RequestHandler):
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A request the parser refused (400): the JSON error shape and one WARNING
+        line; anything else as aiohttp answers it."""
+        if status != 400:
+            return super().handle_error(request, status, exc, message)
+        # The parser's message may quote the bad bytes over several lines: its first.
+        reason = str(getattr(exc, "message", None) or message or type(exc).__name__)
+        reason = reason.strip().splitlines()[0].rstrip(":")
+        log.warning("malformed HTTP request from %s: %s", request.remote, reason)
+        error = HttpError(
+            400, f"the request cannot be parsed: {reason}", code="malformed_request", close=True
+        )
+        response = web.json_response(error.body(), status=400)
+        response.force_close()
+        return response

@@ -54,6 +54,7 @@ from jlora.api import SERVICE_NAME
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.contract.auth import key_interceptors
+from jlora.contract.grpc_server import MESSAGE_OPTIONS
 from router.policies import QueuedRequest, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
+    *MESSAGE_OPTIONS,
 )
 # A queued request on a worker that the router did not send: its rank and prompt are
 # unknown, so it counts as a base-model request of one token.

@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import resolve_api_key
     from jlora.contract.registry import RegistryError
     from router.app import start_router
-    from router.http_body import HttpLimits
+    from router.http_body import MAX_BODY_BYTES, HttpLimits
     from router.perf_model import ProfileError
     from router.policies import PolicyError
 
@@ -268,6 +268,11 @@ def run(args: argparse.Namespace) -> int:
     ):
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"{flag} {value}: must be a positive number")
+    if args.http_max_body_mb * 2**20 > MAX_BODY_BYTES:
+        raise UsageError(
+            f"--http-max-body-mb {args.http_max_body_mb:g}: must be at most "
+            f"{MAX_BODY_BYTES / 2**20:g} (a forwarded request must fit a gRPC message)"
+        )
     if args.adapters_dir is not None and not args.adapters_dir.is_dir():
         raise UsageError(f"--adapters-dir {args.adapters_dir}: no such directory")
     if args.profile is not None and not args.profile.is_file():

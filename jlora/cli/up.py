@@ -174,6 +174,7 @@ def _free_port_pair() -> int:
 
 def run(args: argparse.Namespace) -> int:
     from jlora.contract.auth import API_KEY_ENV, resolve_api_key
+    from jlora.contract.grpc_server import bind_failure
     from router.app import start_router
 
     for flag, value in (
@@ -187,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
     if not given and adapters_dir is None:
         adapters_dir = _demo_adapters(args.model, args.state_dir)
     names = sorted(adapters_to_register(given, adapters_dir))
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        # Before any worker starts (they compile for seconds to minutes): the router's
+        # own ports must be free, or the whole start would fail only at its end.
+        if port and (why := bind_failure(args.host, port)):
+            raise OSError(f"{flag}: cannot listen on {args.host}:{port}: {why}")
     migration = migration_config(args)
     api_key = resolve_api_key(args.api_key)
     env = {**os.environ, API_KEY_ENV: api_key or ""}

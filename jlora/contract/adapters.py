@@ -112,8 +112,12 @@ def resolve_adapter_dir(
     an existing directory.
     """
     text = os.fspath(path)
-    if not isinstance(text, str) or not text or "\x00" in text:
+    if not isinstance(text, str) or not text:
         raise InvalidRequest(f"{field} is empty: a PEFT adapter directory is needed", field=field)
+    if "\x00" in text:
+        raise InvalidRequest(
+            f"{field}={text!r} contains a NUL character, which no path may hold", field=field
+        )
 
     def refuse(reason: str) -> InvalidRequest:
         return InvalidRequest(f"{field}={text!r} {reason}", field=field)

@@ -42,6 +42,10 @@ class Code(enum.Enum):
 # The ErrorInfo reason of a worker's Generate call that ended (ABORTED) because Migrate
 # took its request to resume elsewhere: the worker sends it, the router resumes on it.
 MIGRATED_REASON = "MIGRATED"
+# The ErrorInfo reason of a server whose queue is full (RESOURCE_EXHAUSTED): worth sending
+# again once a request ends, there or elsewhere. The router places such a request on
+# another worker; any other RESOURCE_EXHAUSTED is the request's own.
+QUEUE_FULL = "QUEUE_FULL"
 
 
 class RequestError(Exception):

@@ -46,13 +46,20 @@ log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # Health and reflection need no API key; their service names.
 OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1)
-MAX_STREAMS_PER_CONNECTION = 128  # HTTP/2 streams in flight on one client connection
-# grpc.aio.server options: a second server on this port must fail to bind, not share it;
-# a connection's streams past the cap wait (HTTP/2 flow control) until one ends.
-SERVER_OPTIONS = (
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+# The largest message a jlora server or client sends or receives: above the router's
+# largest HTTP body (`HttpLimits.MAX_BODY_MB`), so a request the HTTP API takes always
+# reaches a worker, which refuses an over-long prompt naming it (gRPC's default, 4 MiB,
+# answered such a prompt RESOURCE_EXHAUSTED before any handler ran).
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+# grpc.aio.server options: a second server on this port must fail to bind, not share it.
+# Streams on one connection are not capped: a cap makes the server refuse the streams a
+# client opens before it has read the server's settings (RST_STREAM, REFUSED_STREAM).
+# How much work waits is the servers' queues' business (RESOURCE_EXHAUSTED past them).
+SERVER_OPTIONS = (("grpc.so_reuseport", 0), *MESSAGE_OPTIONS)
 
 
 async def start_server(

@@ -208,6 +208,7 @@ class AdapterManager:
     # -- internals -------------------------------------------------------------------------
 
     def _registered(self, name: str) -> Adapter:
+        check_adapter_name(name)  # an empty or malformed name is the caller's, not unknown
         staged = self._adapters.get(name)
         if staged is None:
             raise NotFound(

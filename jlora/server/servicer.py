@@ -70,6 +70,7 @@ from jlora.contract import status
 from jlora.contract.adapters import Adapter, check_adapter_name, resolve_adapter_dir
 from jlora.contract.errors import (
     MIGRATED_REASON,
+    QUEUE_FULL,
     AlreadyExists,
     Code,
     InvalidRequest,
@@ -285,7 +286,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             raise ResourceExhausted(
                 f"the queue is full: {len(self._streams)} requests in flight "
                 f"(max_slots={self.max_slots} running + max_queue={self.max_queue} queued)",
-                reason="QUEUE_FULL",
+                reason=QUEUE_FULL,
             )
         return engine_request
 
