@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from configs.model import ConfigError
+from configs.model import ConfigError, ModelConfig
 from configs.sharding import ShardingConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -319,3 +319,21 @@ class EngineConfig:
     def num_blocks(self) -> int:
         tokens = self.kv_cache_tokens or self.max_slots * self.max_seq_len
         return max(math.ceil(tokens / self.block_size), self.blocks_per_seq)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """ConfigError unless this engine can serve `model` exactly: a context within the
+        model's, and within its sliding window where it has one (attention over a window
+        is not implemented, so a served context the window covers is full attention)."""
+        if self.max_seq_len > model.max_context:
+            raise ConfigError(
+                f"EngineConfig.max_seq_len={self.max_seq_len} exceeds the model's context "
+                f"length {model.max_context}"
+            )
+        window = model.sliding_window
+        if window is not None and self.max_seq_len > window:
+            within = window // self.block_size * self.block_size
+            raise ConfigError(
+                f"the model's sliding_window={window} is below EngineConfig.max_seq_len="
+                f"{self.max_seq_len}: attention over a sliding window is not implemented; "
+                f"serve a context within it (--max-seq-len {within})"
+            )

@@ -11,11 +11,20 @@ kinds (`tokenizer.ggml.model`):
   the file, are derived from the pieces' scores.
 
 A model directory (Hugging Face, or one written by `jlora convert`) carries
-`tokenizer.json` and `tokenizer_config.json`.
+`tokenizer.json` and `tokenizer_config.json`; its chat template may be a file of its own
+(`chat_template.jinja`) or a list of named templates (the "default" one is used), its
+BOS comes from `tokenizer.json`'s post-processor where that adds it (Llama 3), and its
+end-of-sequence ids include `generation_config.json`'s (Llama 3 Instruct also stops on
+`<|eot_id|>`).
+
+Chat templates render as Hugging Face renders them: a sandboxed Jinja environment with
+`loopcontrols`, `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII
+text and takes `indent`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 from typing import Any
@@ -46,16 +55,27 @@ def _merges(fields: dict[str, Any]) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
 
 
+# tokenizer.ggml.pre values whose splitting is the GPT-2 regex (llama.cpp's "default").
+_GPT2_PRE = ("gpt2", "default")
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`.
 
     SmolLM ('smollm') splits every digit on its own before the GPT-2 byte-level
-    regex, as the model was trained; other GPT-2 style vocabularies use the regex alone.
+    regex, as the model was trained; 'gpt2' and 'default' vocabularies use the regex
+    alone. Others (Llama 3's 'llama-bpe', Qwen2's 'qwen2', ...) split by regexes of their
+    own and are refused by name rather than tokenized differently from the model.
     """
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
+    if pre in _GPT2_PRE:
+        return byte_level
+    raise TokenizerError(
+        f"tokenizer.ggml.pre={pre!r} is not supported (smollm, {', '.join(_GPT2_PRE)}): "
+        "serve the model's Hugging Face directory instead"
+    )
 
 
 def _byte_level_bpe(fields: dict[str, Any], tokens: list[str]) -> _BPE:
@@ -201,13 +221,14 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
-        """From `tokenizer.json` + `tokenizer_config.json` (HF or `jlora convert` layout)."""
+        """From `tokenizer.json` + `tokenizer_config.json` (HF or `jlora convert` layout),
+        with `chat_template.jinja` and `generation_config.json` where present."""
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerError(f"{tok_file} not found")
         backend = _BPE.from_file(str(tok_file))
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = _json_file(path / "tokenizer_config.json")
+        generation = _json_file(path / "generation_config.json")
 
         def token_id(key: str) -> int | None:
             value = config.get(key)
@@ -216,14 +237,22 @@ class Tokenizer:
             return backend.token_to_id(value) if isinstance(value, str) else None
 
         eos = token_id("eos_token")
-        eos_ids = config.get("eos_token_ids") or ([] if eos is None else [eos])
-        bos = config.get("bos_token_id", token_id("bos_token"))
+        eos_ids = list(config.get("eos_token_ids") or ([] if eos is None else [eos]))
+        extra = generation.get("eos_token_id")
+        for token in extra if isinstance(extra, list) else [extra]:
+            if isinstance(token, int) and token not in eos_ids:
+                eos_ids.append(token)
+        bos, add_bos = config.get("bos_token_id", token_id("bos_token")), False
+        if "add_bos_token" in config:
+            add_bos = bool(config["add_bos_token"])
+        elif (added := _post_processor_bos(tok_file, backend)) is not None:
+            bos, add_bos = added, True
         return cls(
             backend,
             bos_id=bos,
-            eos_ids=list(eos_ids),
-            add_bos=bool(config.get("add_bos_token", False)),
-            chat_template=config.get("chat_template"),
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+            chat_template=_chat_template(path, config),
         )
 
     def save(self, path: Path) -> None:
@@ -250,23 +279,90 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render a conversation, ending with the assistant's generation prompt."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """Render a conversation (and the tools offered, for a template that shows them),
+        ending with the assistant's generation prompt."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template (tokenizer.chat_template)")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
 
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"chat template: {message}")
 
-        env.globals["raise_exception"] = raise_exception
+        def strftime_now(format: str) -> str:
+            return datetime.datetime.now().strftime(format)
+
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+        env.filters["tojson"] = _tojson
 
         def special(token_id: int | None) -> str:
             return "" if token_id is None else self.backend.id_to_token(token_id) or ""
 
         return env.from_string(self.chat_template).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=True,
             bos_token=special(self.bos_id),
             eos_token=special(self.eos_ids[0] if self.eos_ids else None),
         )
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    """A JSON object file's contents, {} where it is absent; TokenizerError naming it if
+    it is not one."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TokenizerError(f"{file}: cannot read it as JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{file}: expected a JSON object")
+    return data
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The directory's chat template: `chat_template.jinja` (transformers 5's file), else
+    tokenizer_config.json's `chat_template`, a string or a list of named templates (the
+    one named "default")."""
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise TokenizerError(
+                f"{path / 'tokenizer_config.json'}: chat_template names {list(named)}, "
+                "none of them 'default'"
+            )
+        return named["default"]
+    return template
+
+
+def _post_processor_bos(tok_file: Path, backend: _BPE) -> int | None:
+    """The token id `tokenizer.json`'s post-processor puts before a single sequence (a
+    TemplateProcessing that opens with a special token, as Llama 3's adds
+    <|begin_of_text|>); None if it adds none."""
+    processor = json.loads(tok_file.read_text()).get("post_processor") or {}
+    steps = (
+        processor.get("processors", [processor])
+        if processor.get("type") == "Sequence"
+        else [processor]
+    )
+    for step in steps:
+        if step.get("type") != "TemplateProcessing":
+            continue
+        first = (step.get("single") or [{}])[0]
+        if "SpecialToken" in first:
+            return backend.token_to_id(first["SpecialToken"]["id"])
+    return None
+
+
+def _tojson(value: Any, indent: int | None = None, **options: Any) -> str:
+    """Hugging Face's `tojson` for chat templates: non-ASCII kept, no HTML escaping."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, **options)

@@ -83,4 +83,4 @@ def hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+        return hf_model(torch.tensor([ids])).logits[0, -1].float().numpy()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from configs import ConfigError, EngineConfig, ModelConfig, list_presets, load_preset
+from configs.model import RopeScaling
 
 BASE = dict(
     name="t",
@@ -124,14 +127,77 @@ def test_engine_config_names_the_bad_field(change, message):
         EngineConfig(**change)
 
 
-def test_hf_config_with_scaled_rope_is_refused():
-    hf = {
-        "vocab_size": 10,
-        "hidden_size": 8,
-        "intermediate_size": 16,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0},
-    }
-    with pytest.raises(ConfigError, match="rope_type='llama3' is not supported"):
-        ModelConfig.from_hf(hf)
+HF_BASE = {
+    "model_type": "llama",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"rope_parameters": {"rope_theta": 5e5, **LLAMA3_SCALING}},  # transformers 5
+        {"rope_theta": 5e5, "rope_scaling": LLAMA3_SCALING},  # Meta's files
+    ],
+    ids=["rope_parameters", "rope_scaling"],
+)
+def test_llama3_rope_scaling_is_read_from_both_layouts(layout):
+    cfg = ModelConfig.from_hf({**HF_BASE, **layout})
+    assert cfg.rope_theta == 5e5
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg  # as checkpoints store it
+
+
+def test_linear_rope_scaling_and_the_families():
+    linear = ModelConfig.from_hf({**HF_BASE, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.rope_scaling == RopeScaling("linear", 2.0)
+    qwen = ModelConfig.from_hf({**HF_BASE, "model_type": "qwen2", "use_sliding_window": False,
+                                "sliding_window": 8})  # fmt: skip
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.mlp_bias, qwen.sliding_window) == (
+        True, False, False, None,
+    )  # fmt: skip
+    mistral = ModelConfig.from_hf({**HF_BASE, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.sliding_window == 4096 and not mistral.qkv_bias
+    biased = ModelConfig.from_hf(
+        {**HF_BASE, "attention_bias": True, "mlp_bias": True, "head_dim": 6}
+    )
+    assert (biased.qkv_bias, biased.o_bias, biased.mlp_bias, biased.q_size) == (True,) * 3 + (12,)
+    no_type = {k: v for k, v in HF_BASE.items() if k != "model_type"}
+    assert ModelConfig.from_hf({**no_type, "architectures": ["Qwen2ForCausalLM"]}).family == "qwen2"
+
+
+@pytest.mark.parametrize(
+    "change, names",
+    [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor=0.5"),
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method='gptq'"),
+    ],
+)  # fmt: skip
+def test_hf_configs_jlora_cannot_serve_are_refused_naming_the_field(change, names):
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        ModelConfig.from_hf({**HF_BASE, **change})
+
+
+def test_a_sliding_window_below_the_served_context_is_refused():
+    mistral = ModelConfig.from_hf({**HF_BASE, "model_type": "mistral", "sliding_window": 100,
+                                   "max_position_embeddings": 4096})  # fmt: skip
+    EngineConfig(max_seq_len=96, block_size=16).check_model(mistral)  # within: full attention
+    with pytest.raises(ConfigError, match="sliding_window=100 is below .*max_seq_len=128"):
+        EngineConfig(max_seq_len=128, block_size=16).check_model(mistral)

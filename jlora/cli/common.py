@@ -45,6 +45,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_served_model_name_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the base model's id in the APIs (default: --model as given, as vLLM's)",
+    )
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The base model's id: --served-model-name, else --model as the user gave it."""
+    return args.served_model_name or args.model
+
+
 def add_sharding_args(parser: argparse.ArgumentParser) -> None:
     """--sharding, --lora-sharding (read back with `sharding_config`), --layer-loop (the
     EngineConfig field of its name)."""

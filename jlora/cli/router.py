@@ -158,7 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="adapter paths resolve inside it and may not leave it (needed to register)",
     )
     adapters.add_argument(
-        "--model-name", help="the base model's id (default: the one the workers report)"
+        "--served-model-name",
+        "--model-name",
+        dest="model_name",
+        metavar="NAME",
+        help="the base model's id in the APIs (default: the one the workers report)",
     )
     parser.add_argument(
         "--drain-grace",

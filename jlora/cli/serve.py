@@ -35,11 +35,13 @@ from jlora.cli.common import (
     add_cache_args,
     add_lora_engine_args,
     add_model_args,
+    add_served_model_name_arg,
     add_sharding_args,
     add_warmup_arg,
     cache_config,
     lora_engine_config,
     resolve_dtype,
+    served_model_name,
     sharding_config,
 )
 
@@ -51,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve", help="serve the model over gRPC (one worker)", description=__doc__.splitlines()[0]
     )
     add_model_args(parser)
+    add_served_model_name_arg(parser)
     add_sharding_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     add_api_key_arg(parser)
@@ -282,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     from configs import EngineConfig
     from jlora.contract.auth import resolve_api_key
     from jlora.device.llama_engine import LlamaEngine
+    from jlora.engine.api import SamplingParams
     from jlora.engine.device_api import DeviceEngine
     from jlora.engine.orchestrator import Orchestrator
     from jlora.model.loading import load_model
@@ -333,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             metrics_port=args.metrics_port,
             tokenizer=loaded.tokenizer,
-            model_name=Path(args.model).name,
+            model_name=served_model_name(args),
+            sampling_defaults=SamplingParams(**loaded.generation),
             max_queue=args.max_queue,
             adapters_dir=args.adapters_dir,
             api_key=resolve_api_key(args.api_key),

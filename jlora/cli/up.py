@@ -37,10 +37,12 @@ from jlora.cli.common import (
     add_cache_args,
     add_lora_engine_args,
     add_model_args,
+    add_served_model_name_arg,
     add_sharding_args,
     add_warmup_arg,
     cache_flags,
     model_config,
+    served_model_name,
     sharding_flags,
 )
 from jlora.cli.router import add_migration_args, migration_config
@@ -61,6 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "up", help="start a router and N local workers", description=__doc__.splitlines()[0]
     )
     add_model_args(parser)
+    add_served_model_name_arg(parser)
     add_sharding_args(parser)
     parser.add_argument("--workers", type=int, default=1, help="local workers (default 1)")
     parser.add_argument(
@@ -124,6 +127,7 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
         "--warmup", args.warmup,
     ]  # fmt: skip
     command += sharding_flags(args) + cache_flags(args)
+    command += ["--served-model-name", served_model_name(args)]
     if args.max_loras is not None:
         command += ["--max-loras", str(args.max_loras)]
     if adapters_dir is not None:
@@ -225,14 +229,14 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile,
             registry=args.state_dir / "registry.sqlite",
             adapters_dir=adapters_dir,
-            model_name=Path(args.model).name,
+            model_name=served_model_name(args),
             api_key=api_key,
             migration=migration,
         )
         print(
             f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
             f"on http://{args.host}:{router.http_port}/v1 (models: "
-            f"{', '.join([Path(args.model).name, *names])}; workers: "
+            f"{', '.join([served_model_name(args), *names])}; workers: "
             f"{', '.join(f'{args.host}:{port}' for port in ports)}); Ctrl-C stops",
             file=sys.stderr,
             flush=True,

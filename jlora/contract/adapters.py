@@ -64,18 +64,21 @@ class AdapterError(InvalidRequest):
 def canonical_targets(names: Iterable[str]) -> tuple[str, ...]:
     """The target projections `names` denote, in `TARGETS` order, without repeats.
 
-    Accepted: a projection name ("q_proj") or its module-qualified suffix
-    ("self_attn.q_proj"), the two forms PEFT matches on every layer.
+    Accepted: a projection name ("q_proj") or a module path ending in its module and name
+    ("self_attn.q_proj", or "model.layers.3.self_attn.q_proj" as PEFT writes "all-linear"
+    out, one name per layer). Whether the adapter holds every layer of each target is
+    its tensors' business (`jlora.contract.peft.check_tensor_names`).
     """
     if isinstance(names, str):
         raise AdapterError(f"{names!r} is a string; expected a list of target module names")
     found = set()
     for name in names:
         target = name.rsplit(".", 1)[-1] if isinstance(name, str) else None
-        if target not in MODULE_OF or name not in (target, f"{MODULE_OF[target]}.{target}"):
+        qualified = target in MODULE_OF and name.endswith(f"{MODULE_OF[target]}.{target}")
+        if target not in MODULE_OF or not (name == target or qualified):
             raise AdapterError(
                 f"target module {name!r} is not supported; supported: {', '.join(TARGETS)} "
-                "(lm_head, embed_tokens, layer-specific names and regular expressions are not)"
+                "(lm_head, embed_tokens and regular expressions are not)"
             )
         found.add(target)
     if not found:

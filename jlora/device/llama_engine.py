@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import ConfigError, EngineConfig, ModelConfig, bucket
+from configs import EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
 from jlora.adapters.store import HostStore
 from jlora.contract.adapters import Adapter
@@ -101,11 +101,7 @@ class LlamaEngine(DeviceEngine):
         engine_config: EngineConfig,
     ) -> None:
         cfg = engine_config
-        if cfg.max_seq_len > model_config.max_context:
-            raise ConfigError(
-                f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the model's context "
-                f"length {model_config.max_context}"
-            )
+        cfg.check_model(model_config)
         self.config = cfg
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size

@@ -20,7 +20,7 @@ import numpy as np
 from configs import ModelConfig
 from jlora.model.gguf_format import GGUFFormatError, read_gguf
 from jlora.model.llama import Params
-from jlora.model.weights import LAYER_TENSORS, Progress, WeightsError, assemble_params
+from jlora.model.weights import LAYER_MODULES, Progress, WeightsError, assemble_params
 
 # Hugging Face layer tensor -> GGUF tensor name inside `blk.{i}.`
 _GGUF_LAYER = {
@@ -34,7 +34,7 @@ _GGUF_LAYER = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-assert set(_GGUF_LAYER) == set(LAYER_TENSORS.values())
+assert set(_GGUF_LAYER) == set(LAYER_MODULES.values())
 
 # ggml block formats dequantized here: type -> (values per block, bytes per block)
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
@@ -86,7 +86,16 @@ class GGUFFile:
     def config(self, name: str = "") -> ModelConfig:
         arch = self.field("general.architecture")
         if arch != "llama":
-            raise WeightsError(f"{self.path}: general.architecture={arch!r} is not 'llama'")
+            raise WeightsError(
+                f"{self.path}: general.architecture={arch!r} is not supported in a GGUF file "
+                "(only 'llama'): serve the model's Hugging Face directory instead"
+            )
+        if "rope_freqs.weight" in self._tensors:
+            raise WeightsError(
+                f"{self.path}: tensor rope_freqs.weight (Llama 3.1's scaled RoPE as llama.cpp "
+                "stores it) is not supported in a GGUF file: serve the model's Hugging Face "
+                "directory, whose rope_scaling jlora reads"
+            )
         heads = int(self.field("llama.attention.head_count"))
         vocab = self.fields.get("llama.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
         return ModelConfig(

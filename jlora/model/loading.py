@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 from jax.typing import DTypeLike
@@ -23,6 +24,9 @@ from jlora.model.sharding import TensorParallel
 from jlora.model.weights import Progress, WeightsError, load_safetensors_dir
 from jlora.tokenizer import Tokenizer
 
+# generation_config.json's sampling fields a server takes as its defaults (vLLM's).
+GENERATION_FIELDS = ("temperature", "top_p", "top_k")
+
 
 @dataclasses.dataclass
 class LoadedModel:
@@ -30,6 +34,9 @@ class LoadedModel:
     params: Params
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
+    # The model's default sampling (a Hugging Face directory's generation_config.json:
+    # temperature, top_p, top_k; none where it samples greedily, do_sample false).
+    generation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.config.vocab_size:
@@ -66,7 +73,8 @@ def load_model(
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)
         params = load_safetensors_dir(path, config, dtype, progress)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-        return LoadedModel(config, params, tokenizer, f"Hugging Face directory {path}")
+        source = f"Hugging Face directory {path}"
+        return LoadedModel(config, params, tokenizer, source, generation_defaults(path))
     if path.exists():
         raise WeightsError(
             f"model path {spec!r} is neither a .gguf file, a Hugging Face directory "
@@ -88,8 +96,9 @@ def _load_gguf(
             f"{path}: GGUF metadata disagrees with preset {expected.name} "
             f"(field: (gguf, preset)) {diff}"
         )
+    tokenizer = Tokenizer.from_gguf_fields(gguf_file.fields)  # refused before any weight is read
     params = gguf_file.params(config, dtype, progress)
-    return LoadedModel(config, params, Tokenizer.from_gguf_fields(gguf_file.fields), f"GGUF {path}")
+    return LoadedModel(config, params, tokenizer, f"GGUF {path}")
 
 
 def _config_diff(actual: ModelConfig, expected: ModelConfig) -> dict[str, tuple]:
@@ -111,3 +120,18 @@ def _load_preset(name: str, dtype: jnp.dtype, progress: Progress | None) -> Load
     return LoadedModel(
         preset.config, params, None, f"preset {name} (random weights, seed {preset.weights.seed})"
     )
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """The sampling fields of `path/generation_config.json` (GENERATION_FIELDS) that are
+    set; none where it is absent or decodes greedily (do_sample false)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{file}: cannot read it as JSON ({err})") from err
+    if not isinstance(config, dict) or config.get("do_sample") is False:
+        return {}
+    return {field: config[field] for field in GENERATION_FIELDS if config.get(field) is not None}

@@ -49,9 +49,20 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("layers", "gate_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "up_proj", "kernel"): ("layers", "embed", "mlp"),
     ("layers", "down_proj", "kernel"): ("layers", "mlp", "embed"),
+    # Biases (ModelConfig.qkv_bias, o_bias, mlp_bias): a column-parallel projection's
+    # split like its output, a row-parallel one's whole on every device.
+    ("layers", "q_proj", "bias"): ("layers", "heads"),
+    ("layers", "k_proj", "bias"): ("layers", "kv_heads"),
+    ("layers", "v_proj", "bias"): ("layers", "kv_heads"),
+    ("layers", "o_proj_bias", "bias"): ("layers", "embed"),
+    ("layers", "gate_proj", "bias"): ("layers", "mlp"),
+    ("layers", "up_proj", "bias"): ("layers", "mlp"),
+    ("layers", "down_proj_bias", "bias"): ("layers", "embed"),
     ("final_norm", "scale"): ("embed",),
     ("lm_head", "kernel"): ("embed", "vocab"),
 }
+# The leaves of k_proj and v_proj whose columns are KV heads (replicated past them).
+KV_LEAVES = ("kernel", "bias")
 # The KV cache: [layers, blocks, block_size, kv_heads, head_dim].
 KV_AXES = ("layers", None, None, "kv_heads", None)
 # Each LoRA target's (input, output) logical axes: those of its base kernel.
@@ -261,7 +272,7 @@ class TensorParallel:
         if self.padded_vocab != self.config.vocab_size:
             paths += [("embed", "embedding"), ("lm_head", "kernel")]
         if self.kv_replicas > 1:
-            paths += [("layers", "k_proj", "kernel"), ("layers", "v_proj", "kernel")]
+            paths += [("layers", name, leaf) for name in ("k_proj", "v_proj") for leaf in KV_LEAVES]
         return paths
 
     def place_params(self, params: Any) -> Any:
@@ -285,7 +296,7 @@ class TensorParallel:
         if self.kv_replicas > 1:
             layers = dict(params["layers"])
             for name in ("k_proj", "v_proj"):
-                layers[name] = {"kernel": self.expand_kv(layers[name]["kernel"])}
+                layers[name] = {leaf: self.expand_kv(w) for leaf, w in layers[name].items()}
             params["layers"] = layers
         return params
 

@@ -1,18 +1,29 @@
 """Assemble the parameter pytree from named PyTorch-layout tensors.
 
 Every loader (GGUF, Hugging Face safetensors) reduces to a function
-`tensor(name) -> np.ndarray` in PyTorch layout (`[out, in]` for linear weights)
-under Hugging Face Llama names; this module checks each shape against the model
-config, transposes linear weights to Flax's `[in, out]`, stacks the layers and
-casts to the serving dtype.
+`tensor(name) -> np.ndarray` in PyTorch layout (`[out, in]` for linear weights) under
+Hugging Face Llama names; this module checks each shape against the model config,
+transposes linear weights to Flax's `[in, out]`, stacks the layers and casts to the
+serving dtype.
+
+Memory: the pytree is built one parameter at a time (all layers of one projection),
+straight in the serving dtype, and moved to the device before the next: a bf16
+checkpoint served in bf16 is never widened, and the host holds at most the device's
+copy plus one parameter's stack and one layer's tensor as read. A safetensors tensor is
+read with `os.pread` into a buffer of its own (not through a memory map, whose pages
+would stay resident beside the copy).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from configs import ModelConfig
@@ -23,18 +34,22 @@ class WeightsError(ValueError):
     """A weight file is missing, malformed, or does not fit the model config."""
 
 
-# our layer parameter -> Hugging Face name inside `model.layers.{i}.`
-LAYER_TENSORS = {
+# Our layer modules -> the Hugging Face module inside `model.layers.{i}.` they load from.
+LAYER_MODULES = {
     "attn_norm": "input_layernorm",
     "q_proj": "self_attn.q_proj",
     "k_proj": "self_attn.k_proj",
     "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj",
+    "o_proj_bias": "self_attn.o_proj",
     "mlp_norm": "post_attention_layernorm",
     "gate_proj": "mlp.gate_proj",
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
+    "down_proj_bias": "mlp.down_proj",
 }
+# Our leaf -> the Hugging Face tensor's suffix, and whether it is transposed.
+LEAVES = {"kernel": ("weight", True), "scale": ("weight", False), "bias": ("bias", False)}
 
 TensorFn = Callable[[str], np.ndarray]  # HF tensor name (with ".weight") -> array
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all), after each tensor
@@ -45,78 +60,154 @@ def assemble_params(
 ) -> Params:
     """Build `Params` from `tensor(hf_name)`; raise WeightsError naming a bad tensor."""
     shapes = Llama(config, dtype).param_shapes()
-    total = 2 + ("lm_head" in shapes) + len(LAYER_TENSORS) * config.num_layers
+    host_dtype = np.dtype(dtype)
+    layer_leaves = [
+        (module, leaf) for module, leaves in shapes["layers"].items() for leaf in leaves
+    ]
+    total = 2 + ("lm_head" in shapes) + len(layer_leaves) * config.num_layers
     done = 0
 
-    def fetch(name: str, expected: tuple[int, ...], transpose: bool) -> np.ndarray:
-        """The tensor in Flax layout; `expected` is that layout's shape."""
+    def fetch(name: str, expected: tuple[int, ...], transpose: bool, out: np.ndarray) -> None:
+        """Write tensor `name` into `out` (the Flax layout, `expected`), in its dtype."""
         nonlocal done
-        array = np.asarray(tensor(name), dtype=np.float32)
-        done += 1
-        if progress is not None:
-            progress(done, total)
+        array = tensor(name)
         torch_shape = tuple(reversed(expected)) if transpose else tuple(expected)
         if array.shape != torch_shape:
             raise WeightsError(
                 f"tensor {name}: shape {array.shape} does not match the config "
                 f"(expected {torch_shape})"
             )
-        return array.T if transpose else array
+        out[...] = array.T if transpose else array  # cast as it is written
+        done += 1
+        if progress is not None:
+            progress(done, total)
 
-    def to_device(array: np.ndarray) -> jax.Array:
-        return jnp.asarray(array, dtype=dtype)
+    def single(name: str, shape: tuple[int, ...], transpose: bool) -> jax.Array:
+        out = np.empty(shape, host_dtype)
+        fetch(name, shape, transpose, out)
+        return jnp.asarray(out)
 
     params: Params = {
         "embed": {
-            "embedding": to_device(
-                fetch("model.embed_tokens.weight", shapes["embed"]["embedding"].shape, False)
+            "embedding": single(
+                "model.embed_tokens.weight", shapes["embed"]["embedding"].shape, False
             )
         },
         "final_norm": {
-            "scale": to_device(
-                fetch("model.norm.weight", shapes["final_norm"]["scale"].shape, False)
-            )
+            "scale": single("model.norm.weight", shapes["final_norm"]["scale"].shape, False)
         },
         "layers": {},
     }
     if "lm_head" in shapes:
         params["lm_head"] = {
-            "kernel": to_device(fetch("lm_head.weight", shapes["lm_head"]["kernel"].shape, True))
+            "kernel": single("lm_head.weight", shapes["lm_head"]["kernel"].shape, True)
         }
-    for ours, hf in LAYER_TENSORS.items():
-        leaf = "scale" if ours.endswith("norm") else "kernel"
-        per_layer_shape = shapes["layers"][ours][leaf].shape[1:]
-        stacked = np.stack(
-            [
-                fetch(f"model.layers.{i}.{hf}.weight", per_layer_shape, leaf == "kernel")
-                for i in range(config.num_layers)
-            ]
-        )
-        params["layers"][ours] = {leaf: to_device(stacked)}
+    for module, leaf in layer_leaves:
+        shape = shapes["layers"][module][leaf].shape
+        suffix, transpose = LEAVES[leaf]
+        stacked = np.empty(shape, host_dtype)
+        for i in range(config.num_layers):
+            name = f"model.layers.{i}.{LAYER_MODULES[module]}.{suffix}"
+            fetch(name, shape[1:], transpose, stacked[i])
+        params["layers"].setdefault(module, {})[leaf] = jnp.asarray(stacked)
+        del stacked
     return params
 
 
-def load_safetensors_dir(
-    path, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
-) -> Params:
-    """A Hugging Face model directory: one or more `*.safetensors` files."""
-    from safetensors import SafetensorError, safe_open
+# -- safetensors ----------------------------------------------------------------------
 
+# The safetensors dtypes served (read into the serving dtype); any other (I8, F8_*, ...) is
+# a quantized or foreign format, refused naming the tensor.
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class SafetensorsFile:
+    """One `.safetensors` file: its header read once, each tensor read on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as stream:
+                length = int.from_bytes(stream.read(8), "little")
+                if not 0 < length <= size - 8:
+                    raise self._error(f"its header length {length} runs past the end of the file")
+                header = json.loads(stream.read(length))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise self._error(str(err)) from err
+        if not isinstance(header, dict):
+            raise self._error("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        self._start = 8 + length
+        for name, entry in header.items():
+            try:
+                begin, end = entry["data_offsets"]
+                shape = [int(n) for n in entry["shape"]]
+            except (TypeError, KeyError, ValueError):
+                raise self._error(f"tensor {name} has a malformed entry {entry!r}") from None
+            if not 0 <= begin <= end <= size - self._start or min(shape, default=0) < 0:
+                raise self._error(f"tensor {name} runs past the end of the file")
+        self.entries: dict[str, dict] = header
+
+    def _error(self, why: str) -> WeightsError:
+        return WeightsError(f"{self.path}: cannot read safetensors ({why})")
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name`, in its stored dtype, in a buffer of its own."""
+        entry = self.entries[name]
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _DTYPES:
+            raise WeightsError(
+                f"{self.path}: tensor {name} has dtype {dtype}; served are "
+                f"{', '.join(_DTYPES)} (quantized weights are not supported)"
+            )
+        array = np.empty(shape, _DTYPES[dtype])
+        if array.nbytes != end - begin:
+            raise WeightsError(f"{self.path}: tensor {name}: {dtype}{shape} in {end - begin} bytes")
+        view = memoryview(array.reshape(-1).view(np.uint8).data)
+        with self.path.open("rb", buffering=0) as stream:
+            fd, offset, read = stream.fileno(), self._start + begin, 0
+            while read < array.nbytes:
+                got = os.preadv(fd, [view[read:]], offset + read)
+                if got <= 0:
+                    raise WeightsError(f"{self.path}: tensor {name} runs past the end of the file")
+                read += got
+        return array
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face directory: those its index names (a sharded
+    checkpoint, `model-0000N-of-0000M.safetensors`), else every `*.safetensors`."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise WeightsError(f"{index}: cannot read its weight_map ({err})") from err
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightsError(f"{index} names {missing}, which {path} does not hold")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{path}: no *.safetensors files")
-    where: dict[str, object] = {}
-    try:
-        handles = [safe_open(str(f), framework="numpy") for f in files]
-    except (SafetensorError, OSError) as err:
-        raise WeightsError(f"{path}: cannot read safetensors ({err})") from err
-    for handle in handles:
-        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            where[key] = handle
+    return files
+
+
+def load_safetensors_dir(
+    path: Path, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
+) -> Params:
+    """A Hugging Face model directory: one or more `*.safetensors` files."""
+    where: dict[str, SafetensorsFile] = {}
+    for file in safetensors_files(path):
+        reader = SafetensorsFile(file)
+        where.update(dict.fromkeys(reader.entries, reader))
 
     def tensor(name: str) -> np.ndarray:
         if name not in where:
             raise WeightsError(f"{path}: tensor {name} is missing")
-        return where[name].get_tensor(name)  # type: ignore[attr-defined]
+        return where[name].read(name)
 
     return assemble_params(config, tensor, dtype, progress)

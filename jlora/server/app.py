@@ -49,6 +49,7 @@ from grpc_health.v1 import health, health_pb2
 from jlora.api import SERVICE_NAME
 from jlora.contract.grpc_server import start_server
 from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals, wait_awake
+from jlora.engine.api import SamplingParams
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server.convert import TextEncoder
 from jlora.server.metrics import Metrics
@@ -103,6 +104,7 @@ class WorkerServer:
         max_queue: int,
         adapters_dir: Path | None,
         api_key: str | None,
+        sampling_defaults: SamplingParams,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be non-negative")
@@ -125,6 +127,7 @@ class WorkerServer:
             model_name=model_name,
             max_queue=max_queue,
             adapters_dir=adapters_dir,
+            sampling_defaults=sampling_defaults,
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -249,6 +252,7 @@ def serve(
     max_queue: int = 64,
     adapters_dir: str | Path | None = None,
     api_key: str | None = None,
+    sampling_defaults: SamplingParams | None = None,
 ) -> WorkerServer:
     """Serve `engine` over gRPC and return once it listens.
 
@@ -257,8 +261,10 @@ def serve(
     only). `model_name` is the base model's id in Models (and as Generate's adapter, the
     base model). At most max_slots + `max_queue` Generate calls are in flight; more get
     RESOURCE_EXHAUSTED. With `adapters_dir`, RegisterAdapter paths resolve inside it and
-    may not leave it. `api_key`: required of every call but health and reflection. The
-    caller owns the engine: stop the server, then close it.
+    may not leave it. `api_key`: required of every call but health and reflection.
+    `sampling_defaults`: what a request's unset sampling fields take (the model's
+    generation_config, where it has one; `SamplingParams()` by default). The caller owns
+    the engine: stop the server, then close it.
     """
     return WorkerServer(
         engine,
@@ -270,4 +276,5 @@ def serve(
         max_queue=max_queue,
         adapters_dir=Path(adapters_dir) if adapters_dir is not None else None,
         api_key=api_key,
+        sampling_defaults=sampling_defaults or SamplingParams(),
     )

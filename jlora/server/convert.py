@@ -52,6 +52,7 @@ def to_request(
     max_seq_len: int,
     base_model: str,
     arrival_time: float,
+    defaults: SamplingParams,
 ) -> Request:
     if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         raise InvalidRequest(
@@ -59,7 +60,7 @@ def to_request(
             "printable characters",
             field="request_id",
         )
-    sampling = to_sampling(msg.sampling, max_seq_len=max_seq_len)
+    sampling = to_sampling(msg.sampling, max_seq_len=max_seq_len, defaults=defaults)
     adapter = msg.adapter or None
     if adapter == base_model:
         adapter = None
@@ -109,8 +110,10 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[
     return ids
 
 
-def to_sampling(msg: pb.SamplingParams, *, max_seq_len: int) -> SamplingParams:
-    defaults = SamplingParams()
+def to_sampling(
+    msg: pb.SamplingParams, *, max_seq_len: int, defaults: SamplingParams
+) -> SamplingParams:
+    """The engine's sampling of `msg`, an unset field taking `defaults`' value."""
     if msg.HasField("max_tokens") and msg.max_tokens > max_seq_len:
         raise InvalidRequest(
             f"max_tokens={msg.max_tokens} exceeds the context: this model serves at most "

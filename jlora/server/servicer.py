@@ -80,7 +80,7 @@ from jlora.contract.errors import (
     Unavailable,
 )
 from jlora.contract.metrics import failed_outcome
-from jlora.engine.api import ERROR, Request, SequenceState, TokenEvent
+from jlora.engine.api import ERROR, Request, SamplingParams, SequenceState, TokenEvent
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
 from jlora.server.metrics import Metrics
@@ -131,8 +131,10 @@ class JloraServicer(pb_grpc.JloraServicer):
         model_name: str,
         max_queue: int,
         adapters_dir: Path | None,
+        sampling_defaults: SamplingParams,
     ) -> None:
         self._scheduler = scheduler
+        self._sampling_defaults = sampling_defaults
         self._metrics = metrics
         self._tokenizer = tokenizer
         self.model_name = model_name
@@ -269,6 +271,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             max_seq_len=self.max_seq_len,
             base_model=self.model_name,
             arrival_time=arrival,
+            defaults=self._sampling_defaults,
         )
         if request.WhichOneof("prompt") in ("text", "chat"):
             # Tokenizing takes seconds for a long prompt (2 s for 3 MB): on a worker
