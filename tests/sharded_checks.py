@@ -13,9 +13,10 @@ and reads one JSON object per case from stdout. A case is `kind:arg:arg...`:
   cache and of the adapter slots, and the whole arrays' bytes;
 - `hlo:MODEL:PRESET:SCHEME`: the collectives in the compiled decode step, with and
   without LoRA;
-- `restore:MODEL:PRESET`: a `jlora convert` checkpoint restored straight into the
-  mesh's layout: each parameter's spec and per-device bytes as restored, and the
-  greedy tokens of an engine over it next to the single-device ones;
+- `restore:MODEL:PRESET:SOURCE`: a `jlora convert` checkpoint (SOURCE `checkpoint`) or
+  a Hugging Face directory (`hf`) loaded straight into the mesh's layout: each
+  parameter's spec and per-device bytes as loaded, and the greedy tokens of an engine
+  over it next to the single-device ones;
 - `packed:MODEL:PRESET:SCHEME:BACKEND`: four prompts of two adapters and the base model
   in one packed prefill (`prefill_many`) on the mesh, and one prefill each on one
   device: each prompt's greedy tokens;
@@ -50,24 +51,44 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 
 TINY_X3 = "tiny-x3"  # cpu-tiny widened so that three devices divide it (6 heads, 3 KV heads)
+# Llama 3's attention in small: 16 heads over 8 KV heads, llama3 RoPE scaling (acting past
+# 16 positions); with every bias (Qwen2's q/k/v, Llama's attention_bias and mlp_bias)
+# drawn non-zero, so that a bias split or added on the wrong side of the reduce shows.
+TINY_GQA8 = "tiny-gqa8"
+LLAMA3_ROPE = dict(type="llama3", factor=8.0, original_max_position_embeddings=16)
 
 
 @functools.cache
 def _load(model: str):
-    """A model preset, or TINY_X3 (random weights)."""
+    """A model preset, or TINY_X3 / TINY_GQA8 (random weights)."""
     import dataclasses
+
+    import jax
 
     from configs import load_preset
     from jlora.model.llama import Llama
     from jlora.model.loading import LoadedModel, load_model
 
-    if model != TINY_X3:
+    widened = {
+        TINY_X3: dict(hidden_size=96, intermediate_size=192, num_heads=6, num_kv_heads=3),
+        TINY_GQA8: dict(
+            hidden_size=128, intermediate_size=192, num_heads=16, num_kv_heads=8,
+            rope_theta=5e5, rope_scaling=LLAMA3_ROPE, qkv_bias=True, o_bias=True,
+            mlp_bias=True,
+        ),
+    }  # fmt: skip
+    if model not in widened:
         return load_model(model)
-    config = dataclasses.replace(
-        load_preset("cpu-tiny").config,
-        name=TINY_X3, hidden_size=96, intermediate_size=192, num_heads=6, num_kv_heads=3,
-    )  # fmt: skip
-    return LoadedModel(config, Llama(config).init_params(0), None, TINY_X3)
+    config = dataclasses.replace(load_preset("cpu-tiny").config, name=model, **widened[model])
+    params = Llama(config).init_params(0)
+    if model == TINY_GQA8:  # kernels of std 0.2 (not 0.02), so that attention matters
+        keys = iter(jax.random.split(jax.random.PRNGKey(1), 16))
+        for leaves in params["layers"].values():
+            if "kernel" in leaves:
+                leaves["kernel"] = 10 * leaves["kernel"]
+            if "bias" in leaves:
+                leaves["bias"] = 0.5 * jax.random.normal(next(keys), leaves["bias"].shape)
+    return LoadedModel(config, params, None, model)
 
 
 def _sharding(preset: str, scheme: str):
@@ -260,7 +281,52 @@ def hlo(model: str, preset: str, scheme: str) -> dict:
     return counts
 
 
-def restore(model: str, preset: str) -> dict:
+def _save_hf(loaded, path: Path) -> None:
+    """The model as a Hugging Face Llama directory (config.json, model.safetensors)."""
+    from safetensors.numpy import save_file
+
+    from jlora.model.weights import LAYER_MODULES, LEAVES
+
+    config = loaded.config
+    assert config.qkv_bias == config.o_bias, "Hugging Face's attention_bias is both"
+    hf = dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_context,
+        tie_word_embeddings=config.tie_embeddings, attention_bias=config.o_bias,
+        mlp_bias=config.mlp_bias,
+        rope_scaling=config.rope_scaling and {
+            "rope_type": config.rope_scaling.type, "factor": config.rope_scaling.factor,
+            "low_freq_factor": config.rope_scaling.low_freq_factor,
+            "high_freq_factor": config.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings":
+                config.rope_scaling.original_max_position_embeddings,
+        },
+    )  # fmt: skip
+    params = loaded.params
+    tensors = {
+        "model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+        "model.norm.weight": np.asarray(params["final_norm"]["scale"]),
+    }
+    if "lm_head" in params:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]["kernel"]).T)
+    for module, leaves in params["layers"].items():
+        for leaf, stacked in leaves.items():
+            suffix, transposed = LEAVES[leaf]
+            for i, array in enumerate(np.asarray(stacked)):
+                name = f"model.layers.{i}.{LAYER_MODULES[module]}.{suffix}"
+                tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def restore(model: str, preset: str, source: str) -> dict:
+    """`source`: "checkpoint" (`jlora convert`'s orbax) or "hf" (a Hugging Face
+    directory's safetensors)."""
     import jax
 
     from configs import load_sharding
@@ -270,13 +336,17 @@ def restore(model: str, preset: str) -> dict:
     from jlora.model.sharding import per_device_bytes
     from tests.engine_helpers import make_engine, run_to_completion
 
-    loaded = load_model(model)
-    prompts = [[5, 9, 2, 77], [400, 3, 3, 12, 8]]
+    loaded = _load(model)
+    prompts = [[5, 9, 2, 77], [400, 3, 3, 12, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp) / "ckpt", loaded.config, loaded.params, None, model)
+        stored = Path(tmp) / source
+        if source == "checkpoint":
+            save_checkpoint(stored, loaded.config, loaded.params, None, model)
+        else:
+            _save_hf(loaded, stored)
         sharding = load_sharding(preset)
-        restored = load_model(str(Path(tmp) / "ckpt"), sharding=sharding)
+        restored = load_model(str(stored), sharding=sharding)
         flat = jax.tree_util.tree_flatten_with_path(restored.params)[0]
         layout = {
             jax.tree_util.keystr(path): {

@@ -176,6 +176,96 @@ def test_a_peft_adapter_gives_pefts_logits(family, adapted, backend):
     engine.close()
 
 
+# name -> LoraConfig arguments: rsLoRA on the GQA-shaped q/k/v, and every projection.
+MIXED_ADAPTERS = {
+    "qkv-r4-rslora": dict(r=4, lora_alpha=8, use_rslora=True,
+                          target_modules=["q_proj", "k_proj", "v_proj"]),
+    "all-r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+}  # fmt: skip
+MIXED_ROWS = ["qkv-r4-rslora", None, "all-r8", "all-r8", None, "qkv-r4-rslora"]
+MIXED_LENGTHS = (5, 20, 9, 33, 12, 17)
+# backend, lora_mode: every backend, and the modes that load an adapter on demand, keep
+# it cached, or prefill its rows on CPU workers while it is in flight.
+MIXED_SERVING = [("reference", "ondemand"), ("reference", "cpu-assist"),
+                 ("bgmv", "cached"), ("mbgmv", "ondemand")]  # fmt: skip
+MIXED_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def mixed(family, tmp_path_factory):
+    """Both adapters saved by PEFT (A and B drawn at random), PEFT's model holding both,
+    and the prompts."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    name, hf, _ = family
+    root = tmp_path_factory.mktemp(f"{name}-mixed")
+    for seed, (adapter, options) in enumerate(MIXED_ADAPTERS.items()):
+        model = get_peft_model(copy.deepcopy(hf), LoraConfig(**options))
+        torch.manual_seed(10 + seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_" in param_name:  # A [r, in], B [out, r]: unit-scale products
+                    param.normal_(0.0, 1.0 / param.shape[1] ** 0.5)
+        model.save_pretrained(root / adapter)
+    names = list(MIXED_ADAPTERS)
+    peft = PeftModel.from_pretrained(copy.deepcopy(hf), root / names[0], adapter_name=names[0])
+    for adapter in names[1:]:
+        peft.load_adapter(root / adapter, adapter_name=adapter)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, SHAPES["vocab_size"], n).tolist() for n in MIXED_LENGTHS]
+    return root, peft.eval(), prompts
+
+
+@pytest.fixture(scope="module")
+def pefts_mixed_tokens(family, mixed):
+    """PEFT's greedy tokens, each row with its adapter (or none), one row at a time; each
+    adapter must change its rows' tokens."""
+    import torch
+
+    _, peft, prompts = mixed
+
+    def generate(prompt: list[int], adapter: str) -> list[int]:
+        with torch.no_grad():
+            out = peft.generate(
+                input_ids=torch.tensor([prompt]), adapter_names=[adapter],
+                max_new_tokens=MIXED_TOKENS, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    tokens = [generate(p, a or "__base__") for p, a in zip(prompts, MIXED_ROWS, strict=True)]
+    for prompt, adapter, row in zip(prompts, MIXED_ROWS, tokens, strict=True):
+        assert adapter is None or row != generate(prompt, "__base__"), adapter
+    return tokens
+
+
+@pytest.mark.parametrize(("backend", "lora_mode"), MIXED_SERVING)
+def test_adapters_batch_with_base_rows_and_each_other(
+    family, mixed, pefts_mixed_tokens, backend, lora_mode
+):
+    """Two adapters of different ranks and targets (one rsLoRA) and base rows in one
+    batch of four decode slots: each row's greedy tokens are PEFT's for its adapter."""
+    _, _, loaded = family
+    root, _, prompts = mixed
+    assisted = dict(emulated_link_gbps=0.001, cpu_workers=1) if lora_mode == "cpu-assist" else {}
+    engine = make_engine(
+        loaded, max_slots=4, max_seq_len=128, min_bucket=16, max_loras=2, max_lora_rank=8,
+        lora_backend=backend, lora_mode=lora_mode, **assisted,
+    )  # fmt: skip
+    for adapter in MIXED_ADAPTERS:
+        engine.register_adapter(adapter, str(root / adapter))
+    ours = run_to_completion(
+        engine, prompts, SamplingParams(max_tokens=MIXED_TOKENS, ignore_eos=True), MIXED_ROWS
+    )
+    if lora_mode == "cpu-assist":
+        assert engine.counters["assisted_prefills"] >= 1
+    engine.close()
+    assert [r["token_ids"] for r in ours] == pefts_mixed_tokens
+
+
 # -- a sharded bf16 checkpoint ------------------------------------------------------------
 
 
@@ -202,6 +292,19 @@ def test_a_sharded_bf16_checkpoint_loads_in_bf16_as_stored(tmp_path):
         np.float32,
         scope="model",
     )
+
+
+def test_loading_a_directory_shows_its_progress_on_stderr(tmp_path, capsys):
+    """The bar the CLI's commands show while reading a checkpoint's tensors: all of them."""
+    from jlora.cli.common import load_model_reporting
+
+    _hf_model("qwen2").save_pretrained(tmp_path, max_shard_size="100KB")
+    loaded = load_model_reporting(str(tmp_path), "float32")
+    tensors = (
+        2 + 12 * loaded.config.num_layers
+    )  # embed, norm; per layer 7 kernels, 3 biases, 2 norms
+    err = capsys.readouterr().err
+    assert f"loading {tmp_path}" in err and f"{tensors}/{tensors}" in err
 
 
 def test_a_quantized_tensor_is_refused_naming_it(tmp_path):

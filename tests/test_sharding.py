@@ -185,6 +185,10 @@ TOKEN_CASES = [  # model, preset, LoRA scheme, backend, lora_mode
     # Three devices: rank rows split in three (max rank 32: 11 each), whole pages.
     ("tiny-x3", "tp3", "fully-sharded", "reference", "ondemand"),
     ("tiny-x3", "tp3", "fully-sharded", "mbgmv", "ondemand"),
+    # Llama 3's 8 KV heads (with llama3 RoPE and every bias): 4 per device, then 2.
+    ("tiny-gqa8", "tp2", "follow-base", "reference", "ondemand"),
+    ("tiny-gqa8", "tp4", "fully-sharded", "reference", "ondemand"),
+    ("tiny-gqa8", "tp4", "follow-base", "mbgmv", "ondemand"),
     ("cpu-tiny", "tp2", "follow-base", "reference", "cpu-assist"),
     ("cpu-tiny", "tp4", "fully-sharded", "reference", "cpu-assist"),
 ]
@@ -198,9 +202,8 @@ def tiny_checks():
         "memory:cpu-tiny:tp4:fully-sharded",
         "hlo:cpu-tiny:tp2:follow-base",
         "hlo:cpu-tiny:tp2:fully-sharded",
-        "restore:cpu-tiny:tp2",
-        "restore:cpu-tiny:tp4",
     ]
+    cases += [f"restore:{':'.join(case)}" for case in RESTORES]
     cases += [f"transfer:cpu-tiny:tp2:{':'.join(case)}" for case in TRANSFER_CASES]
     return run_checks(*cases)
 
@@ -321,19 +324,36 @@ def test_follow_base_adds_no_collective_and_fully_sharded_exactly_its_own(tiny_c
     }
 
 
+BIASES = {  # tiny-gqa8's biases -> whether tp4 splits them (a row-parallel one is whole)
+    f"['layers']['{name}']['bias']": split
+    for name, split in (("q_proj", True), ("k_proj", True), ("v_proj", True),
+                        ("gate_proj", True), ("up_proj", True), ("o_proj_bias", False),
+                        ("down_proj_bias", False))
+}  # fmt: skip
+RESTORES = [("cpu-tiny", "tp2", "checkpoint"), ("cpu-tiny", "tp4", "checkpoint"),
+            ("cpu-tiny", "tp4", "hf"), ("tiny-gqa8", "tp4", "hf")]  # fmt: skip
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("preset", ["tp2", "tp4"])
-def test_a_checkpoint_restores_straight_into_the_mesh(tiny_checks, preset):
-    """`jlora convert` output read by each device's shards alone: the restored params
-    already carry their final split (tp4 widens k/v for its replicated KV heads, so those
-    two come back whole and are split when placed), and the engine's tokens are right."""
-    result = tiny_checks[f"restore:cpu-tiny:{preset}"]
+@pytest.mark.parametrize("case", RESTORES, ids=["-".join(case) for case in RESTORES])
+def test_weights_load_straight_into_the_mesh(tiny_checks, case):
+    """`jlora convert` output read by each device's shards alone, and a Hugging Face
+    directory each device of which receives only its shards: the loaded params already
+    carry their final split (cpu-tiny's 2 KV heads on tp4 are widened, so k/v come back
+    whole and are split when placed; tiny-gqa8's 8 divide), and the engine's tokens are
+    right."""
+    model, preset, source = case
+    result = tiny_checks[f"restore:{':'.join(case)}"]
     assert result["sharded"] == result["single"]
     size = int(preset[2:])
     widened = {"['layers']['k_proj']['kernel']", "['layers']['v_proj']['kernel']"}
-    for name, dim in SPLIT.items():
+    splits = {name: dim is not None for name, dim in SPLIT.items()}
+    if model == "tiny-gqa8":
+        splits |= BIASES
+    assert set(result["layout"]) == set(splits)
+    for name, split in splits.items():
         entry = result["layout"][name]
-        split = dim is not None and not (preset == "tp4" and name in widened)
+        split = split and not (model == "cpu-tiny" and preset == "tp4" and name in widened)
         share = entry["whole"] // size if split else entry["whole"]
         assert entry["per_device"] == [share] * size, name
 

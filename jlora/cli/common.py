@@ -387,3 +387,27 @@ def model_config(spec: str):
     from jlora.model.loading import load_model
 
     return load_model(spec).config
+
+
+def load_model_reporting(spec: str, dtype: str, sharding=None):
+    """`load_model`, with a progress bar of the tensors read on stderr (a GGUF or Hugging
+    Face file's; a preset's random weights or an orbax checkpoint read none)."""
+    import sys
+
+    from tqdm import tqdm
+
+    from jlora.model.loading import load_model
+
+    bar: tqdm | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(desc=f"loading {spec}", total=total, unit="tensor", file=sys.stderr)
+        bar.update(done - bar.n)
+
+    try:
+        return load_model(spec, resolve_dtype(dtype), progress, sharding)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jlora.cli.common import UsageError, add_model_args, resolve_dtype
+from jlora.cli.common import UsageError, add_model_args, load_model_reporting, resolve_dtype
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -25,18 +25,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: directory exists and is not empty")
     dtype = resolve_dtype(args.dtype)
 
-    from tqdm import tqdm
-
     from jlora.model.checkpoint import save_checkpoint
-    from jlora.model.loading import load_model
 
-    with tqdm(desc=f"reading {args.model}", unit="tensor", file=sys.stderr) as bar:
-
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
-        loaded = load_model(args.model, dtype, progress)
+    loaded = load_model_reporting(args.model, args.dtype)
     print(f"writing {args.out}", file=sys.stderr)
     save_checkpoint(args.out, loaded.config, loaded.params, loaded.tokenizer, loaded.source)
     print(f"wrote {args.out} ({loaded.config.name}, {dtype}) from {loaded.source}", file=sys.stderr)

@@ -39,6 +39,7 @@ from jlora.cli.common import (
     add_model_args,
     add_sharding_args,
     cache_config,
+    load_model_reporting,
     lora_engine_config,
     resolve_dtype,
     sharding_config,
@@ -260,7 +261,6 @@ def _load(
     from configs import EngineConfig
     from jlora.contract.peft import read_adapter_config
     from jlora.device.llama_engine import build_engine
-    from jlora.model.loading import load_model
 
     specs = [read_adapter_config(path) for _, path in adapters.values()]  # fail before loading
     lora: dict[str, Any] = {}
@@ -272,7 +272,7 @@ def _load(
             **lora_engine_config(args),
         }
     sharding = sharding_config(args)
-    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
+    loaded = load_model_reporting(args.model, args.dtype, sharding)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         raise UsageError(

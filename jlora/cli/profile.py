@@ -27,6 +27,7 @@ from jlora.cli.common import (
     UsageError,
     add_model_args,
     add_sharding_args,
+    load_model_reporting,
     resolve_dtype,
     sharding_config,
 )
@@ -85,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from jlora.adapters.peft import make_demo_adapters
     from jlora.device.llama_engine import build_engine
     from jlora.engine.api import Request, SamplingParams
-    from jlora.model.loading import load_model
     from router.perf_model import PerfProfile, fit
 
-    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
+    loaded = load_model_reporting(args.model, args.dtype, sharding)
     longest = max(prompt_lens) + args.repeats + 2
     max_seq_len = -(-longest // 16) * 16
     if max_seq_len > loaded.config.max_context:

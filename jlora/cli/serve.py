@@ -39,6 +39,7 @@ from jlora.cli.common import (
     add_sharding_args,
     add_warmup_arg,
     cache_config,
+    load_model_reporting,
     lora_engine_config,
     resolve_dtype,
     served_model_name,
@@ -288,10 +289,9 @@ def run(args: argparse.Namespace) -> int:
     from jlora.engine.api import SamplingParams
     from jlora.engine.device_api import DeviceEngine
     from jlora.engine.orchestrator import Orchestrator
-    from jlora.model.loading import load_model
     from jlora.server import serve
 
-    loaded = load_model(args.model, resolve_dtype(args.dtype), sharding=sharding)
+    loaded = load_model_reporting(args.model, args.dtype, sharding)
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
     config = EngineConfig(
         dtype=resolve_dtype(args.dtype),

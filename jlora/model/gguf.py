@@ -20,7 +20,14 @@ import numpy as np
 from configs import ModelConfig
 from jlora.model.gguf_format import GGUFFormatError, read_gguf
 from jlora.model.llama import Params
-from jlora.model.weights import LAYER_MODULES, Progress, WeightsError, assemble_params
+from jlora.model.weights import (
+    LAYER_MODULES,
+    Progress,
+    Put,
+    WeightsError,
+    assemble_params,
+    default_device,
+)
 
 # Hugging Face layer tensor -> GGUF tensor name inside `blk.{i}.`
 _GGUF_LAYER = {
@@ -133,7 +140,11 @@ class GGUFFile:
         return np.asarray(array, dtype=np.float32).reshape(info.shape)
 
     def params(
-        self, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype,
+        progress: Progress | None = None,
+        put: Put = default_device,
     ) -> Params:
         def tensor(hf_name: str) -> np.ndarray:
             if hf_name == "model.embed_tokens.weight":
@@ -150,7 +161,7 @@ class GGUFFile:
                 return unpermute_rope_rows(array, config.num_kv_heads)
             return array
 
-        return assemble_params(config, tensor, dtype, progress)
+        return assemble_params(config, tensor, dtype, progress, put)
 
 
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from jlora.model import checkpoint
 from jlora.model.gguf import GGUFFile
 from jlora.model.llama import Llama, Params
 from jlora.model.sharding import TensorParallel
-from jlora.model.weights import Progress, WeightsError, load_safetensors_dir
+from jlora.model.weights import Progress, Put, WeightsError, default_device, load_safetensors_dir
 from jlora.tokenizer import Tokenizer
 
 # generation_config.json's sampling fields a server takes as its defaults (vLLM's).
@@ -53,14 +54,22 @@ def load_model(
     sharding: ShardingConfig | None = None,
 ) -> LoadedModel:
     """`progress(done, total)` is called after each tensor read from a GGUF or HF file.
-    With `sharding`, a checkpoint is restored straight into the mesh's layout (each
-    process reading only its shards); other formats are read whole and split later."""
+    With `sharding`, every parameter goes straight to the mesh's layout as it is read:
+    a checkpoint's each process restores only its shards; a GGUF or Hugging Face file's
+    each device receives only its shard. (A preset's random weights are drawn on one
+    device and split later.)"""
     dtype = jnp.dtype(serving_dtype)
+
+    def put(config: ModelConfig) -> Put:
+        if sharding is None:
+            return default_device
+        return TensorParallel.build(config, sharding).put_stored
+
     if spec in list_presets():
-        return _load_preset(spec, dtype, progress)
+        return _load_preset(spec, dtype, progress, put)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, progress)
+        return _load_gguf(path, dtype, progress, put)
     if path.is_dir() and checkpoint.is_checkpoint(path):
         shardings = None
         if sharding is not None:
@@ -71,7 +80,7 @@ def load_model(
         return LoadedModel(config, params, tokenizer, f"orbax checkpoint {path}")
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)
-        params = load_safetensors_dir(path, config, dtype, progress)
+        params = load_safetensors_dir(path, config, dtype, progress, put(config))
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         source = f"Hugging Face directory {path}"
         return LoadedModel(config, params, tokenizer, source, generation_defaults(path))
@@ -86,7 +95,11 @@ def load_model(
 
 
 def _load_gguf(
-    path: Path, dtype: jnp.dtype, progress: Progress | None, expected: ModelConfig | None = None
+    path: Path,
+    dtype: jnp.dtype,
+    progress: Progress | None,
+    put: Callable[[ModelConfig], Put],
+    expected: ModelConfig | None = None,
 ) -> LoadedModel:
     gguf_file = GGUFFile(path)
     config = gguf_file.config(expected.name if expected else "")
@@ -97,7 +110,7 @@ def _load_gguf(
             f"(field: (gguf, preset)) {diff}"
         )
     tokenizer = Tokenizer.from_gguf_fields(gguf_file.fields)  # refused before any weight is read
-    params = gguf_file.params(config, dtype, progress)
+    params = gguf_file.params(config, dtype, progress, put(config))
     return LoadedModel(config, params, tokenizer, f"GGUF {path}")
 
 
@@ -112,10 +125,13 @@ def _config_diff(actual: ModelConfig, expected: ModelConfig) -> dict[str, tuple]
     return diff
 
 
-def _load_preset(name: str, dtype: jnp.dtype, progress: Progress | None) -> LoadedModel:
+def _load_preset(
+    name: str, dtype: jnp.dtype, progress: Progress | None, put: Callable[[ModelConfig], Put]
+) -> LoadedModel:
     preset = load_preset(name)
     if preset.weights.format == "gguf":
-        return _load_gguf(preset.weights.resolve_path(), dtype, progress, expected=preset.config)
+        path = preset.weights.resolve_path()
+        return _load_gguf(path, dtype, progress, put, expected=preset.config)
     params = Llama(preset.config, dtype).init_params(preset.weights.seed)
     return LoadedModel(
         preset.config, params, None, f"preset {name} (random weights, seed {preset.weights.seed})"

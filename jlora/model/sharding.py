@@ -258,14 +258,21 @@ class TensorParallel:
         """Where a checkpoint's parameters (`shapes`, as stored) go when restored: their
         final shards, except leaves the layout pads or widens (restored whole, then
         placed by `place_params`)."""
-        reshaped = set(self._reshaped_paths())
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: self.stored_sharding(tuple(getattr(k, "key", k) for k in path)),
+            shapes,
+        )
 
-        def sharding(path: tuple, leaf: Any) -> NamedSharding:
-            keys = tuple(getattr(k, "key", k) for k in path)
-            spec = PartitionSpec() if keys in reshaped else self.spec(*PARAM_AXES[keys])
-            return NamedSharding(self.mesh, spec)
+    def stored_sharding(self, keys: tuple[str, ...]) -> NamedSharding:
+        """Where the parameter at `keys` goes as read from a file (restore_shardings')."""
+        whole = keys in self._reshaped_paths()
+        return NamedSharding(self.mesh, PartitionSpec() if whole else self.spec(*PARAM_AXES[keys]))
 
-        return jax.tree_util.tree_map_with_path(sharding, shapes)
+    def put_stored(self, keys: tuple[str, ...], host: np.ndarray) -> jax.Array:
+        """One parameter as read (the whole array, on the host) onto the mesh: each device
+        receives only its shard, or the whole array where the layout reshapes it."""
+        sharding = self.stored_sharding(keys)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def _reshaped_paths(self) -> list[tuple[str, ...]]:
         paths: list[tuple[str, ...]] = []

@@ -7,11 +7,14 @@ transposes linear weights to Flax's `[in, out]`, stacks the layers and casts to 
 serving dtype.
 
 Memory: the pytree is built one parameter at a time (all layers of one projection),
-straight in the serving dtype, and moved to the device before the next: a bf16
-checkpoint served in bf16 is never widened, and the host holds at most the device's
-copy plus one parameter's stack and one layer's tensor as read. A safetensors tensor is
-read with `os.pread` into a buffer of its own (not through a memory map, whose pages
-would stay resident beside the copy).
+straight in the serving dtype, and handed to `put` (the default device; with a mesh,
+`TensorParallel.put_stored`: each device receives only its shard), which must finish
+with it before the next is read: a bf16 checkpoint served in bf16 is never widened,
+and the host holds at most one parameter's stack and one layer's tensor as read beside
+what is already placed. Host buffers are 64-byte aligned, so that on the CPU the
+default device adopts them without a copy (there the device's memory is the host's).
+A safetensors tensor is read with `os.pread` into a buffer of its own (not through a
+memory map, whose pages would stay resident beside the copy).
 """
 
 from __future__ import annotations
@@ -53,12 +56,35 @@ LEAVES = {"kernel": ("weight", True), "scale": ("weight", False), "bias": ("bias
 
 TensorFn = Callable[[str], np.ndarray]  # HF tensor name (with ".weight") -> array
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all), after each tensor
+# (the parameter's keys in the pytree, e.g. ("layers", "q_proj", "kernel"); its whole
+# array on the host) -> the array placed
+Put = Callable[[tuple[str, ...], np.ndarray], jax.Array]
+
+
+def default_device(keys: tuple[str, ...], host: np.ndarray) -> jax.Array:
+    return jax.device_put(host)  # the CPU adopts an aligned buffer; jnp.asarray would copy
+
+
+ALIGNMENT = 64  # bytes: what XLA's CPU client needs to adopt a host buffer
+
+
+def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array whose data is ALIGNMENT-byte aligned."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def assemble_params(
-    config: ModelConfig, tensor: TensorFn, dtype: jnp.dtype, progress: Progress | None = None
+    config: ModelConfig,
+    tensor: TensorFn,
+    dtype: jnp.dtype,
+    progress: Progress | None = None,
+    put: Put = default_device,
 ) -> Params:
-    """Build `Params` from `tensor(hf_name)`; raise WeightsError naming a bad tensor."""
+    """Build `Params` from `tensor(hf_name)`, each parameter placed by `put`; raise
+    WeightsError naming a bad tensor."""
     shapes = Llama(config, dtype).param_shapes()
     host_dtype = np.dtype(dtype)
     layer_leaves = [
@@ -67,8 +93,9 @@ def assemble_params(
     total = 2 + ("lm_head" in shapes) + len(layer_leaves) * config.num_layers
     done = 0
 
-    def fetch(name: str, expected: tuple[int, ...], transpose: bool, out: np.ndarray) -> None:
-        """Write tensor `name` into `out` (the Flax layout, `expected`), in its dtype."""
+    def fetch(name: str, expected: tuple[int, ...], transpose: bool) -> np.ndarray:
+        """Tensor `name` as read (PyTorch's layout, its stored dtype), checked against
+        `expected` (the Flax layout)."""
         nonlocal done
         array = tensor(name)
         torch_shape = tuple(reversed(expected)) if transpose else tuple(expected)
@@ -77,39 +104,38 @@ def assemble_params(
                 f"tensor {name}: shape {array.shape} does not match the config "
                 f"(expected {torch_shape})"
             )
-        out[...] = array.T if transpose else array  # cast as it is written
         done += 1
         if progress is not None:
             progress(done, total)
+        return array.T if transpose else array
 
-    def single(name: str, shape: tuple[int, ...], transpose: bool) -> jax.Array:
-        out = np.empty(shape, host_dtype)
-        fetch(name, shape, transpose, out)
-        return jnp.asarray(out)
+    def placed(keys: tuple[str, ...], host: np.ndarray) -> jax.Array:
+        return jax.block_until_ready(put(keys, host))  # before the next buffer is filled
+
+    def single(keys: tuple[str, str], name: str, transpose: bool) -> jax.Array:
+        shape = shapes[keys[0]][keys[1]].shape
+        array = fetch(name, shape, transpose)
+        if array.dtype != host_dtype or not array.flags.c_contiguous:
+            out = host_buffer(shape, host_dtype)
+            out[...] = array  # cast as it is written
+            array = out
+        return placed(keys, array)
 
     params: Params = {
-        "embed": {
-            "embedding": single(
-                "model.embed_tokens.weight", shapes["embed"]["embedding"].shape, False
-            )
-        },
-        "final_norm": {
-            "scale": single("model.norm.weight", shapes["final_norm"]["scale"].shape, False)
-        },
+        "embed": {"embedding": single(("embed", "embedding"), "model.embed_tokens.weight", False)},
+        "final_norm": {"scale": single(("final_norm", "scale"), "model.norm.weight", False)},
         "layers": {},
     }
     if "lm_head" in shapes:
-        params["lm_head"] = {
-            "kernel": single("lm_head.weight", shapes["lm_head"]["kernel"].shape, True)
-        }
+        params["lm_head"] = {"kernel": single(("lm_head", "kernel"), "lm_head.weight", True)}
     for module, leaf in layer_leaves:
         shape = shapes["layers"][module][leaf].shape
         suffix, transpose = LEAVES[leaf]
-        stacked = np.empty(shape, host_dtype)
+        stacked = host_buffer(shape, host_dtype)
         for i in range(config.num_layers):
             name = f"model.layers.{i}.{LAYER_MODULES[module]}.{suffix}"
-            fetch(name, shape[1:], transpose, stacked[i])
-        params["layers"].setdefault(module, {})[leaf] = jnp.asarray(stacked)
+            stacked[i] = fetch(name, shape[1:], transpose)  # cast as it is written
+        params["layers"].setdefault(module, {})[leaf] = placed(("layers", module, leaf), stacked)
         del stacked
     return params
 
@@ -162,7 +188,7 @@ class SafetensorsFile:
                 f"{self.path}: tensor {name} has dtype {dtype}; served are "
                 f"{', '.join(_DTYPES)} (quantized weights are not supported)"
             )
-        array = np.empty(shape, _DTYPES[dtype])
+        array = host_buffer(tuple(shape), np.dtype(_DTYPES[dtype]))
         if array.nbytes != end - begin:
             raise WeightsError(f"{self.path}: tensor {name}: {dtype}{shape} in {end - begin} bytes")
         view = memoryview(array.reshape(-1).view(np.uint8).data)
@@ -197,7 +223,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_safetensors_dir(
-    path: Path, config: ModelConfig, dtype: jnp.dtype, progress: Progress | None = None
+    path: Path,
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    progress: Progress | None = None,
+    put: Put = default_device,
 ) -> Params:
     """A Hugging Face model directory: one or more `*.safetensors` files."""
     where: dict[str, SafetensorsFile] = {}
@@ -210,4 +240,4 @@ def load_safetensors_dir(
             raise WeightsError(f"{path}: tensor {name} is missing")
         return where[name].read(name)
 
-    return assemble_params(config, tensor, dtype, progress)
+    return assemble_params(config, tensor, dtype, progress, put)
