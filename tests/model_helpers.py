@@ -16,6 +16,19 @@ from jlora.model.llama import Llama
 from jlora.model.lora.base import Segments
 from tests.engine_helpers import kv_blocks
 
+# A tiny random Llama for transformers' config classes: GQA (4 heads over 2 KV heads),
+# weights drawn with std 0.2, so that a wrong detail moves the logits past any tolerance.
+TINY_HF = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+
 
 def jlora_last_logits(
     loaded,

@@ -24,21 +24,11 @@ from jlora.engine.api import SamplingParams
 from jlora.model.loading import load_model
 from jlora.model.weights import INDEX_FILE, SafetensorsFile, WeightsError
 from tests.engine_helpers import make_engine, run_to_completion
-from tests.model_helpers import hf_last_logits, jlora_last_logits
+from tests.model_helpers import TINY_HF, hf_last_logits, jlora_last_logits
 from tests.tolerances import assert_close
 
 pytestmark = pytest.mark.slow
 
-SHAPES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)
 LLAMA3_ROPE = dict(
     rope_type="llama3",
     factor=8.0,
@@ -70,7 +60,7 @@ def _hf_model(family: str):
 
     config_class, model_class, options = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SHAPES, **options)
+    config = getattr(transformers, config_class)(**TINY_HF, **options)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -98,7 +88,7 @@ def test_logits_equal_transformers(family):
     name, hf, loaded = family
     rng = np.random.default_rng(0)
     for length in LENGTHS:
-        ids = rng.integers(0, SHAPES["vocab_size"], length).tolist()
+        ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
         assert_close(
             jlora_last_logits(loaded, ids, bucket=64),
             hf_last_logits(hf, ids),
@@ -122,7 +112,7 @@ def test_greedy_tokens_equal_transformers(family):
 
     _, hf, loaded = family
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, SHAPES["vocab_size"], n).tolist() for n in (5, 20, 33)]
+    prompts = [rng.integers(0, TINY_HF["vocab_size"], n).tolist() for n in (5, 20, 33)]
     engine = make_engine(loaded, max_slots=4, max_seq_len=128, min_bucket=16)
     ours = run_to_completion(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     engine.close()
@@ -170,7 +160,7 @@ def test_a_peft_adapter_gives_pefts_logits(family, adapted, backend):
     engine.adapters.wait_pinned()
     rng = np.random.default_rng(3)
     for length in (7, 20):
-        ids = rng.integers(0, SHAPES["vocab_size"], length).tolist()
+        ids = rng.integers(0, TINY_HF["vocab_size"], length).tolist()
         ours = jlora_last_logits(loaded, ids, bucket=32, engine=engine, adapter="a")
         assert_close(ours, hf_last_logits(peft_model, ids), jnp.float32, np.float32, scope="model")
     engine.close()
@@ -215,7 +205,7 @@ def mixed(family, tmp_path_factory):
     for adapter in names[1:]:
         peft.load_adapter(root / adapter, adapter_name=adapter)
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, SHAPES["vocab_size"], n).tolist() for n in MIXED_LENGTHS]
+    prompts = [rng.integers(0, TINY_HF["vocab_size"], n).tolist() for n in MIXED_LENGTHS]
     return root, peft.eval(), prompts
 
 

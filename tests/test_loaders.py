@@ -22,19 +22,9 @@ from jlora.model.checkpoint import MARKER
 from jlora.model.gguf import dequantize, unpermute_rope_rows
 from jlora.model.loading import load_model
 from jlora.model.weights import WeightsError
-from tests.model_helpers import hf_last_logits, jlora_last_logits
+from tests.model_helpers import TINY_HF, hf_last_logits, jlora_last_logits
 from tests.tolerances import assert_close
 
-TINY_HF = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)
 # 1 token, within one KV block, across a block boundary (16), across two.
 SEQUENCE_LENGTHS = (1, 7, 17, 40)
 
