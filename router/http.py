@@ -14,12 +14,12 @@ The handlers call the front door in-process, on the router's event loop (no seco
 gRPC hop): a request body becomes a `jlora.v1` GenerateRequest, its stream the
 OpenAI answer. `model` is an adapter's name or the base model's id.
 
-Semantics beside OpenAI's: one prompt and one choice per request (`n`, `best_of` > 1 and
-batched prompts are refused); unset sampling fields take jlora's defaults (greedy,
-`temperature` 0), except that /v1/completions' `max_tokens` defaults to 16 as OpenAI's
-does; `top_k` and `ignore_eos` are accepted as extensions; logprobs, echo, penalties,
-logit bias, tools and non-text content are refused, naming the field. The deadline is
-the router's `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
+The bodies are `router.openai_protocol`'s models: which fields are honoured, ignored or
+refused, and the defaults. /v1/completions takes a batch of prompts (a choice each, run
+side by side); `logprobs` (completions: the N most likely per token; chat: `logprobs`
+and `top_logprobs`), `echo` and vLLM's `prompt_logprobs` come back in OpenAI's and vLLM's
+shapes, the tokens' texts decoded by the worker. The deadline is the router's
+`request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the workers' prefix
 caches served (Usage.cached_tokens).
 
@@ -51,7 +51,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -62,13 +62,19 @@ from jlora.contract.auth import authorized, missing_key
 from jlora.contract.errors import Code, RequestError
 from router.frontdoor import FrontDoor
 from router.http_body import HttpError, HttpLimits, answer, app_runner, read_json_body
+from router.openai_answers import Answer
+from router.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    chat_message,
+    completion_messages,
+    parse,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger(__name__)
 
-INT32_MAX = 2**31 - 1
-COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 # status code -> (HTTP status, OpenAI error type); anything else is 500, "server_error"
 _HTTP_STATUS = {
@@ -88,23 +94,6 @@ _HTTP_STATUS = {
 _OPENAI_CODES = {"ADAPTER_NOT_FOUND": "model_not_found"}
 # The body fields of vLLM's adapter endpoints, by the jlora.v1 fields they fill.
 _LORA_PARAMS = {"name": "lora_name", "path": "lora_path"}
-# Fields OpenAI defines that jlora does not implement: accepted only at these values.
-_UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-}
 
 
 def http_error(err: RequestError, params: Callable[[str], str | None]) -> HttpError:
@@ -124,6 +113,8 @@ def generate_param(chat: bool, body: dict[str, Any]) -> Callable[[str], str | No
             return "model"
         if field == "sampling.max_tokens" and chat and "max_completion_tokens" in body:
             return "max_completion_tokens"
+        if field == "sampling.logprobs" and chat:
+            return "top_logprobs"
         if field.startswith("sampling."):
             return field.removeprefix("sampling.")
         if field.startswith("prompt.chat."):
@@ -271,55 +262,59 @@ class OpenAIApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json_body(request, self.limits)
-        message = _base_request(body, chat=False)
-        _prompt(body, message)
-        return await self._generate(request, body, message, chat=False)
+        parsed = parse(CompletionRequest, body)
+        return await self._generate(request, body, parsed, completion_messages(parsed))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json_body(request, self.limits)
-        message = _base_request(body, chat=True)
-        _messages(body, message)
-        return await self._generate(request, body, message, chat=True)
+        parsed = parse(ChatRequest, body)
+        return await self._generate(request, body, parsed, [chat_message(parsed)])
 
     # -- Generate ---------------------------------------------------------------------
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        parsed: CompletionRequest | ChatRequest,
+        messages: list[pb.GenerateRequest],
     ) -> web.StreamResponse:
-        stream_flag = _typed(body, "stream", bool, default=False)
-        options = _typed(body, "stream_options", dict, default=None) or {}
-        include_usage = _typed(
-            options, "include_usage", bool, default=False, prefix="stream_options."
-        )
+        """Each message's stream, side by side: one choice each."""
+        chat = isinstance(parsed, ChatRequest)
+        include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         deadline = self._deadline(request)
-        message.request_id = uuid.uuid4().hex
-        shape = _Shape(chat=chat, model=body["model"], request_id=message.request_id)
-        stream = self._front.generate(message, deadline=deadline)
+        request_id = uuid.uuid4().hex
+        for i, message in enumerate(messages):
+            message.request_id = request_id if len(messages) == 1 else f"{request_id}-{i}"
+        shape = Answer(parsed, messages, request_id=request_id)
         params = generate_param(chat, body)
-        async with contextlib.aclosing(stream):
-            try:
-                first = await anext(stream)  # errors before any token are plain HTTP errors
+        streams = [self._front.generate(message, deadline=deadline) for message in messages]
+        async with contextlib.AsyncExitStack() as closing:
+            for stream in streams:
+                await closing.enter_async_context(contextlib.aclosing(stream))
+            try:  # errors before any token are plain HTTP errors
+                firsts = await asyncio.gather(*(anext(stream) for stream in streams))
             except RequestError as err:
                 raise http_error(err, params) from None
-            if not stream_flag:
-                responses = [first]
+            if not parsed.stream:
                 try:
-                    responses += [response async for response in stream]
+                    rests = await asyncio.gather(*(_rest(stream) for stream in streams))
                 except RequestError as err:
                     raise http_error(err, params) from None
-                return web.json_response(shape.whole(responses))
+                answers = [[first, *rest] for first, rest in zip(firsts, rests, strict=True)]
+                return web.json_response(shape.whole(answers))
             sse = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await sse.prepare(request)
-            if chat:
-                await _event(sse, shape.chunk(role=True, usage=include_usage))
-            await _event(sse, shape.chunk(first, usage=include_usage))
-            last = first
+            lasts = list(firsts)
             try:
-                async for response in stream:
-                    await _event(sse, shape.chunk(response, usage=include_usage))
-                    last = response
+                for index, first in enumerate(firsts):
+                    for chunk in shape.opening(index, first, usage=include_usage):
+                        await _event(sse, chunk)
+                async for index, response in _merged(streams):
+                    await _event(sse, shape.chunk(index, response, usage=include_usage))
+                    lasts[index] = response
             except RequestError as err:
                 await _event(sse, http_error(err, params).body())
                 return sse
@@ -329,7 +324,7 @@ class OpenAIApi:
                 await _event(sse, _internal_error(request).body())
                 return sse
             if include_usage:
-                await _event(sse, shape.usage_chunk(last))
+                await _event(sse, shape.usage_chunk(lasts))
             await sse.write(b"data: [DONE]\n\n")
             await sse.write_eof()
             return sse
@@ -352,58 +347,6 @@ class OpenAIApi:
         return asyncio.get_running_loop().time() + min(timeouts)
 
 
-class _Shape:
-    """OpenAI's objects for one request: whole answers, stream chunks, usage."""
-
-    def __init__(self, *, chat: bool, model: str, request_id: str) -> None:
-        self.chat, self.model = chat, model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        self.created = int(time.time())
-
-    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def whole(self, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
-        text = "".join(response.text for response in responses)
-        last = responses[-1]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        answer = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        answer["usage"] = _usage(last)
-        return answer
-
-    def chunk(
-        self, response: pb.GenerateResponse | None = None, *, role: bool = False, usage: bool
-    ) -> dict[str, Any]:
-        text = response.text if response is not None else ""
-        finish = _finish(response) if response is not None else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": text}
-        else:
-            choice["text"] = text
-        chunk = self._envelope(
-            "chat.completion.chunk" if self.chat else "text_completion", [choice]
-        )
-        if usage:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self, last: pb.GenerateResponse) -> dict[str, Any]:
-        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        chunk["usage"] = _usage(last)
-        return chunk
-
-
 def _internal_error(request: web.Request) -> HttpError:
     """The answer to an exception no handler expected (logged here, with its traceback)."""
     log.exception("%s %s failed", request.method, request.path)
@@ -416,144 +359,47 @@ def _internal_error(request: web.Request) -> HttpError:
     )
 
 
-def _finish(response: pb.GenerateResponse) -> str | None:
-    return FINISH_REASONS.get(response.finish_reason)
+async def _rest(stream: AsyncIterator[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    return [response async for response in stream]
 
 
-def _usage(last: pb.GenerateResponse) -> dict[str, Any]:
-    """OpenAI's usage object from the last message's, the prefix-cache hits as
-    prompt_tokens_details.cached_tokens."""
-    prompt, completion = last.usage.prompt_tokens, last.usage.completion_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": last.usage.cached_tokens},
-    }
+async def _merged(
+    streams: Sequence[AsyncIterator[pb.GenerateResponse]],
+) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(index, response) of every stream, as they come; a stream's error is raised."""
+    if len(streams) == 1:
+        async for response in streams[0]:
+            yield 0, response
+        return
+    queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[pb.GenerateResponse]) -> None:
+        try:
+            async for response in stream:
+                await queue.put((index, response))
+        except BaseException as err:  # noqa: BLE001 (re-raised by the reader)
+            await queue.put((index, err))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _event(sse: web.StreamResponse, data: dict[str, Any]) -> None:
     await sse.write(f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode())
-
-
-# -- request bodies --------------------------------------------------------------------
-
-
-def _base_request(body: dict[str, Any], *, chat: bool) -> pb.GenerateRequest:
-    """The adapter and sampling fields; the prompt is the caller's."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise HttpError(400, f"model={model!r} must be a model id (see /v1/models)", param="model")
-    for field, accepted in _UNSUPPORTED.items():
-        if body.get(field) not in accepted:
-            raise HttpError(
-                400,
-                f"{field}={body[field]!r} is not supported (accepted: "
-                f"{', '.join(repr(value) for value in accepted)})",
-                param=field,
-            )
-    message = pb.GenerateRequest(adapter=model)
-    sampling = message.sampling
-    max_field = (
-        "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    )
-    max_tokens = _integer(body, max_field, low=-INT32_MAX, high=INT32_MAX)
-    if max_tokens is None and not chat:
-        max_tokens = COMPLETIONS_MAX_TOKENS
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    for field in ("temperature", "top_p"):
-        value = body.get(field)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise HttpError(400, f"{field}={value!r} must be a number", param=field)
-            setattr(sampling, field, value)
-    top_k = _integer(body, "top_k", low=-INT32_MAX, high=INT32_MAX)
-    if top_k is not None:
-        sampling.top_k = top_k
-    seed = _integer(body, "seed", low=0, high=2**64 - 1)
-    if seed is not None:
-        sampling.seed = seed
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise HttpError(
-                400, f"stop={stop!r} must be a string or a list of strings", param="stop"
-            )
-        sampling.stop.extend(stop)
-    sampling.ignore_eos = _typed(body, "ignore_eos", bool, default=False)
-    return message
-
-
-def _prompt(body: dict[str, Any], message: pb.GenerateRequest) -> None:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        message.text = prompt
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and -INT32_MAX <= t <= INT32_MAX
-        for t in prompt
-    ):
-        message.token_ids.SetInParent()
-        message.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise HttpError(
-            400,
-            f"prompt: a batch of {len(prompt)} prompts; send one prompt per request",
-            param="prompt",
-        )
-    else:
-        raise HttpError(
-            400, f"prompt={prompt!r} must be a string or a list of token ids", param="prompt"
-        )
-
-
-def _messages(body: dict[str, Any], message: pb.GenerateRequest) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise HttpError(400, f"messages={messages!r} must be a list of messages", param="messages")
-    message.chat.SetInParent()
-    for i, item in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(item, dict):
-            raise HttpError(400, f"{where}={item!r} must be an object", param=where)
-        role = item.get("role")
-        if not isinstance(role, str):
-            raise HttpError(400, f"{where}.role={role!r} must be a string", param=f"{where}.role")
-        content = item.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):
-            content = "".join(
-                _text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
-            )
-        if not isinstance(content, str):
-            raise HttpError(
-                400,
-                f"{where}.content={content!r} must be a string or text parts",
-                param=f"{where}.content",
-            )
-        message.chat.messages.add(role="system" if role == "developer" else role, content=content)
-
-
-def _text_part(part: object, where: str) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    raise HttpError(400, f"{where}={part!r}: only text parts are supported", param=where)
-
-
-def _integer(body: dict[str, Any], field: str, *, low: int, high: int) -> int | None:
-    value = body.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise HttpError(400, f"{field}={value!r} must be an integer", param=field)
-    if not low <= value <= high:
-        raise HttpError(400, f"{field}={value} is out of range [{low}, {high}]", param=field)
-    return value
 
 
 def _typed(body: dict[str, Any], field: str, kind: type, *, default: Any, prefix: str = "") -> Any:

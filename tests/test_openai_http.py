@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.lib.processes import wait_for
 from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
-from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
+from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine, mock_logprobs
 from jlora.server import serve
 from router.app import start_router
 
@@ -156,6 +156,117 @@ def test_chat_stream(deployment, model, adapter):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+# -- log-probabilities, echo, batches, defaults -------------------------------------------
+
+
+def mock_entry(anchor: int, chosen: int, count: int) -> tuple[float, dict[str, float]]:
+    """The mock's log-probability of `chosen` at a position whose most likely token is
+    `anchor`, and its `count` most likely there by text (mock_logprobs)."""
+    arrays = mock_logprobs(anchor, [chosen], VOCAB)
+    top = {
+        TOKENIZER.decode([int(t)]): float(v)
+        for t, v in zip(arrays.top_ids[0][:count], arrays.top[0][:count], strict=True)
+    }
+    return float(arrays.chosen[0]), top
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_echo_the_prompt_with_each_tokens_logprobs(deployment, stream):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1, token ids."""
+    prompt = [5, 9, 12]
+    reply = deployment.client.completions.create(
+        model="a", prompt=prompt, max_tokens=2, echo=True, logprobs=2, stream=stream
+    )
+    chunks = list(reply) if stream else [reply]
+    text = "".join(chunk.choices[0].text for chunk in chunks)
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for chunk in chunks:
+        part = chunk.choices[0].logprobs
+        tokens += part.tokens
+        logprobs += part.token_logprobs
+        tops += part.top_logprobs
+        offsets += part.text_offset
+    generated = mock_completion(prompt, "a", 2, VOCAB)
+    assert text == TOKENIZER.decode(prompt) + TOKENIZER.decode(generated)
+    assert tokens == [TOKENIZER.decode([t]) for t in prompt + generated]
+    assert logprobs[0] is None and tops[0] is None
+    sequence = prompt + generated
+    for i in range(1, len(sequence)):
+        anchor = sequence[i] if i >= len(prompt) else sequence[i - 1]
+        chosen, top = mock_entry(anchor, sequence[i], 2)
+        assert logprobs[i] == pytest.approx(chosen)
+        assert tops[i] == {**top, tokens[i]: pytest.approx(chosen)}
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_chat_logprobs_and_top_logprobs(deployment):
+    messages = [{"role": "user", "content": "Hi"}]
+    reply = deployment.client.chat.completions.create(
+        model="smol", messages=messages, max_tokens=3, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content
+    generated = mock_completion(chat_ids(messages), None, 3, VOCAB)
+    assert [entry.token for entry in content] == [TOKENIZER.decode([t]) for t in generated]
+    for entry, token in zip(content, generated, strict=True):
+        chosen, top = mock_entry(token, token, 2)
+        assert entry.logprob == pytest.approx(chosen)
+        assert entry.bytes == list(entry.token.encode())
+        assert {t.token: t.logprob for t in entry.top_logprobs} == pytest.approx(top)
+    stream = deployment.client.chat.completions.create(
+        model="smol", messages=messages, max_tokens=3, logprobs=True, stream=True
+    )
+    streamed = [c.choices[0].logprobs.content[0] for c in stream if c.choices[0].logprobs]
+    assert [(e.token, e.top_logprobs) for e in streamed] == [(e.token, []) for e in content]
+
+
+def test_prompt_logprobs_in_vllms_shape(deployment):
+    prompt = [5, 9, 12]
+    code, reply = deployment.post(
+        COMPLETIONS, dict(model="smol", prompt=prompt, max_tokens=1, prompt_logprobs=1)
+    )
+    assert code == 200, reply
+    positions = reply["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == 3
+    for i in (1, 2):
+        chosen, top = mock_entry(prompt[i - 1], prompt[i], 1)
+        (best,) = top
+        entry = positions[i][str(prompt[i])]
+        assert entry["logprob"] == pytest.approx(chosen)
+        assert entry["decoded_token"] == TOKENIZER.decode([prompt[i]])
+        assert positions[i][str(prompt[i - 1])]["rank"] == 1  # the mock's most likely
+        assert best == TOKENIZER.decode([prompt[i - 1]])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gets_a_choice_each(deployment, stream):
+    prompts = ["ab", [7, 8], "xyz"]
+    reply = deployment.client.completions.create(
+        model="b", prompt=prompts, max_tokens=3, stream=stream
+    )
+    texts = ["", "", ""]
+    for chunk in list(reply) if stream else [reply]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    ids = [list(p.encode()) if isinstance(p, str) else p for p in prompts]
+    assert texts == [expected_text(i, "b", 3) for i in ids]
+    if not stream:
+        assert reply.usage.prompt_tokens == sum(map(len, ids))
+        assert reply.usage.completion_tokens == 9
+
+
+def test_ignored_fields_are_accepted_and_chat_runs_to_the_context(deployment):
+    """OpenAI's user, metadata and store change nothing; chat without max_tokens runs to
+    the end of the context (max_seq_len 64), as vLLM's does."""
+    messages = [{"role": "user", "content": "Hi"}]
+    code, reply = deployment.post(
+        CHAT, dict(model="a", messages=messages, user="u1", metadata={"k": "v"}, store=False)
+    )
+    assert code == 200, reply
+    prompt = len(chat_ids(messages))
+    assert reply["usage"]["completion_tokens"] == 64 - prompt
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+
 def test_models(deployment):
     models = deployment.client.models.list()
     assert [(m.id, m.root) for m in models.data] == [("smol", "smol"), ("a", "smol"), ("b", "smol")]
@@ -187,7 +298,8 @@ BAD_INPUTS = [
     (COMPLETIONS, dict(prompt="x"), 400, "model", "model"),
     (COMPLETIONS, dict(model="a", prompt=""), 400, "prompt", "prompt is empty"),
     (COMPLETIONS, dict(model="a"), 400, "prompt", "prompt"),
-    (COMPLETIONS, dict(model="a", prompt=["x", "y"]), 400, "prompt", "one prompt per request"),
+    (COMPLETIONS, dict(model="a", prompt=["x", 5]), 400, "prompt", "a list of either"),
+    (COMPLETIONS, dict(model="a", prompt=[]), 400, "prompt", "prompt is empty"),
     (COMPLETIONS, dict(model="a", prompt=[1, 5000]), 400, "prompt", "prompt_ids[1]"),
     (COMPLETIONS, dict(model="a", prompt="x" * 100), 400, "prompt", "max_seq_len"),
     (COMPLETIONS, dict(model="a", prompt="x", max_tokens=0), 400, "max_tokens", "max_tokens"),
@@ -202,7 +314,24 @@ BAD_INPUTS = [
     (COMPLETIONS, dict(model="a", prompt="x", seed=-1), 400, "seed", "seed"),
     (COMPLETIONS, dict(model="a", prompt="x", stop=5), 400, "stop", "stop"),
     (COMPLETIONS, dict(model="a", prompt="x", n=2), 400, "n", "n=2"),
-    (COMPLETIONS, dict(model="a", prompt="x", echo=True), 400, "echo", "echo"),
+    (COMPLETIONS, dict(model="a", prompt="x", echo="yes"), 400, "echo", "boolean"),
+    (COMPLETIONS, dict(model="a", prompt="x", frobnicate_tokens=3), 400, "frobnicate_tokens",
+     "not a field"),
+    (COMPLETIONS, dict(model="a", prompt="x", repetition_penalty=1.2), 400,
+     "repetition_penalty", "not supported yet"),
+    (COMPLETIONS, dict(model="a", prompt="x", min_tokens=3), 400, "min_tokens", "not supported"),
+    (COMPLETIONS, dict(model="a", prompt="x", logprobs=21), 400, "logprobs", "[0, 20]"),
+    (COMPLETIONS, dict(model="a", prompt="x", prompt_logprobs=-1), 400, "prompt_logprobs",
+     "[0, 20]"),
+    (CHAT, dict(model="a", messages=USER, top_logprobs=2), 400, "top_logprobs", "logprobs=true"),
+    (CHAT, dict(model="a", messages=USER, logprobs=True, top_logprobs=30), 400, "top_logprobs",
+     "[0, 20]"),
+    (CHAT, dict(model="a", messages=USER, tools=[{"type": "function"}]), 400, "tools",
+     "not supported yet"),
+    (CHAT, dict(model="a", messages=[{"role": "user", "content": "x", "audio": {}}]), 400,
+     "messages[0].audio", "not supported"),
+    (CHAT, dict(model="a", messages=USER, stream_options={"include_usage": 1}), 400,
+     "stream_options.include_usage", "boolean"),
     (COMPLETIONS, dict(model="a", prompt="x", stream="yes"), 400, "stream", "stream"),
     (CHAT, dict(model="a", messages=[]), 400, "messages", "no message"),
     (CHAT, dict(model="a", messages="hi"), 400, "messages", "messages"),

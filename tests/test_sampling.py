@@ -1,4 +1,5 @@
-"""Per-row sampling: greedy, temperature, top-k, top-p and seeds, on hand-made logits."""
+"""Per-row sampling: greedy, temperature, top-k, top-p and seeds, on hand-made logits; the
+rows' log-probabilities against torch's log-softmax and top-k."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import pytest
 
 from jlora.device.sampling import SamplingArrays, sample
 
-sample_jit = jax.jit(sample)
+sample_jit = jax.jit(lambda logits, params: sample(logits, params)[0])
+logprobs_jit = jax.jit(lambda logits, params: sample(logits, params)[1])
 
 # Four tokens with softmax probabilities 0.5, 0.25, 0.125, 0.125 (log-probabilities).
 LOGITS = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
 
 
-def _arrays(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None):
+def _arrays(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None, logprobs=False):
     full = lambda value, dtype: np.full(rows, value, dtype)  # noqa: E731
     return SamplingArrays(
         temperature=full(temperature, np.float32),
@@ -22,6 +24,7 @@ def _arrays(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None):
         top_p=full(top_p, np.float32),
         seed=full(seed, np.uint32),
         step=np.arange(rows, dtype=np.int32) if step is None else full(step, np.int32),
+        logprobs=np.asarray(logprobs) if np.ndim(logprobs) else full(logprobs, bool),
     )
 
 
@@ -79,3 +82,23 @@ def test_greedy_rows_stay_greedy_in_a_sampled_batch():
     arrays.temperature[[0, 2]] = 0.0
     tokens = np.asarray(sample_jit(logits, arrays))
     np.testing.assert_array_equal(tokens[[0, 2]], logits[[0, 2]].argmax(-1))
+
+
+def test_a_rows_logprobs_are_torchs_log_softmax_of_the_raw_logits():
+    """Of the token sampled (at temperature 2: before the temperature) and the 20 most
+    likely, for the rows that ask; a batch where none asks returns zeros."""
+    import torch
+
+    logits = np.random.default_rng(1).normal(size=(3, 300)).astype(np.float32) * 3
+    wanted = np.array([True, False, True])
+    params = _arrays(3, temperature=2.0, logprobs=wanted)
+    tokens = np.asarray(sample_jit(logits, params))
+    ours = jax.tree.map(np.asarray, logprobs_jit(logits, params))
+    theirs = torch.log_softmax(torch.tensor(logits), dim=-1)
+    top, top_ids = torch.topk(theirs, 20, dim=-1)
+    for row in np.flatnonzero(wanted):
+        np.testing.assert_allclose(ours.chosen[row], theirs[row, tokens[row]], rtol=1e-6)
+        np.testing.assert_array_equal(ours.top_ids[row], top_ids[row].numpy())
+        np.testing.assert_allclose(ours.top[row], top[row].numpy(), rtol=1e-6)
+    none = jax.tree.map(np.asarray, logprobs_jit(logits, _arrays(3, logprobs=False)))
+    assert not none.chosen.any() and not none.top.any()

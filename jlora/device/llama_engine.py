@@ -59,7 +59,7 @@ from jlora.device.kv_pool import KVBlocks, size_pool
 from jlora.device.lora_slots import DeviceSlots, Transfer
 from jlora.device.packing import PackedPrefill
 from jlora.device.rows import DecodeRows
-from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays, host_logprobs, host_sampling, set_sampling
 from jlora.device.steps import CompiledSteps, StepSpecs
 from jlora.device.warmup import warm_up
 from jlora.engine.cost_model import ColdStart
@@ -67,6 +67,7 @@ from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,
+    LogprobArrays,
     Memory,
     Payload,
     Prefilled,
@@ -254,34 +255,41 @@ class LlamaEngine(DeviceEngine):
         set_sampling(sampling, 0, job.sampling)
         if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
             steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
-            return Prefilled(self._run_prefill(steps, None, job, sampling))
+            return self._run_prefill(steps, None, job, sampling)
         if job.assist is not None:
             assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
             # A cached prefix is computed again (device_api.py), its blocks left unwritten.
             table = job.block_table.copy()
             table[: job.cached // cfg.block_size] = cfg.num_blocks
-            token, self.cache, routes = self.assisted.run(
+            tokens = self._padded(job.tokens)
+            targets = None
+            if job.score_next is not None:  # every position is computed: score them all
+                whole = dataclasses.replace(job, cached=0)
+                targets = self._padded(whole.targets(), fill=-1)
+            head, self.cache, routes = self.assisted.run(
                 self.params,
                 self.cache,
-                self._padded(job.tokens),
+                tokens,
                 len(job.tokens),
                 table,
                 job.adapter_slot,
                 job.assist,
                 sampling,
+                targets,
             )
             if (failure := self.cpu.failure) is not None:  # this request's alone
                 raise RequestError(
                     f"the CPU-assisted prefill for adapter {job.assist!r} failed: {failure}",
                     reason="CPU_ASSIST_FAILED",
                 ) from failure
-            return Prefilled(token, routes)
+            prefilled = _prefilled(job, head, skip=job.cached)
+            return dataclasses.replace(prefilled, routes=routes)
         start = time.perf_counter()
-        first = self._run_prefill(self.steps, self.lora_weights, job, sampling)
+        prefilled = self._run_prefill(self.steps, self.lora_weights, job, sampling)
         if self.assisted is not None and not job.cached:  # keep the cost model current
             size = bucket(cfg.prefill_buckets, len(job.tokens))
             self.assisted.observe_prefill(size, time.perf_counter() - start)
-        return Prefilled(first)
+        return prefilled
 
     @property
     def packed_prefill_tokens(self) -> int:
@@ -305,27 +313,29 @@ class LlamaEngine(DeviceEngine):
         plain = {
             index: len(job.tokens)
             for index, job in enumerate(jobs)
-            if job.cached == 0 and (job.assist is None or self._merged is not None)
+            if job.cached == 0
+            and job.score_next is None
+            and (job.assist is None or self._merged is not None)
         }
         for call in self.packed.calls(plain):
             steps, weights = self.steps, self.lora_weights
             if self._merged is not None:  # no LoRA work: all in the weights
                 slots = np.array([jobs[index].adapter_slot for index in call])
                 steps, weights = self._merged_steps_for(slots, "a prefill job"), None
-            tokens, self.cache = self.packed.run(
+            packed, self.cache = self.packed.run(
                 steps, self.params, self.cache, weights, [jobs[index] for index in call]
             )
-            for index, token in zip(call, tokens, strict=True):
-                results[index] = Prefilled(token)
+            for index, prefilled in zip(call, packed, strict=True):
+                results[index] = prefilled
         rest = [index for index, result in enumerate(results) if result is None]
         alone = super().prefill_many([jobs[index] for index in rest])
         for index, result in zip(rest, alone, strict=True):
             results[index] = result
         return cast(list[Prefilled], results)
 
-    def _padded(self, tokens: Sequence[int]) -> np.ndarray:
-        """i32[the prefill bucket holding them]: `tokens`, then zeros."""
-        padded = np.zeros(bucket(self.config.prefill_buckets, len(tokens)), np.int32)
+    def _padded(self, tokens: Sequence[int] | np.ndarray, fill: int = 0) -> np.ndarray:
+        """i32[the prefill bucket holding them]: `tokens`, then `fill`."""
+        padded = np.full(bucket(self.config.prefill_buckets, len(tokens)), fill, np.int32)
         padded[: len(tokens)] = tokens
         return padded
 
@@ -335,13 +345,14 @@ class LlamaEngine(DeviceEngine):
         weights: LoraWeights | None,
         job: PrefillJob,
         sampling: SamplingArrays,
-    ) -> int:
+    ) -> Prefilled:
         """One compiled prefill of the job's tokens after its cached prefix (padded to
-        their bucket; the job's adapter on all of them): the first token."""
+        their bucket; the job's adapter on all of them)."""
         new = job.tokens[job.cached :]
         tokens = self._padded(new)
         size = tokens.shape[0]
         segments = None if weights is None else Segments.single(job.adapter_slot, size)
+        scored = job.score_next is not None
         steps.compile_prefill(
             self.params,
             self.cache,
@@ -349,8 +360,9 @@ class LlamaEngine(DeviceEngine):
             self.config.blocks_per_seq,
             weights,
             cached=job.cached > 0,
+            scored=scored,
         )
-        sampled, self.cache = steps.prefill(
+        *head, self.cache = steps.prefill(
             self.params,
             self.cache,
             tokens,
@@ -360,8 +372,9 @@ class LlamaEngine(DeviceEngine):
             weights,
             segments,
             job.cached,
+            self._padded(job.targets(), fill=-1) if scored else None,
         )
-        return int(to_host(sampled))
+        return _prefilled(job, head)
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         self.rows.insert(slot, row)
@@ -374,14 +387,17 @@ class LlamaEngine(DeviceEngine):
         if self._merged is not None:
             steps, weights = self._merged_steps_for(rows.live_slots(), "a live decode row"), None
         steps.compile_decode(self.params, self.cache, len(batch), blocks, weights)
-        sampled, self.cache = steps.decode(
+        sampled, logprobs, self.cache = steps.decode(
             self.params,
             self.cache,
             *rows.step_inputs(batch, blocks),
             weights,
             None if weights is None else rows.state.lora_idx[batch],
         )
-        return rows.advance(batch, to_host(sampled))
+        return rows.advance(batch, to_host(sampled), logprobs)
+
+    def decode_logprobs(self) -> LogprobArrays | None:
+        return self.rows.logprobs()
 
     def free(self, slot: int) -> None:
         self.rows.free(slot)
@@ -560,6 +576,18 @@ class LlamaEngine(DeviceEngine):
             self.cpu.close()
         if self.store is not None:
             self.store.close()
+
+
+def _prefilled(job: PrefillJob, head: Sequence, skip: int = 0) -> Prefilled:
+    """A prefill step's outputs on the host: (the first token, its log-probabilities (one
+    position)[, every position's]); the positions' scores from `skip` on (where the step
+    computed a cached prefix again) and not past the job's computed tokens."""
+    token, logprobs, *scores = head
+    first = host_logprobs(logprobs) if job.sampling.logprobs else None
+    prompt = None
+    if scores:
+        prompt = host_logprobs(scores[0], slice(skip, skip + len(job.tokens) - job.cached))
+    return Prefilled(int(to_host(token)), logprobs=first, prompt=prompt)
 
 
 def unrolled_layer_loop(layer_loop: str, mesh: jax.sharding.Mesh) -> bool:

@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from configs import SPLIT_TOKENS, EngineConfig, bucket
-from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays, host_logprobs, host_sampling, set_sampling
 from jlora.device.steps import CompiledSteps
-from jlora.engine.device_api import PrefillJob
+from jlora.engine.device_api import Prefilled, PrefillJob
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Params
 from jlora.model.lora.base import LoraWeights, Segments
@@ -245,9 +245,10 @@ class PackedPrefill:
         cache: KVCache,
         weights: LoraWeights | None,
         jobs: Sequence[PrefillJob],
-    ) -> tuple[list[int], KVCache]:
+    ) -> tuple[list[Prefilled], KVCache]:
         """One packed call of plain `jobs`, padded to the bucket holding their tokens:
-        each job's first token, and the cache (donated)."""
+        each job's first token (with its log-probabilities where its sampling asked),
+        and the cache (donated)."""
         cfg = self.config
         size = bucket(cfg.prefill_buckets, sum(len(job.tokens) for job in jobs))
         call = layout(jobs, size, self.prompts, cfg.num_blocks, self.window)
@@ -260,7 +261,7 @@ class PackedPrefill:
             weights,
             None if weights is None else call.segments,
         )
-        sampled, cache = steps.prefill_packed(
+        sampled, logprobs, cache = steps.prefill_packed(
             params,
             cache,
             call.tokens,
@@ -271,4 +272,9 @@ class PackedPrefill:
             None if weights is None else call.segments,
         )
         first = to_host(sampled)
-        return [int(first[row]) for row in call.rows], cache
+        scored = host_logprobs(logprobs) if any(job.sampling.logprobs for job in jobs) else None
+        results = []
+        for job, row in zip(jobs, call.rows, strict=True):
+            own = scored.take([row]) if scored is not None and job.sampling.logprobs else None
+            results.append(Prefilled(int(first[row]), logprobs=own))
+        return results, cache

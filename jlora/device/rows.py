@@ -6,7 +6,8 @@ table, its sampling parameters and its device adapter slot. A free row has an
 all-sentinel block table, so its KV writes are dropped, and is greedy (an all-greedy
 batch skips the sampler's sort). A decode step takes the live rows, in order, padded
 with idle rows to the row bucket (`batch`), and each live row then continues from its
-new token (`advance`).
+new token (`advance`), and the step's log-probabilities are kept, by slot, where a live
+row asked for them (`logprobs`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ import jax
 import numpy as np
 from flax import struct
 
-from jlora.device.sampling import SamplingArrays, host_sampling, set_sampling
-from jlora.engine.device_api import DecodeRow
+from jlora.device.sampling import (
+    SamplingArrays,
+    TokenLogprobs,
+    host_logprobs,
+    host_sampling,
+    set_sampling,
+)
+from jlora.engine.device_api import DecodeRow, LogprobArrays
 
 
 @struct.dataclass
@@ -45,6 +52,7 @@ class DecodeRows:
             lora_idx=np.full(slots, -1, np.int32),
             live=np.zeros(slots, bool),
         )
+        self._logprobs: tuple[np.ndarray, TokenLogprobs] | None = None  # (batch, the step's)
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         state = self.state
@@ -61,6 +69,7 @@ class DecodeRows:
         state.block_tables[slot] = self.sentinel
         state.positions[slot] = 0
         state.sampling.temperature[slot] = 0.0
+        state.sampling.logprobs[slot] = False
         state.lora_idx[slot] = -1
 
     def count(self) -> int:
@@ -94,14 +103,34 @@ class DecodeRows:
             jax.tree.map(lambda field: field[batch], state.sampling),
         )
 
-    def advance(self, batch: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+    def advance(
+        self, batch: np.ndarray, sampled: np.ndarray, logprobs: TokenLogprobs | None = None
+    ) -> np.ndarray:
         """i32[slots]: the token `sampled` gave each row of `batch` (other rows hold
-        zeros); each live row continues from its new token."""
+        zeros); each live row continues from its new token. `logprobs`: the step's, kept
+        (on the device until asked for) where a live row wants them."""
         state = self.state
         tokens = np.zeros_like(state.tokens)
         tokens[batch] = sampled
         live = state.live
+        self._logprobs = None
+        if logprobs is not None and (state.sampling.logprobs & live).any():
+            self._logprobs = (batch, logprobs)
         state.tokens[live] = tokens[live]
         state.positions[live] += 1
         state.sampling.step[live] += 1
         return tokens
+
+    def logprobs(self) -> LogprobArrays | None:
+        """The last step's log-probabilities by slot (valid for the live rows that asked);
+        None if none asked."""
+        if self._logprobs is None:
+            return None
+        batch, logprobs = self._logprobs
+        step = host_logprobs(logprobs)
+        slots = len(self.state.tokens)
+        chosen = np.zeros(slots, np.float32)
+        top_ids = np.zeros((slots, step.top_ids.shape[1]), np.int32)
+        top = np.zeros((slots, step.top.shape[1]), np.float32)
+        chosen[batch], top_ids[batch], top[batch] = step.chosen, step.top_ids, step.top
+        return LogprobArrays(chosen, top_ids, top)

@@ -1,23 +1,23 @@
 """The jitted step functions, compiled ahead of time per bucket.
 
 `prefill` runs one prompt padded to a bucket length; `decode` runs a bucketed number of
-decode rows for one token each, attending over a bucketed prefix of the block tables. A prefill that
-continues a cached prefix (`cached` > 0: a prefix-cache hit) is a variant of its own,
-its new tokens padded to a bucket attending over the whole block table. A packed
-prefill (`prefill_packed`) runs several prompts back to back, padded to a bucket
-together, with a fixed number of prompt rows (block tables, sampling, last logits;
-rows past the real prompts are empty). A CPU-assisted
-prefill runs the same prompt in three kinds of call instead, so the host can route
-each layer group between them: `embed`, one `prefill_segment` per layer group (with
-its per-layer route to the CPU or the device), and `prefill_head` (logits, sample). With LoRA, both
-also take the device adapter slots and the rows' slot indices (fixed shapes, so the
-adapter mix never causes a compilation). Both sample inside
-the step, so only token ids cross back to the host, and both donate the KV cache
-so XLA updates it in place. On a CPU mesh, decode also takes the layers' parameters as
-arrays of their own (jlora/model/host/layer_views.py), so each matmul reads its kernel in
-place instead of a copy sliced out of the stack, and (one CPU device, fp32) its
-attention is a host kernel reading the cache's pages in place, as a packed prefill's
-is one taking each prompt by itself (jlora/model/host/attention.py).
+decode rows for one token each, attending over a bucketed prefix of the block tables.
+Variants of the prefill: after a cached prefix (`cached` > 0: a prefix-cache hit, its
+new tokens attending over the whole block table); packed (`prefill_packed`: several
+prompts back to back in one bucket, a fixed number of prompt rows); scored (prompt
+logprobs: every position's log-probabilities too, the prompt's next token chosen at
+each; compiled on first use); and CPU-assisted, in three kinds of call so the host can
+route each layer group: `embed`, one `prefill_segment` per layer group (its per-layer
+route to the CPU or the device) and `prefill_head` (logits, sample). With LoRA, the
+steps also take the device adapter slots and the rows' slot indices (fixed shapes: the
+adapter mix never compiles). They sample inside the step, so only token ids (and, for
+rows that ask, log-probabilities at a fixed width) cross back to the host, and donate
+the KV cache so XLA updates it in place. On a CPU mesh, decode takes the layers'
+parameters as arrays of their own (jlora/model/host/layer_views.py), so each matmul
+reads its kernel in place, and (one CPU device, fp32) its attention, like a packed
+prefill's, is a host kernel reading the cache's pages in place
+(jlora/model/host/attention.py).
+
 Executables are compiled ahead of time, once per bucket, and then called directly, so
 nothing is ever traced or compiled twice. The engine compiles at warm-up every shape it
 will use; a shape first met after warm-up is compiled then and logged as a warning (the
@@ -43,7 +43,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jlora.device.sampling import SamplingArrays, host_sampling, sample
+from jlora.device.sampling import (
+    SamplingArrays,
+    TokenLogprobs,
+    host_sampling,
+    logprobs_of,
+    sample,
+)
 from jlora.model.host import attention as host_kernel
 from jlora.model.host.layer_views import LayerViews, WithLayerViews
 from jlora.model.kv_cache import KVCache
@@ -54,6 +60,7 @@ log = logging.getLogger(__name__)
 
 
 REPLICATED = PartitionSpec()
+SCORE_BLOCK = 256  # positions whose logits a scored prefill computes at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,33 +99,25 @@ class CompiledSteps:
                 fn, mesh=specs.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
             )
 
+        prefill_specs = (params, cache, rep, rep, rep, rep, lora, rep)
         self._prefill_jit = jax.jit(
-            sharded(
-                self._prefill,
-                (params, cache, rep, rep, rep, rep, lora, rep),
-                (rep, cache),
-            ),
+            sharded(self._prefill, prefill_specs, (rep, rep, cache)), donate_argnums=(1,)
+        )
+        self._prefill_cached_jit = jax.jit(  # its last argument `cached`
+            sharded(self._prefill, (*prefill_specs, rep), (rep, rep, cache)),
             donate_argnums=(1,),
         )
-        self._prefill_cached_jit = jax.jit(
-            sharded(
-                self._prefill,
-                (params, cache, rep, rep, rep, rep, lora, rep, rep),
-                (rep, cache),
-            ),
+        self._prefill_scored_jit = jax.jit(  # its last arguments `cached` and `targets`
+            sharded(self._prefill, (*prefill_specs, rep, rep), (rep, rep, rep, cache)),
             donate_argnums=(1,),
         )
         self._prefill_packed_jit = jax.jit(
-            sharded(
-                self._prefill_packed,
-                (params, cache, rep, rep, rep, rep, lora, rep),
-                (rep, cache),
-            ),
+            sharded(self._prefill_packed, prefill_specs, (rep, rep, cache)),
             donate_argnums=(1,),
         )
         decode_specs = (params, cache, rep, rep, rep, rep, lora, rep)
         self._decode_jit = jax.jit(
-            sharded(self._decode, decode_specs, (rep, cache)), donate_argnums=(1,)
+            sharded(self._decode, decode_specs, (rep, rep, cache)), donate_argnums=(1,)
         )
         if layer_views is None:
             layer_views = specs.mesh.devices.flat[0].platform == "cpu"
@@ -131,7 +130,9 @@ class CompiledSteps:
         )
         self._decode_views_jit = jax.jit(  # the layers' views its last argument
             sharded(
-                self._decode, (*decode_specs, [one_layer] * model.config.num_layers), (rep, cache)
+                self._decode,
+                (*decode_specs, [one_layer] * model.config.num_layers),
+                (rep, rep, cache),
             ),
             donate_argnums=(1,),
         )
@@ -150,9 +151,14 @@ class CompiledSteps:
             static_argnums=(0,) if model.unroll_layers else (),
             donate_argnums=(2,),
         )
-        self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), rep))
+        self._head_jit = jax.jit(sharded(self._prefill_head, (params, rep, rep, rep), (rep, rep)))
+        self._head_scored_jit = jax.jit(  # its last argument `targets`
+            sharded(self._prefill_head, (params, rep, rep, rep, rep), (rep, rep, rep))
+        )
         self._prefill_exe: dict[int, Any] = {}
         self._prefill_cached_exe: dict[int, Any] = {}  # compiled on first use
+        self._prefill_scored_exe: dict[int, Any] = {}  # compiled on first use
+        self._head_scored_exe: dict[int, Any] = {}  # compiled on first use
         self._prefill_packed_exe: dict[tuple[int, int], Any] = {}  # (bucket, prompts)
         self._decode_exe: dict[tuple[int, int], Any] = {}
         self._embed_exe: dict[int, Any] = {}
@@ -172,13 +178,30 @@ class CompiledSteps:
         lora_weights: LoraWeights | None,
         segments: Segments | None,
         cached: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache]:
-        """A prompt's prefill and its first token; `cached` (the cached-prefix variant):
-        its first tokens' keys and values are in the cache already."""
-        logits, cache = self.model.prefill(
+        targets: jax.Array | None = None,
+    ) -> tuple:
+        """A prompt's prefill and its first token, with its log-probabilities; `cached`
+        (the cached-prefix variant): its first tokens' keys and values are in the cache
+        already; `targets` (the scored variant, i32[T]): also every position's
+        log-probabilities, targets[i] chosen at position i. Returns (token, its
+        log-probabilities (one position), [scores,] cache)."""
+        x, cache = self.model.prefill_hidden(
             params, cache, tokens, length, block_table, lora_weights, segments, cached
         )
-        return sample(logits[None], sampling)[0], cache
+        first, logprobs = sample(self.model.last_logits(params, x, length)[None], sampling)
+        if targets is None:
+            return first[0], logprobs, cache
+        return first[0], logprobs, self._scores(params, x, targets), cache
+
+    def _scores(self, params: Params, x: jax.Array, targets: jax.Array) -> TokenLogprobs:
+        """Every position's log-probabilities (targets[i] chosen at position i), their
+        logits computed SCORE_BLOCK positions at a time: a long prompt's [T, V] logits
+        are never whole."""
+        length = x.shape[0]
+        block = SCORE_BLOCK if length % SCORE_BLOCK == 0 else length
+        blocks = (x.reshape(length // block, block, -1), targets.reshape(length // block, block))
+        scores = jax.lax.map(lambda b: logprobs_of(self.model.logits(params, b[0]), b[1]), blocks)
+        return jax.tree.map(lambda a: a.reshape(length, *a.shape[2:]), scores)
 
     def _prefill_packed(
         self,
@@ -190,7 +213,7 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None,
         segments: Segments | None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, TokenLogprobs, KVCache]:
         """Several prompts' prefill and each one's first token (its own sampling row)."""
         logits, cache = self.model.prefill_packed(
             params,
@@ -203,7 +226,7 @@ class CompiledSteps:
             self.packed_longest,
             host_attention=self.host_attention,
         )
-        return sample(logits, sampling), cache
+        return *sample(logits, sampling), cache
 
     def _prefill_segment(
         self,
@@ -231,9 +254,19 @@ class CompiledSteps:
         )
 
     def _prefill_head(
-        self, params: Params, x: jax.Array, length: jax.Array, sampling: SamplingArrays
-    ) -> jax.Array:
-        return sample(self.model.last_logits(params, x, length)[None], sampling)[0]
+        self,
+        params: Params,
+        x: jax.Array,
+        length: jax.Array,
+        sampling: SamplingArrays,
+        targets: jax.Array | None = None,
+    ) -> tuple:
+        """A CPU-assisted prefill's first token and its log-probabilities (and, with
+        `targets`, every position's, as `_prefill`'s scored variant)."""
+        first, logprobs = sample(self.model.last_logits(params, x, length)[None], sampling)
+        if targets is None:
+            return first[0], logprobs
+        return first[0], logprobs, self._scores(params, x, targets)
 
     def _decode(
         self,
@@ -246,7 +279,7 @@ class CompiledSteps:
         lora_weights: LoraWeights | None,
         lora_idx: jax.Array | None,
         layers: list[Params] | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, TokenLogprobs, KVCache]:
         logits, cache = self.model.decode(
             params,
             cache,
@@ -258,7 +291,7 @@ class CompiledSteps:
             layers,
             host_attention=self.host_attention,
         )
-        return sample(logits, sampling), cache
+        return *sample(logits, sampling), cache
 
     # -- compilation -------------------------------------------------------------
 
@@ -285,9 +318,13 @@ class CompiledSteps:
         lora_weights: LoraWeights | None,
         *,
         cached: bool = False,
+        scored: bool = False,
     ) -> None:
-        """The prefill of `bucket` tokens; with `cached`, its cached-prefix variant."""
-        executables = self._prefill_cached_exe if cached else self._prefill_exe
+        """The prefill of `bucket` tokens; with `cached`, its cached-prefix variant; with
+        `scored`, the variant that scores every position (after a cached prefix or not)."""
+        executables = self._prefill_exe
+        if scored or cached:
+            executables = self._prefill_scored_exe if scored else self._prefill_cached_exe
         if bucket in executables:
             return
         args = [
@@ -300,7 +337,16 @@ class CompiledSteps:
             lora_weights,
             None if lora_weights is None else Segments.single(-1, bucket),
         ]
-        if cached:
+        if scored:
+            executables[bucket] = self._compile(
+                self._prefill_scored_jit,
+                f"scored prefill[{bucket}]",
+                *args,
+                np.int32(0),
+                np.zeros(bucket, np.int32),
+                on_first_use=True,
+            )
+        elif cached:
             executables[bucket] = self._compile(
                 self._prefill_cached_jit,
                 f"prefill after a cached prefix[{bucket}]",
@@ -376,6 +422,20 @@ class CompiledSteps:
                 self._head_jit, f"prefill head[{bucket}]", params, x, np.int32(1), host_sampling(1)
             )
 
+    def compile_scored_head(self, params: Params, x: jax.Array) -> None:
+        """A CPU-assisted prefill's head that scores every position, for x's bucket."""
+        if x.shape[0] not in self._head_scored_exe:
+            self._head_scored_exe[x.shape[0]] = self._compile(
+                self._head_scored_jit,
+                f"scored prefill head[{x.shape[0]}]",
+                params,
+                x,
+                np.int32(1),
+                host_sampling(1),
+                np.zeros(x.shape[0], np.int32),
+                on_first_use=True,
+            )
+
     def compile_decode(
         self,
         params: Params,
@@ -415,7 +475,7 @@ class CompiledSteps:
         if jax.process_count() > 1:
             return cache
         idle = _idle_rows(slots, blocks, cache.num_blocks, lora_weights)
-        sampled, cache = self.decode(params, cache, *idle)
+        sampled, _, cache = self.decode(params, cache, *idle)
         jax.block_until_ready(sampled)
         return cache
 
@@ -432,10 +492,15 @@ class CompiledSteps:
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
         cached: int = 0,
-    ) -> tuple[jax.Array, KVCache]:
+        targets: np.ndarray | None = None,
+    ) -> tuple:
         """`tokens` (padded; `length` real) into `block_table`'s blocks, after the first
-        `cached` tokens already there (0: none, the plain prefill)."""
+        `cached` tokens already there (0: none, the plain prefill): (the first token, its
+        log-probabilities, [with `targets`, i32[T]: every position's,] the cache)."""
         args = (params, cache, tokens, np.int32(length), block_table, sampling, lora_weights)
+        if targets is not None:
+            executable = self._prefill_scored_exe[tokens.shape[0]]
+            return executable(*args, segments, np.int32(cached), targets)
         if cached:
             return self._prefill_cached_exe[tokens.shape[0]](*args, segments, np.int32(cached))
         return self._prefill_exe[tokens.shape[0]](*args, segments)
@@ -450,9 +515,9 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None = None,
         segments: Segments | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, TokenLogprobs, KVCache]:
         """Prompt p, tokens[starts[p]:starts[p + 1]], into block_tables[p]'s blocks
-        (Llama.prefill_packed): i32[P], each prompt's first token."""
+        (Llama.prefill_packed): i32[P], each prompt's first token, their log-probabilities."""
         executable = self._prefill_packed_exe[(tokens.shape[0], block_tables.shape[0])]
         return executable(
             params, cache, tokens, starts, block_tables, sampling, lora_weights, segments
@@ -494,8 +559,16 @@ class CompiledSteps:
         return bucket, layers, start if self.model.unroll_layers else 0
 
     def prefill_head(
-        self, params: Params, x: jax.Array, length: int, sampling: SamplingArrays
-    ) -> jax.Array:
+        self,
+        params: Params,
+        x: jax.Array,
+        length: int,
+        sampling: SamplingArrays,
+        targets: np.ndarray | None = None,
+    ) -> tuple:
+        """(the first token, its log-probabilities[, with `targets`: every position's])."""
+        if targets is not None:
+            return self._head_scored_exe[x.shape[0]](params, x, np.int32(length), sampling, targets)
         return self._head_exe[x.shape[0]](params, x, np.int32(length), sampling)
 
     def decode(
@@ -508,7 +581,7 @@ class CompiledSteps:
         sampling: SamplingArrays,
         lora_weights: LoraWeights | None = None,
         lora_idx: np.ndarray | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, TokenLogprobs, KVCache]:
         executable = self._decode_exe[block_tables.shape]
         return executable(
             params, cache, tokens, positions, block_tables, sampling, lora_weights, lora_idx

@@ -19,6 +19,7 @@ from jlora.contract.adapters import Adapter
 from jlora.contract.errors import InvalidRequest, RequestError
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # the most top log-probabilities a position reports (OpenAI's limit)
 
 # TokenEvent.finish_reason
 STOP, LENGTH, ERROR = "stop", "length", "error"
@@ -34,6 +35,11 @@ class SamplingParams:
     seed None draws a fresh seed for the request. A request stops at the first of:
     an end-of-sequence token (unless ignore_eos), a stop string (excluded from the
     text), max_tokens generated, or the engine's max_seq_len.
+
+    logprobs N: each generated token's event carries its log-probability and those of
+    the N most likely tokens there (0 to MAX_LOGPROBS; None: none). prompt_logprobs N:
+    the first event carries the same for every prompt token after the first (computed
+    in full: such a prompt takes no prefix-cache hit).
     """
 
     max_tokens: int = 256
@@ -43,6 +49,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> InvalidRequest:
@@ -61,6 +69,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [0, 2**32)")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} non-empty strings")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and not (_integer(value) and 0 <= value <= MAX_LOGPROBS):
+                raise bad(field, f"must be an integer in [0, {MAX_LOGPROBS}]")
 
 
 def _finite(value: object) -> bool:
@@ -155,6 +167,17 @@ class SequenceState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """The model's log-probabilities at one position (the log-softmax of its logits,
+    before temperature and cuts): of the token there, and of the most likely tokens
+    (token id, log-probability), most likely first, as many as the request asked."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One generated token of one request, or its failure.
 
@@ -168,6 +191,9 @@ class TokenEvent:
     taken from the prefix cache instead of being computed; 0 on every other event,
     including the prefill of a request preempted and admitted again (the engine's own
     recomputation, not a prompt served).
+    logprobs: this token's (SamplingParams.logprobs), else None. prompt_logprobs: on a
+    request's first event, when SamplingParams.prompt_logprobs is set, one entry per
+    prompt token after the first (the first has none); else None.
     """
 
     request_id: str
@@ -176,6 +202,8 @@ class TokenEvent:
     finish_reason: str | None = None
     error: RequestError | None = None
     cached_tokens: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: tuple[Logprobs, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

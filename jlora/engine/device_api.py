@@ -9,12 +9,14 @@ calls, all on one thread (the scheduler's) except where a method says otherwise:
 
 1. `prefill(job)`: run a prompt into the KV blocks of its block table and sample its
    first token (with CPU assistance for the layers whose adapter weights are still in
-   flight when `job.assist` is set). `prefill_many(jobs)` does the same for several
-   jobs, packing plain ones (no assist, nothing cached, short) several to a compiled
-   call: at most `packed_prefill_prompts` prompts of `packed_prefill_tokens` tokens in
-   all, none over `packed_prefill_prompt_tokens`.
+   flight when `job.assist` is set; scoring every prompt position when
+   `job.score_next` is). `prefill_many(jobs)` does the same for several jobs, packing
+   plain ones (no assist, nothing cached, no scoring, short) several to a compiled call:
+   at most `packed_prefill_prompts` prompts of `packed_prefill_tokens` tokens in all,
+   none over `packed_prefill_prompt_tokens`.
 2. `insert(slot, row)`: make decode row `slot` continue that sequence.
-3. `generate()`: one decode step of every inserted row, one token each.
+3. `generate()`: one decode step of every inserted row, one token each
+   (`decode_logprobs()`: their log-probabilities, for the rows that asked).
 4. `free(slot)`: the row stops decoding.
 
 Adapters: `stage_adapter` validates an adapter and copies it into host memory (any
@@ -48,6 +50,7 @@ import numpy as np
 from configs import EngineConfig
 from jlora.contract.adapters import Adapter
 from jlora.contract.errors import RequestError
+from jlora.engine.api import Logprobs
 from jlora.engine.cost_model import ColdStart
 from jlora.engine.detokenizer import Decoder
 
@@ -66,13 +69,47 @@ class TextCodec(Decoder, Protocol):
 @dataclasses.dataclass(frozen=True)
 class SamplingRow:
     """One row's sampling parameters (sampling.py): temperature 0 is greedy; step is the
-    number of tokens the request has generated before this one."""
+    number of tokens the request has generated before this one; logprobs: its tokens'
+    log-probabilities are wanted."""
 
     temperature: float
     top_k: int
     top_p: float
     seed: int
     step: int
+    logprobs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobArrays:
+    """The model's log-probabilities at n positions (sampling.py's): of the token chosen
+    at each, and of the MAX_LOGPROBS (or vocabulary, if smaller) most likely there."""
+
+    chosen: np.ndarray  # f32[n]
+    top_ids: np.ndarray  # i32[n, K], most likely first
+    top: np.ndarray  # f32[n, K]
+
+    @staticmethod
+    def concatenate(parts: Sequence[LogprobArrays]) -> LogprobArrays:
+        """The positions of `parts`, in order."""
+        return LogprobArrays(
+            np.concatenate([part.chosen for part in parts]),
+            np.concatenate([part.top_ids for part in parts]),
+            np.concatenate([part.top for part in parts]),
+        )
+
+    def take(self, rows: slice | Sequence[int] | np.ndarray) -> LogprobArrays:
+        """These positions only."""
+        index = rows if isinstance(rows, slice) else np.asarray(rows)
+        return LogprobArrays(self.chosen[index], self.top_ids[index], self.top[index])
+
+    def at(self, i: int, token: int, count: int) -> Logprobs:
+        """Position i's, `token` the one chosen there, with the `count` most likely."""
+        top = tuple(
+            (int(t), float(lp))
+            for t, lp in zip(self.top_ids[i, :count], self.top[i, :count], strict=True)
+        )
+        return Logprobs(token, float(self.chosen[i]), top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +126,9 @@ class PrefillJob:
     cached ones, and the result is that of a prefill of every token. The orchestrator
     sends no job with both `assist` and `cached`: an engine may serve one by computing
     every token again (LlamaEngine does, leaving the cached blocks unwritten).
+    score_next: None, or the scoring of the prompt (prompt logprobs): at each computed
+    position, the log-probability of the token that follows it, `score_next` after the
+    last (the next chunk's first token; -1: none, the prompt ends there).
     """
 
     tokens: Sequence[int]
@@ -97,17 +137,27 @@ class PrefillJob:
     adapter_slot: int = -1
     assist: str | None = None
     cached: int = 0
+    score_next: int | None = None
+
+    def targets(self) -> np.ndarray:
+        """i32[len(tokens) - cached]: the token after each computed position (-1: none)."""
+        assert self.score_next is not None
+        return np.array([*self.tokens[self.cached + 1 :], self.score_next], np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
     """A prefill's first token; `routes` says where each layer group's LoRA ran in a
     CPU-assisted prefill ("CCDD": CPU, CPU, device, device), "" otherwise. `error`: the
-    fault of this job alone in `prefill_many` (what `prefill` raises), token then -1."""
+    fault of this job alone in `prefill_many` (what `prefill` raises), token then -1.
+    logprobs: the first token's (one position), where its sampling asked; prompt: the
+    job's scoring (`score_next`), one position per computed token."""
 
     token: int
     routes: str = ""
     error: RequestError | None = None
+    logprobs: LogprobArrays | None = None
+    prompt: LogprobArrays | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +232,8 @@ class DeviceEngine(abc.ABC):
         invariance: a job's first token and keys and values do not depend on the other
         jobs (the same greedy token; the same values up to the summation order).
 
-        An engine may run plain jobs (`assist` None, `cached` 0, at most
-        `packed_prefill_prompt_tokens` tokens) several to a compiled call, and runs the
+        An engine may run plain jobs (`assist` None, `cached` 0, `score_next` None, at
+        most `packed_prefill_prompt_tokens` tokens) several to a compiled call, and runs the
         others one by one through `prefill`: only those can fail alone, and such a fault
         (RequestError) is returned in that job's `Prefilled.error`, not raised, so the
         other jobs' first tokens are not lost. This default runs every job through
@@ -220,6 +270,11 @@ class DeviceEngine(abc.ABC):
     def generate(self) -> np.ndarray:
         """One decode step: i32[max_slots], the next token of every inserted row (other
         rows hold garbage); each inserted row then continues from its new token."""
+
+    @abc.abstractmethod
+    def decode_logprobs(self) -> LogprobArrays | None:
+        """The log-probabilities of the last `generate()`'s tokens, by slot (max_slots
+        positions; valid for the rows whose sampling asked), or None if no row asked."""
 
     @abc.abstractmethod
     def free(self, slot: int) -> None:

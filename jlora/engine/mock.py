@@ -45,10 +45,12 @@ from configs import ConfigError, EngineConfig
 from jlora.contract.adapters import WEIGHTS_FILE, Adapter, check_sha256, sha256_of
 from jlora.contract.errors import InvalidRequest
 from jlora.contract.peft import read_adapter_config
+from jlora.engine.api import MAX_LOGPROBS
 from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,
+    LogprobArrays,
     Memory,
     Payload,
     Prefilled,
@@ -79,6 +81,23 @@ def mock_completion(
     return tokens
 
 
+def mock_logprobs(anchor: int, chosen: Sequence[int], vocab_size: int) -> LogprobArrays:
+    """The mock's log-probabilities at len(chosen) positions: at each, the MAX_LOGPROBS (or
+    vocabulary) tokens after `anchor` are the most likely, token anchor + j with -(j + 1) /
+    8, and `chosen` (-1: none) has its value there, or -8 if not among them. A generated
+    token is its position's anchor (the most likely); a prompt position's is the token
+    there."""
+    width = min(MAX_LOGPROBS, vocab_size)
+    top_ids = (anchor + np.arange(width)) % vocab_size
+    top = -(np.arange(width, dtype=np.float32) + 1) / 8
+    values = {int(t): float(v) for t, v in zip(top_ids, top, strict=True)}
+    return LogprobArrays(
+        np.array([values.get(c, -8.0) if c >= 0 else 0.0 for c in chosen], np.float32),
+        np.tile(top_ids.astype(np.int32), (len(chosen), 1)),
+        np.tile(top, (len(chosen), 1)),
+    )
+
+
 class MockTokenizer:
     """Text <-> ids for the mock: a prompt's UTF-8 bytes are its ids; token t reads ' t<t>'.
 
@@ -106,6 +125,7 @@ class _Row:
     block_table: np.ndarray
     step: int
     adapter_slot: int
+    logprobs: bool = False
 
 
 class MockEngine(DeviceEngine):
@@ -178,6 +198,7 @@ class MockEngine(DeviceEngine):
         self.fail_loads = frozenset(fail_loads)
         self.merge_latency = merge_latency
         self.steps = 0  # generate() calls
+        self._logprobs: LogprobArrays | None = None  # the last generate()'s
         self._rows: dict[int, _Row] = {}
         self._staged: dict[str, Adapter] = {}
         self._slots: dict[int, str] = {}  # device adapter slot -> installed adapter
@@ -201,7 +222,16 @@ class MockEngine(DeviceEngine):
         for position in range(job.cached, len(job.tokens)):
             self._write(job.block_table, position, (adapter, int(job.tokens[position])))
         token = mock_next_token(job.tokens[-1], adapter, job.sampling.step, self.vocab_size)
-        return Prefilled(token)
+        prompt = None
+        if job.score_next is not None:
+            positions = range(job.cached, len(job.tokens))
+            scores = [
+                mock_logprobs(int(job.tokens[position]), [int(target)], self.vocab_size)
+                for position, target in zip(positions, job.targets(), strict=True)
+            ]
+            prompt = LogprobArrays.concatenate(scores)
+        first = mock_logprobs(token, [token], self.vocab_size) if job.sampling.logprobs else None
+        return Prefilled(token, logprobs=first, prompt=prompt)
 
     def _check_cached(self, job: PrefillJob, adapter: str | None) -> None:
         """AssertionError unless the job's first `cached` tokens are in its blocks, each
@@ -234,7 +264,12 @@ class MockEngine(DeviceEngine):
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         self._rows[slot] = _Row(
-            row.token, row.position, row.block_table.copy(), row.sampling.step, row.adapter_slot
+            row.token,
+            row.position,
+            row.block_table.copy(),
+            row.sampling.step,
+            row.adapter_slot,
+            row.sampling.logprobs,
         )
 
     def generate(self) -> np.ndarray:
@@ -252,7 +287,18 @@ class MockEngine(DeviceEngine):
             row.token = mock_next_token(row.token, adapter, row.step, self.vocab_size)
             row.step += 1
             tokens[slot] = row.token
+        self._logprobs = None
+        if any(row.logprobs for _, row in rows):
+            self._logprobs = mock_logprobs(0, [-1] * self.config.max_slots, self.vocab_size)
+            for slot, row in rows:
+                own = mock_logprobs(row.token, [row.token], self.vocab_size)
+                self._logprobs.chosen[slot] = own.chosen[0]
+                self._logprobs.top_ids[slot] = own.top_ids[0]
+                self._logprobs.top[slot] = own.top[0]
         return tokens
+
+    def decode_logprobs(self) -> LogprobArrays | None:
+        return self._logprobs
 
     def free(self, slot: int) -> None:
         self._rows.pop(slot, None)

@@ -70,6 +70,7 @@ from jlora.engine.api import (
     STOP,
     AdapterInfo,
     EngineStats,
+    Logprobs,
     MergeStats,
     Request,
     RunningInfo,
@@ -78,7 +79,7 @@ from jlora.engine.api import (
     check_request,
 )
 from jlora.engine.detokenizer import Detokenizer
-from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob
+from jlora.engine.device_api import DecodeRow, DeviceEngine, LogprobArrays, PrefillJob
 from jlora.engine.memory.manager import MemoryManager
 from jlora.engine.merging import DynamicBatcher
 from jlora.engine.scheduler import KEEP, Plan, Prefill, Scheduler, Sequence
@@ -233,8 +234,12 @@ class Orchestrator:
             if self.batcher is not None:
                 merged = self.device.merged is not None
                 self.batcher.observe(merged, len(decoding), time.perf_counter() - start)
+            logprobs = self.device.decode_logprobs()
             for seq in decoding:
-                self._append(seq, int(tokens[seq.row]), events)
+                own = None
+                if logprobs is not None and seq.request.sampling.logprobs is not None:
+                    own = logprobs.take([seq.row])
+                self._append(seq, int(tokens[seq.row]), events, logprobs=own)
         elif self.scheduler.chunking():
             pass  # the next step prefills the next chunk
         elif self.has_unfinished and self.adapters is not None and self.adapters.slots.loading():
@@ -407,7 +412,10 @@ class Orchestrator:
             detokenizer = Detokenizer(self.tokenizer, sampling.stop)
             for token in generated:  # its text went out already: rebuild the state only
                 detokenizer.add(token)
-        return Sequence(request, seed, limit, detokenizer, generated=list(generated))
+        seq = Sequence(request, seed, limit, detokenizer, generated=list(generated))
+        # A resumed request's prompt was scored where it started.
+        seq.score_prompt = sampling.prompt_logprobs is not None and not generated
+        return seq
 
     # -- carrying out a plan ----------------------------------------------------------
 
@@ -440,6 +448,7 @@ class Orchestrator:
                 adapter_slot=p.seq.adapter_slot,
                 assist=p.seq.request.adapter if p.assist else None,
                 cached=max(p.lease.cached_tokens, p.seq.chunked),
+                score_next=self._score_next(p),
             )
             for p in prefills
         ]
@@ -453,6 +462,8 @@ class Orchestrator:
             if prefilled.error is not None:
                 self._fail(seq, prefilled.error, events)
                 continue
+            if prefilled.prompt is not None:
+                seq.prompt_scores[job.cached] = prefilled.prompt
             if p.end < seq.length:  # a chunk: the rest in the next steps
                 seq.chunked = p.end
                 self.counters["prefill_chunks"] += 1
@@ -463,9 +474,39 @@ class Orchestrator:
                 self._assisted(seq, prefilled.routes)
             # A re-prefill after a preemption is the engine's own: no prompt token served.
             cached = 0 if seq.preemptions else p.lease.cached_tokens
-            running = self._append(seq, prefilled.token, events, cached=cached)
+            running = self._append(
+                seq,
+                prefilled.token,
+                events,
+                cached=cached,
+                logprobs=prefilled.logprobs,
+                prompt_logprobs=self._prompt_logprobs(seq),
+            )
             if running and not seq.parked:
                 self._insert(seq)
+
+    def _score_next(self, p: Prefill) -> int | None:
+        """A prefill job's `score_next`: the prompt token after this chunk (-1 after the
+        prompt's last), where the request's prompt is scored."""
+        if not p.seq.score_prompt:
+            return None
+        prompt = p.seq.request.prompt_ids
+        return prompt[p.end] if p.end < len(prompt) else -1
+
+    def _prompt_logprobs(self, seq: Sequence) -> tuple[Logprobs, ...] | None:
+        """The prompt's log-probabilities (every token after the first), from its prefills'
+        scores, once: a later prefill of the request (after a preemption) scores none."""
+        if not seq.score_prompt:
+            return None
+        seq.score_prompt = False
+        count = seq.request.sampling.prompt_logprobs
+        assert count is not None
+        prompt = seq.request.prompt_ids
+        scores = LogprobArrays.concatenate(
+            [seq.prompt_scores[s] for s in sorted(seq.prompt_scores)]
+        )
+        seq.prompt_scores.clear()
+        return tuple(scores.at(i - 1, prompt[i], count) for i in range(1, len(prompt)))
 
     def _assisted(self, seq: Sequence, routes: str) -> None:
         """A CPU-assisted prefill: park the request if its adapter has not landed yet."""
@@ -531,10 +572,18 @@ class Orchestrator:
         self.device.insert(seq.row, row)
 
     def _append(
-        self, seq: Sequence, token: int, events: list[TokenEvent], *, cached: int = 0
+        self,
+        seq: Sequence,
+        token: int,
+        events: list[TokenEvent],
+        *,
+        cached: int = 0,
+        logprobs: LogprobArrays | None = None,
+        prompt_logprobs: tuple[Logprobs, ...] | None = None,
     ) -> bool:
         """Record a sampled token, emit its event (`cached`: the prefix-cache hit of the
-        prefill that sampled it); False if that finished the request."""
+        prefill that sampled it; `logprobs`: its own, one position; `prompt_logprobs`:
+        the prompt's, on a first event); False if that finished the request."""
         seq.generated.append(token)
         seq.served_at = time.monotonic()
         text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
@@ -545,7 +594,19 @@ class Orchestrator:
             finish = LENGTH
         if finish is not None and not hit_stop and seq.detokenizer is not None:
             text += seq.detokenizer.flush()
-        events.append(TokenEvent(seq.request.request_id, token, text, finish, cached_tokens=cached))
+        count = seq.request.sampling.logprobs
+        own = None if logprobs is None or count is None else logprobs.at(0, token, count)
+        events.append(
+            TokenEvent(
+                seq.request.request_id,
+                token,
+                text,
+                finish,
+                cached_tokens=cached,
+                logprobs=own,
+                prompt_logprobs=prompt_logprobs,
+            )
+        )
         if finish is not None:
             self._remove(seq)
         return finish is None

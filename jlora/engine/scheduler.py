@@ -43,7 +43,7 @@ from jlora.engine import cost_model
 from jlora.engine.adapters import AdapterManager
 from jlora.engine.api import Request
 from jlora.engine.detokenizer import Detokenizer
-from jlora.engine.device_api import DeviceEngine, SamplingRow
+from jlora.engine.device_api import DeviceEngine, LogprobArrays, SamplingRow
 from jlora.engine.memory.manager import FULL, SWAPPING, MemoryManager
 from jlora.engine.memory.tree import Lease
 from jlora.engine.merging import Batch, DynamicBatcher
@@ -77,6 +77,10 @@ class Sequence:
     served_at: float = dataclasses.field(default_factory=time.monotonic)  # its last token
     adapter_wait: float | None = None  # since when it waits, queued, for its adapter
     preemptions: int = 0
+    # Its prompt is scored (prompt logprobs) until its first token: each prefill's
+    # scores by the position it starts at.
+    score_prompt: bool = False
+    prompt_scores: dict[int, LogprobArrays] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens(self) -> list[int]:
@@ -90,7 +94,12 @@ class Sequence:
     def sampling_row(self) -> SamplingRow:
         params = self.request.sampling
         return SamplingRow(
-            params.temperature, params.top_k, params.top_p, self.seed, len(self.generated)
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            self.seed,
+            len(self.generated),
+            logprobs=params.logprobs is not None,
         )
 
 
@@ -304,7 +313,9 @@ class Scheduler:
         return seq.assist
 
     def _lease(self, seq: Sequence, *, reuse: bool) -> Lease | str:
-        """The KV blocks for `seq` (a cached prefix first, if `reuse`)."""
+        """The KV blocks for `seq` (a cached prefix first, if `reuse` and its prompt is
+        not scored: a scored prompt computes every position)."""
+        reuse = reuse and not seq.score_prompt
         return self.memory.admit(
             seq.request.request_id, seq.request.adapter, seq.tokens, self._blocks(seq), reuse
         )

@@ -347,6 +347,10 @@ class Llama:
         """fp32 logits [V] of a prefilled prompt's last real position."""
         return self._logits(params, x[length - 1])
 
+    def logits(self, params: Params, x: jax.Array) -> jax.Array:
+        """fp32 logits [..., V] of hidden states x [..., D] (the final norm, the head)."""
+        return self._logits(params, x)
+
     def prefill(
         self,
         params: Params,
@@ -369,8 +373,26 @@ class Llama:
         the ones after them (positions cached..), and attend to the cached ones too.
         Returns fp32 logits [V] at the last real token, and the updated cache.
         """
+        x, cache = self.prefill_hidden(
+            params, cache, tokens, length, block_table, lora_weights, segments, cached
+        )
+        return self.last_logits(params, x, length), cache
+
+    def prefill_hidden(
+        self,
+        params: Params,
+        cache: KVCache,
+        tokens: jax.Array,
+        length: jax.Array,
+        block_table: jax.Array,
+        lora_weights: LoraWeights | None = None,
+        segments: Segments | None = None,
+        cached: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """`prefill`, returning every position's last hidden state [T, D] instead (the
+        logits of each are `logits(params, x)`)."""
         x = self.embed(params, tokens)
-        x, cache = self.prefill_layers(
+        return self.prefill_layers(
             params,
             cache,
             x,
@@ -382,7 +404,6 @@ class Llama:
             segments,
             cached=cached,
         )
-        return self.last_logits(params, x, length), cache
 
     def prefill_layers(
         self,

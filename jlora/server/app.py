@@ -51,7 +51,7 @@ from jlora.contract.grpc_server import start_server
 from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals, wait_awake
 from jlora.engine.api import SamplingParams
 from jlora.engine.orchestrator import Orchestrator
-from jlora.server.convert import TextEncoder
+from jlora.server.convert import TextCodec
 from jlora.server.metrics import Metrics
 from jlora.server.scheduler import Scheduler
 from jlora.server.servicer import JloraServicer
@@ -99,7 +99,7 @@ class WorkerServer:
         host: str,
         port: int,
         metrics_port: int | None,
-        tokenizer: TextEncoder | None,
+        tokenizer: TextCodec | None,
         model_name: str,
         max_queue: int,
         adapters_dir: Path | None,
@@ -247,7 +247,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     metrics_port: int | None = None,
-    tokenizer: TextEncoder | None = None,
+    tokenizer: TextCodec | None = None,
     model_name: str = "base",
     max_queue: int = 64,
     adapters_dir: str | Path | None = None,

@@ -20,6 +20,7 @@ from jlora.engine.api import (
     AdapterInfo,
     CacheStats,
     EngineStats,
+    Logprobs,
     Request,
     RunningInfo,
     SamplingParams,
@@ -36,10 +37,13 @@ ADAPTER_STATES = {
 }
 
 
-class TextEncoder(Protocol):
-    """What text and chat prompts need (`jlora.tokenizer.Tokenizer` is one)."""
+class TextCodec(Protocol):
+    """What text and chat prompts, and tokens' texts, need (`jlora.tokenizer.Tokenizer`
+    is one)."""
 
     def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -48,7 +52,7 @@ def to_request(
     msg: pb.GenerateRequest,
     *,
     request_id: str,
-    tokenizer: TextEncoder | None,
+    tokenizer: TextCodec | None,
     max_seq_len: int,
     base_model: str,
     arrival_time: float,
@@ -73,7 +77,7 @@ def to_request(
     )
 
 
-def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[int]:
+def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextCodec | None) -> list[int]:
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest(
@@ -113,7 +117,8 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextEncoder | None) -> list[
 def to_sampling(
     msg: pb.SamplingParams, *, max_seq_len: int, defaults: SamplingParams
 ) -> SamplingParams:
-    """The engine's sampling of `msg`, an unset field taking `defaults`' value."""
+    """The engine's sampling of `msg`, an unset field taking `defaults`' value, except
+    `max_tokens`: unset, the rest of the context (vLLM's and OpenAI chat's default)."""
     if msg.HasField("max_tokens") and msg.max_tokens > max_seq_len:
         raise InvalidRequest(
             f"max_tokens={msg.max_tokens} exceeds the context: this model serves at most "
@@ -121,14 +126,39 @@ def to_sampling(
             field="sampling.max_tokens",
         )
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else defaults.max_tokens,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else max_seq_len,
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
         top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
         top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def logprobs_message(entry: Logprobs, tokenizer: TextCodec | None) -> pb.PositionLogprobs:
+    """One position's log-probabilities, each token with its text (none without a
+    tokenizer)."""
+
+    def token(token_id: int, logprob: float | None) -> pb.TokenLogprob:
+        text = tokenizer.decode([token_id]) if tokenizer is not None else ""
+        return pb.TokenLogprob(token_id=token_id, text=text, logprob=logprob)
+
+    return pb.PositionLogprobs(
+        token=token(entry.token_id, entry.logprob),
+        top=[token(token_id, logprob) for token_id, logprob in entry.top],
+    )
+
+
+def prompt_logprobs_message(
+    prompt_ids: list[int], entries: tuple[Logprobs, ...], tokenizer: TextCodec | None
+) -> list[pb.PositionLogprobs]:
+    """One per prompt token: the first's without a log-probability, then `entries`."""
+    text = tokenizer.decode([prompt_ids[0]]) if tokenizer is not None else ""
+    first = pb.PositionLogprobs(token=pb.TokenLogprob(token_id=prompt_ids[0], text=text))
+    return [first, *(logprobs_message(entry, tokenizer) for entry in entries)]
 
 
 def adapter_message(info: AdapterInfo) -> pb.Adapter:
@@ -159,6 +189,8 @@ def sampling_message(sampling: SamplingParams, seed: int) -> pb.SamplingParams:
         seed=seed,
         stop=sampling.stop,
         ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
     )
 
 

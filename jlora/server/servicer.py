@@ -127,7 +127,7 @@ class JloraServicer(pb_grpc.JloraServicer):
         scheduler: Scheduler,
         metrics: Metrics,
         *,
-        tokenizer: convert.TextEncoder | None,
+        tokenizer: convert.TextCodec | None,
         model_name: str,
         max_queue: int,
         adapters_dir: Path | None,
@@ -304,6 +304,14 @@ class JloraServicer(pb_grpc.JloraServicer):
                 since_previous_us=round(token.since_previous * 1e6),
             ),
         )
+        if event.logprobs is not None:
+            response.logprobs.CopyFrom(convert.logprobs_message(event.logprobs, self._tokenizer))
+        if event.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(
+                convert.prompt_logprobs_message(
+                    stream.request.prompt_ids, event.prompt_logprobs, self._tokenizer
+                )
+            )
         if event.finish_reason is not None:
             assert event.finish_reason != ERROR
             response.finish_reason = convert.FINISH_REASONS[event.finish_reason]

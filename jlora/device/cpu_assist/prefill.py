@@ -97,9 +97,12 @@ class AssistedPrefill:
         slot: int,
         adapter: str,
         sampling: SamplingArrays,
-    ) -> tuple[int, KVCache, str]:
+        targets: np.ndarray | None = None,
+    ) -> tuple[tuple, KVCache, str]:
         """Prefill `tokens` (a bucket, `length` real) for `adapter`, still landing in
-        device slot `slot`; returns the first token, the cache and the routes."""
+        device slot `slot`: the head's outputs (the first token, its log-probabilities,
+        with `targets` every position's: `CompiledSteps.prefill_head`), the cache and the
+        routes."""
         lora, bucket = self.lora, tokens.shape[0]
         segments = Segments.single(slot, bucket)
         self.compile(params, cache, bucket)
@@ -116,10 +119,13 @@ class AssistedPrefill:
                 x, cache = self.steps.prefill_segment(
                     params, cache, x, length, block_table, start, route, lora.weights, segments
                 )
-            token = int(self.steps.prefill_head(params, x, length, sampling))
+            if targets is not None:
+                self.steps.compile_scored_head(params, x)
+            head = self.steps.prefill_head(params, x, length, sampling, targets)
+            jax.block_until_ready(head)
         finally:
             self.cpu.end()
-        return token, cache, routes
+        return head, cache, routes
 
     # -- the cost model's inputs ---------------------------------------------------
 
@@ -132,7 +138,7 @@ class AssistedPrefill:
             segments = Segments.single(-1, bucket)
             for _ in range(2):  # the first call pays one-off costs
                 start = time.perf_counter()
-                token, cache = self.steps.prefill(
+                token, _, cache = self.steps.prefill(
                     params, cache, tokens, bucket, sentinel, host_sampling(1),
                     self.lora.weights, segments,
                 )  # fmt: skip

@@ -1,0 +1,281 @@
+"""OpenAI's (and vLLM's) request bodies for /v1/completions and /v1/chat/completions, as
+pydantic models, and the `jlora.v1` GenerateRequests they become.
+
+Every field a client may send is one of: honoured (its meaning is OpenAI's, or vLLM's
+for vLLM's extensions); accepted and ignored (`IGNORED`: it changes nothing a model
+computes, as `user`); or known but not served yet (`NOT_YET`: accepted only at its
+neutral value, any other is a 400 naming it). Any other field is a 400 naming it, as
+OpenAI answers "Unrecognized request argument". Types are strict (the string "9" is not
+a number), and a wrong one is a 400 naming the field by its path in the body
+(`messages[0].content`).
+
+Defaults, as vLLM's: unset sampling fields take the worker's (the model's
+`generation_config`, else greedy); `max_tokens` unset is 16 for /v1/completions
+(OpenAI's) and the rest of the context for chat. The ranges of the sampling fields are
+the worker's to check (its errors name the body's field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from jlora.api import jlora_pb2 as pb
+from router.http_body import HttpError
+
+INT32_MAX = 2**31 - 1
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")
+# Known fields jlora does not serve yet, by the only value it accepts (None always is).
+NOT_YET: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "suffix": "",
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "min_tokens": 0,
+    "min_p": 0,
+    "stop_token_ids": [],
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "structured_outputs": {},
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # ignored: usage comes in the last chunk
+
+
+class _Generate(_Body):
+    """The fields both routes share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's; -1 (vLLM's "off") is 0
+    seed: int | None = None
+    stop: Any = None  # a string or a list of them (checked by hand)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's
+    # accepted, ignored
+    user: str | None = None
+    # not yet
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Generate):
+    prompt: Any = None  # a string, token ids, or a batch of either (checked by hand)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_Generate):
+    messages: Any = None  # checked by hand, naming messages[i]...
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+
+
+def parse(kind: type[_Generate], body: dict[str, Any]) -> Any:
+    """The body as `kind`, or a 400 naming the first field that is wrong."""
+    try:
+        request = kind.model_validate(body)
+    except ValidationError as err:
+        error = err.errors()[0]
+        param = _path(error["loc"])
+        if error["type"] == "extra_forbidden":
+            raise HttpError(
+                400,
+                f"{param} is not a field jlora accepts in this request (OpenAI's and vLLM's "
+                "are listed in docs/serving.md)",
+                param=param,
+            ) from None
+        raise HttpError(400, f"{param}={error['input']!r}: {error['msg']}", param=param) from None
+    for field, neutral in NOT_YET.items():
+        value = getattr(request, field, None)
+        if value is not None and value != neutral:
+            raise HttpError(
+                400,
+                f"{field}={value!r} is not supported yet (accepted: {neutral!r}, or unset)",
+                param=field,
+            )
+    return request
+
+
+def _path(loc: tuple) -> str:
+    """A pydantic error location as the body's path: messages[0].content."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
+# -- to GenerateRequests --------------------------------------------------------------
+
+
+def completion_messages(request: CompletionRequest) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt of the batch."""
+    messages = []
+    for prompt in _prompts(request.prompt):
+        message = _base(request, chat=False)
+        if isinstance(prompt, str):
+            message.text = prompt
+        else:
+            message.token_ids.SetInParent()
+            message.token_ids.ids.extend(prompt)
+        sampling = message.sampling
+        if request.logprobs is not None:
+            sampling.logprobs = request.logprobs
+        if request.echo:  # the prompt's tokens come back with their texts
+            sampling.prompt_logprobs = max(sampling.prompt_logprobs, request.logprobs or 0)
+        messages.append(message)
+    return messages
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, token ids, or a non-empty batch of either."""
+
+    def ids(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and -INT32_MAX <= t <= INT32_MAX
+            for t in value
+        )
+
+    if isinstance(prompt, str) or (ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return list(prompt)
+    if prompt == []:
+        raise HttpError(400, "prompt is empty", param="prompt")
+    raise HttpError(
+        400,
+        f"prompt={prompt!r} must be a string, a list of token ids, or a list of either",
+        param="prompt",
+    )
+
+
+def chat_message(request: ChatRequest) -> pb.GenerateRequest:
+    message = _base(request, chat=True)
+    messages = request.messages
+    if not isinstance(messages, list):
+        raise HttpError(400, f"messages={messages!r} must be a list of messages", param="messages")
+    message.chat.SetInParent()
+    for i, item in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise HttpError(400, f"{where}={item!r} must be an object", param=where)
+        unknown = set(item) - {"role", "content", "name"}
+        if unknown:
+            field = f"{where}.{sorted(unknown)[0]}"
+            raise HttpError(400, f"{field} is not supported in a message", param=field)
+        role = item.get("role")
+        if not isinstance(role, str):
+            raise HttpError(400, f"{where}.role={role!r} must be a string", param=f"{where}.role")
+        content = item.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            content = "".join(
+                _text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
+            )
+        if not isinstance(content, str):
+            raise HttpError(
+                400,
+                f"{where}.content={content!r} must be a string or text parts",
+                param=f"{where}.content",
+            )
+        message.chat.messages.add(role="system" if role == "developer" else role, content=content)
+    sampling = message.sampling
+    if request.top_logprobs is not None and not request.logprobs:
+        raise HttpError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if request.logprobs:
+        sampling.logprobs = request.top_logprobs or 0
+    return message
+
+
+def _text_part(part: object, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise HttpError(400, f"{where}={part!r}: only text parts are supported", param=where)
+
+
+def _base(request: _Generate, *, chat: bool) -> pb.GenerateRequest:
+    """The adapter and the sampling fields; the prompt is the caller's."""
+    if not request.model:
+        raise HttpError(400, "model='' must be a model id (see /v1/models)", param="model")
+    message = pb.GenerateRequest(adapter=request.model)
+    sampling = message.sampling
+    field = "max_tokens"
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
+        field, max_tokens = "max_completion_tokens", request.max_completion_tokens
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_MAX_TOKENS
+    if max_tokens is not None:
+        sampling.max_tokens = _int32(field, max_tokens)
+    if request.temperature is not None:
+        sampling.temperature = request.temperature
+    if request.top_p is not None:
+        sampling.top_p = request.top_p
+    if request.top_k is not None:
+        sampling.top_k = 0 if request.top_k == -1 else _int32("top_k", request.top_k)
+    if request.seed is not None:
+        if not 0 <= request.seed < 2**64:
+            raise HttpError(400, f"seed={request.seed} must be in [0, 2**64)", param="seed")
+        sampling.seed = request.seed
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
+            raise HttpError(
+                400, f"stop={stop!r} must be a string or a list of strings", param="stop"
+            )
+        sampling.stop.extend(stop)
+    sampling.ignore_eos = request.ignore_eos
+    if request.prompt_logprobs is not None:
+        sampling.prompt_logprobs = request.prompt_logprobs
+    return message
+
+
+def _int32(field: str, value: int) -> int:
+    if not -INT32_MAX <= value <= INT32_MAX:
+        raise HttpError(
+            400, f"{field}={value} is out of range [{-INT32_MAX}, {INT32_MAX}]", param=field
+        )
+    return value
