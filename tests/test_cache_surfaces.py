@@ -28,7 +28,7 @@ from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert, serve
 from jlora.server.metrics import Metrics
 from router.app import start_router
-from router.http import _usage
+from router.openai_answers import usage
 from tests.test_openai_http import Deployment
 from tests.test_router import stub_for, wait_for
 from tests.test_router_migration import Client, assert_unmigrated_run
@@ -184,7 +184,7 @@ def test_openai_usage_has_the_cached_tokens():
     last = pb.GenerateResponse(
         usage=pb.Usage(prompt_tokens=5, completion_tokens=7, cached_tokens=4)
     )
-    assert _usage(last) == {
+    assert usage([last]) == {
         "prompt_tokens": 5,
         "completion_tokens": 7,
         "total_tokens": 12,

@@ -59,6 +59,7 @@ from jlora.engine.device_api import (
     DecodeRow,
     DeviceEngine,
     HostBlocks,
+    LogprobArrays,
     Memory,
     Payload,
     Prefilled,
@@ -212,6 +213,9 @@ class Leader(DeviceEngine):
     def generate(self):  # type: ignore[no-untyped-def]
         self._send("generate")
         return self.engine.generate()
+
+    def decode_logprobs(self) -> LogprobArrays | None:
+        return self.engine.decode_logprobs()  # the followers' copies are the same
 
     def free(self, slot: int) -> None:
         self._send("free", slot)
