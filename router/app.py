@@ -6,7 +6,8 @@ migration or preloading is on (migrator.py; it solves in a thread of the loop's 
 executor), the grpc.aio server with the
 `jlora.v1.Jlora` service (service.py), health and reflection (built as a worker's server
 is: jlora.contract.grpc_server), and the aiohttp server with the OpenAI API, /metrics
-and /health (http.py); the caller's thread gets a `RouterHandle` back once both listen
+(the router's, and the workers' scraped at each request: metrics.py) and /health
+(http.py); the caller's thread gets a `RouterHandle` back once both listen
 and every worker has been polled once (or the poll timed out).
 
 Stopping (`RouterHandle.stop(grace)`, or SIGTERM after `stop_on_signals`) drains:
@@ -29,7 +30,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -136,6 +137,7 @@ class RouterHandle:
         http_limits: HttpLimits | None = None,
         migration: MigrationConfig | None = None,
         profile: PerfProfile | None = None,
+        worker_metrics: Mapping[str, str] | None = None,
     ) -> None:
         self.host = host
         self.registry = registry
@@ -171,7 +173,7 @@ class RouterHandle:
                 pool,
                 policy,
                 registry,
-                metrics=RouterMetrics(lambda: pool.workers),
+                metrics=RouterMetrics(lambda: pool.workers, worker_metrics),
                 adapters_dir=adapters_dir,
                 model_name=model_name,
                 max_queue=max_queue,
@@ -315,6 +317,7 @@ def start_router(
     api_key: str | None = None,
     http_limits: HttpLimits | None = None,
     migration: MigrationConfig | None = None,
+    worker_metrics: Mapping[str, str] | None = None,
 ) -> RouterHandle:
     """Start a router in front of `workers` ("host:port,..." or a list) and return once it
     listens.
@@ -335,6 +338,8 @@ def start_router(
     `migration`: dLoRA's request-adapter co-migration and adapter preloading
     (migrator.py; None: off). With it on, a policy other than shortest-pending is wrapped
     in `ResidentFirst` (workers holding the request's adapter with a free slot first).
+    `worker_metrics`: worker address -> the URL of its Prometheus /metrics, which the
+    router's /metrics then serves too, labelled by worker (router/metrics.py).
     """
     addresses = parse_workers(workers)
     loaded = PerfProfile.load(profile) if isinstance(profile, str | Path) else profile
@@ -373,4 +378,5 @@ def start_router(
         http_limits=http_limits,
         migration=migration,
         profile=loaded,
+        worker_metrics=worker_metrics,
     )

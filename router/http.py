@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from jlora.api import jlora_pb2 as pb
 from jlora.contract.auth import authorized, missing_key
@@ -224,7 +224,7 @@ class OpenAIApi:
         return {entry.name: int(entry.created_at) for entry in entries}
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._front.metrics.registry)
+        body = await self._front.metrics.exposition()  # the workers' too (router/metrics.py)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:

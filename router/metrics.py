@@ -33,24 +33,48 @@ Read from the workers' last snapshots at scrape time (labelled {worker="host:por
 jlora_router_worker_up, jlora_router_worker_running_requests (the running batch),
 jlora_router_worker_queued_requests, jlora_router_worker_adapter_loads_total,
 jlora_router_worker_adapter_evictions_total (the worker's own counters).
+
+The workers' own metrics, where the router knows their URLs (`worker_metrics`: `jlora
+up` gives each worker a metrics port and tells the router): `exposition()`, which the
+HTTP /metrics serves, scrapes every worker's /metrics at once (at most
+`SCRAPE_TIMEOUT` seconds each) and adds its families after the router's, each sample
+labelled {worker="host:port"} (the worker's gRPC address, as above), so one scrape
+target shows every worker's vllm:num_requests_waiting, vllm:lora_requests_info, ...;
+jlora_router_worker_metrics_up{worker} is 1 for the workers whose /metrics answered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import asyncio
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from jlora.contract.metrics import LATENCY_BUCKETS, OUTCOMES, PER_TOKEN_BUCKETS
 from router.workers import Worker
 
+log = logging.getLogger(__name__)
+
 SOLVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+SCRAPE_TIMEOUT = 2.0  # seconds a worker's /metrics may take to answer a scrape
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], Sequence[Worker]]) -> None:
+    """The router's registry. `workers()`: the pool's workers, read at scrape time;
+    `worker_metrics`: worker address -> the URL of its /metrics (see the module
+    docstring)."""
+
+    def __init__(
+        self,
+        workers: Callable[[], Sequence[Worker]],
+        worker_metrics: Mapping[str, str] | None = None,
+    ) -> None:
+        self.worker_metrics = dict(worker_metrics or {})
         self.registry = CollectorRegistry()
         registry = self.registry
         self.queued = Gauge(
@@ -142,6 +166,60 @@ class RouterMetrics:
         for cause in ("migration", "preload"):
             self.adapter_loads.labels(cause)
         registry.register(_WorkerCollector(workers))
+
+    async def exposition(self) -> bytes:
+        """/metrics in Prometheus' text format: the router's registry, then the workers'
+        metrics, scraped now and relabelled (on the router's event loop)."""
+        own = generate_latest(self.registry)
+        if not self.worker_metrics:
+            return own
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            pages = await asyncio.gather(
+                *(_scrape(session, url) for url in self.worker_metrics.values())
+            )
+        scraped = CollectorRegistry(auto_describe=False)
+        scraped.register(_ScrapedCollector(dict(zip(self.worker_metrics, pages, strict=True))))
+        return own + generate_latest(scraped)
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> list[Metric] | None:
+    """The metric families at `url`; None if it does not answer them in time."""
+    try:
+        async with session.get(url) as reply:
+            reply.raise_for_status()
+            return list(text_string_to_metric_families(await reply.text()))
+    except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+        log.info("no metrics from %s: %s", url, err or type(err).__name__)
+        return None
+
+
+class _ScrapedCollector(Collector):
+    """The workers' families (address -> families, None for a worker that did not
+    answer), merged by name, each sample labelled with its worker."""
+
+    def __init__(self, pages: Mapping[str, list[Metric] | None]) -> None:
+        self._pages = pages
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "jlora_router_worker_metrics_up",
+            "1 if the worker's /metrics answered this scrape",
+            labels=["worker"],
+        )
+        merged: dict[str, Metric] = {}
+        for address, families in self._pages.items():
+            up.add_metric([address], float(families is not None))
+            for family in families or ():
+                into = merged.get(family.name)
+                if into is None:
+                    into = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = into
+                for sample in family.samples:
+                    labels = {**sample.labels, "worker": address}
+                    into.add_sample(sample.name, labels, sample.value, sample.timestamp)
+        yield up
+        yield from merged.values()
 
 
 class _WorkerCollector(Collector):

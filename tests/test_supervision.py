@@ -210,7 +210,8 @@ def _supervise(lifetime: float, backoff: Backoff, seconds: float) -> tuple[list,
     every start."""
     starts: list[tuple[float, int]] = []
 
-    def launch(port: int, port_file: str) -> list[list[str]]:
+    def launch(index: int, port: int, port_file: str) -> list[list[str]]:
+        assert index == 0
         starts.append((time.monotonic(), port))
         return [[sys.executable, "-c", STAND_IN, port_file, str(port), str(lifetime)]]
 

@@ -1,20 +1,26 @@
 """`jlora up` end to end: real worker processes with the real engine behind the router.
 
 cpu-tiny: two workers, concurrent mixed-adapter streams through the router equal what
-one worker gives directly. SmolLM2 (slow): one worker and the official `openai` client,
-chat and completions, streaming and not, on the base model and a demo adapter, behind
-an API key (401 without it).
+one worker gives directly; the router's /metrics shows each worker's vllm:* metrics,
+and `--log-format json` makes the log JSON, with the workers' line per request.
+SmolLM2 (slow): one worker and the official `openai` client, chat and completions,
+streaming and not, on the base model and a demo adapter, behind an API key (401
+without it).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.lib.processes import ServerProcess
 from jlora.api import jlora_pb2 as pb
@@ -22,6 +28,9 @@ from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli.up import LISTENING
 
 pytestmark = pytest.mark.e2e  # end to end: `make test-e2e`
+
+# A line of --log-format text (jlora.cli.common.TEXT_LOG_FORMAT).
+TEXT_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
 
 
 class Up(ServerProcess):
@@ -78,6 +87,82 @@ def test_two_real_workers_behind_the_router_give_the_direct_tokens(tmp_path):
         for i, (ids, adapter) in enumerate(jobs):
             assert routed[i] == _generate(worker, ids, adapter), (ids, adapter)
         assert len({tuple(tokens) for tokens in routed.values()}) > 1  # adapters matter
+    finally:
+        assert up.stop() == 0
+
+
+def _scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(url, timeout=30) as page:
+        text = page.read().decode()
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def test_the_routers_metrics_show_every_worker_and_the_log_is_json(tmp_path):
+    up = Up(tmp_path, "--model", "cpu-tiny", "--workers", "2", "--max-seq-len", "64",
+            "--max-slots", "4", "--log-format", "json")  # fmt: skip
+    try:
+        with grpc.insecure_channel(up.grpc) as channel:
+            stub = pb_grpc.JloraStub(channel)
+            adapters = [m.id for m in stub.Models(pb.ModelsRequest()).models][1:]
+            jobs = {
+                f"obs-{i}": ([3, 1, 4, 1, 5][: 1 + i], ["", *adapters][i % 4]) for i in range(5)
+            }
+            for request_id, (ids, adapter) in jobs.items():
+                request = pb.GenerateRequest(
+                    request_id=request_id,
+                    token_ids=pb.TokenIds(ids=ids),
+                    adapter=adapter,
+                    sampling=pb.SamplingParams(max_tokens=6, ignore_eos=True),
+                )
+                assert len(list(stub.Generate(request, timeout=120))) == 6
+        # One scrape target: the router's /metrics, each worker's metrics labelled.
+        samples = _scrape(up.http.removesuffix("/v1") + "/metrics")
+
+        def per_worker(name: str, **labels: str) -> dict[str, float]:
+            return {
+                found["worker"]: value
+                for sample, found, value in samples
+                if sample == name and labels.items() <= found.items()
+            }
+
+        model = {"model_name": "cpu-tiny"}
+        assert set(per_worker("vllm:num_requests_waiting", **model)) == set(up.workers)
+        assert set(per_worker("vllm:num_requests_running", **model).values()) == {0}
+        assert set(per_worker("jlora_router_worker_metrics_up").values()) == {1}
+        # Every token and prompt token, counted once, on the worker that served it.
+        assert sum(per_worker("vllm:generation_tokens_total", **model).values()) == 5 * 6
+        prompts = sum(len(ids) for ids, _ in jobs.values())
+        assert sum(per_worker("vllm:prompt_tokens_total", **model).values()) == prompts
+        assert sum(per_worker("vllm:e2e_request_latency_seconds_count", **model).values()) == 5
+        for worker in up.workers:
+            with grpc.insecure_channel(worker) as channel:
+                stats = pb_grpc.JloraStub(channel).Stats(pb.StatsRequest(), timeout=30)
+            (labels,) = [
+                found
+                for sample, found, _ in samples
+                if sample == "vllm:lora_requests_info" and found["worker"] == worker
+            ]
+            assert labels == {
+                "running_lora_adapters": "",
+                "waiting_lora_adapters": "",
+                "max_lora": str(stats.adapter_slots.total),
+                "worker": worker,
+            }
+        # The log: every logging line one JSON object, the workers' one per request.
+        logged = [json.loads(line) for line in up.log if line.startswith("{")]
+        assert not [line for line in up.log if TEXT_LOG_LINE.match(line)]
+        finished = {line["request_id"]: line for line in logged if "request_id" in line}
+        assert set(finished) == set(jobs)
+        for request_id, (ids, adapter) in jobs.items():
+            line = finished[request_id]
+            assert (line["level"], line["logger"]) == ("INFO", "jlora.server.logs")
+            assert (line["prompt_tokens"], line["generation_tokens"]) == (len(ids), 6)
+            assert (line["adapter"], line["finish_reason"]) == (adapter or None, "length")
+            assert 0 < line["ttft_s"] <= line["e2e_s"]
     finally:
         assert up.stop() == 0
 

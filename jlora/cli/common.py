@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
+import logging
 import re
+import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
@@ -27,6 +31,69 @@ SIZE_UNITS = {
 
 class UsageError(Exception):
     """Bad input from the user: printed as `jlora: error: ...`, exit status 2."""
+
+
+# -- the log ---------------------------------------------------------------------------
+
+LOG_FORMATS = ("text", "json")
+TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# At INFO whatever the level of the rest: a worker's line per request and its throughput
+# line (jlora/server/logs.py), as vLLM prints them by default.
+TRAFFIC_LOGGERS = ("jlora.server.logs",)
+
+
+def add_log_format_arg(parser: argparse._ActionsContainer) -> None:
+    """--log-format (read back by `configure_logging`)."""
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=LOG_FORMATS[0],
+        help="text (default) or json: each log line one JSON object, with time, level, "
+        "logger, message and the line's own fields as keys (a finished request's id, "
+        "adapter, tokens, times and finish reason)",
+    )
+
+
+def configure_logging(*, verbose: bool, log_format: str = "text") -> None:
+    """Every command's log, on stderr: WARNING and above (INFO with -v), and the
+    traffic lines at INFO always; text lines, or JSON ones (`JsonFormatter`, which also
+    takes Python's warnings in). Like `logging.basicConfig`, it leaves a root logger that
+    has handlers already (a test's) as it is, but for the traffic loggers' level."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format={log_format!r} not in {LOG_FORMATS}")
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_LOG_FORMAT)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
+    for name in TRAFFIC_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
+    if log_format == "json":
+        logging.captureWarnings(True)
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one line of JSON: time (ISO 8601, UTC, milliseconds), level, logger,
+    message, then the record's own fields (the `extra` of the logging call), and a
+    traceback as `exception`. A value JSON has no form for is written as its str()."""
+
+    _RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        line = {
+            "time": when.isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._RECORD_FIELDS:
+                line.setdefault(key, value)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

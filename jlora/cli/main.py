@@ -7,22 +7,18 @@ input exits with status 2 and a message that names it.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from jlora.cli import adapters, convert, generate, profile, router, serve, up
-from jlora.cli.common import UsageError
+from jlora.cli.common import UsageError, configure_logging
 from jlora.contract.lifetime import die_with_parent
 
 
-def _configure_runtime(verbose: bool, command: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if command in ("router", "up"):  # no JAX in this process: the router runs anywhere
+def _configure_runtime(args: argparse.Namespace) -> None:
+    # --log-format: serve, up and router have it.
+    configure_logging(verbose=args.verbose, log_format=getattr(args, "log_format", "text"))
+    if args.command in ("router", "up"):  # no JAX in this process: the router runs anywhere
         return
     # Compiled executables persist across runs (XLA's own cache, keyed by program). Set
     # for JAX to read when it is imported: a bad flag fails before that (0.4 s sooner).
@@ -64,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # a worker `jlora up` started does not outlive it
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_runtime(args.verbose, args.command)
+    _configure_runtime(args)
     from jlora.contract.errors import Code, RequestError
 
     try:

@@ -28,14 +28,13 @@ as `python -m jlora.cli.router`).
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jlora.cli.common import UsageError, add_api_key_arg
+from jlora.cli.common import UsageError, add_api_key_arg, add_log_format_arg, configure_logging
 
 if TYPE_CHECKING:
     from router.migrator import MigrationConfig
@@ -164,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the base model's id in the APIs (default: the one the workers report)",
     )
+    add_log_format_arg(parser)
     parser.add_argument(
         "--drain-grace",
         type=float,
@@ -335,11 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(verbose=args.verbose, log_format=args.log_format)
     try:
         return run(args)
     except (UsageError, OSError) as err:

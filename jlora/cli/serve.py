@@ -33,6 +33,7 @@ from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
     add_cache_args,
+    add_log_format_arg,
     add_lora_engine_args,
     add_model_args,
     add_served_model_name_arg,
@@ -63,6 +64,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting, at most")
     parser.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM (s)")
+    add_log_format_arg(parser)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-seq-len", type=int, default=2048)
     engine.add_argument("--max-slots", type=int, default=8, help="decode batch size")

@@ -46,9 +46,9 @@ from collections.abc import Callable, Mapping
 from jlora.cli.common import UsageError
 from jlora.contract.lifetime import child_env
 
-# (port, port file) -> the command line of each of one worker's processes, process 0
-# first (only it gets the port file).
-Launch = Callable[[int, str], list[list[str]]]
+# (worker index, port, port file) -> the command line of each of one worker's processes,
+# process 0 first (only it gets the port file).
+Launch = Callable[[int, int, str], list[list[str]]]
 
 STOP_TIMEOUT = 10.0  # seconds a crashed worker's other processes get to exit on SIGTERM
 _POLL = 0.2  # seconds between two looks while waiting for the first start
@@ -100,9 +100,10 @@ class SupervisedWorker:
 
 
 class Supervisor:
-    """See the module docstring. `launch(port, port_file)` gives one worker's command
-    lines; `env` is the workers' environment. Call `start`, `tick` and `stop` on one
-    thread that lives as long as this process (the main thread)."""
+    """See the module docstring. `launch(index, port, port_file)` gives the command
+    lines of worker `index` (0 .. workers - 1); `env` is the workers' environment. Call
+    `start`, `tick` and `stop` on one thread that lives as long as this process (the
+    main thread)."""
 
     def __init__(
         self,
@@ -196,7 +197,8 @@ class Supervisor:
         worker.processes, worker.listening_since, worker.restart_at = [], None, None
         env = child_env(self._env)
         try:
-            for index, argv in enumerate(self._launch(worker.port, f"/dev/fd/{write}")):
+            launch = self._launch(worker.index, worker.port, f"/dev/fd/{write}")
+            for index, argv in enumerate(launch):
                 worker.processes.append(
                     subprocess.Popen(
                         argv, env=env, start_new_session=True, pass_fds=() if index else (write,)

@@ -4,13 +4,18 @@
    `--adapters-dir DIR`), else demo adapters (random weights, ranks 8/16/32) written
    once under `--state-dir`.
 2. N workers: `jlora serve` processes on free ports, each registering every adapter;
-   their logs go to this process's stderr. With `--processes-per-worker P`, a worker is
+   their logs go to this process's stderr (`--log-format` applies to theirs too), their
+   Prometheus metrics to a port of each one's own (free when `jlora up` starts; kept
+   across restarts, as its gRPC port is). With `--processes-per-worker P`, a worker is
    P processes forming one mesh (`jax.distributed`; process 0 serves). They are
    supervised (supervisor.py): one that exits is restarted on its port, after a backoff,
    with the registry's adapters; and they die with this process, even a SIGKILLed one.
 3. The router (`router.app.start_router`) in this process, in front of them: gRPC on
    `--port`, OpenAI-compatible HTTP on `--http-port`, the registry in `--state-dir`.
-   Where it listens is printed on stderr once every worker is warm. `--migration on`
+   Its /metrics (on the HTTP port) is the one scrape target of the whole service: the
+   router's metrics, then every worker's (`vllm:*` and `jlora_*`) labelled
+   {worker="host:port"} (router/metrics.py). Where it listens is printed on stderr
+   once every worker is warm. `--migration on`
    (off by default) makes it move requests and adapters off overloaded workers (dLoRA;
    the same flags as `jlora router`).
 4. SIGTERM or SIGINT: the router drains, then the workers (SIGTERM: each finishes its
@@ -24,6 +29,7 @@ workers get it through their environment, never on a command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -35,6 +41,7 @@ from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
     add_cache_args,
+    add_log_format_arg,
     add_lora_engine_args,
     add_model_args,
     add_served_model_name_arg,
@@ -86,6 +93,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the registry and the demo adapters (default: %(default)s)",
     )
     parser.add_argument("--grace", type=float, default=30.0, help="drain time on SIGTERM (s)")
+    add_log_format_arg(parser)
     add_migration_args(parser)  # the router's --migration (dLoRA), off by default
     engine = parser.add_argument_group("workers")
     engine.add_argument("--max-seq-len", type=int, default=2048)
@@ -110,13 +118,19 @@ def _demo_adapters(model: str, state_dir: Path) -> Path:
     return directory
 
 
-def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: int) -> list[str]:
+def _worker_command(
+    args: argparse.Namespace,
+    adapters_dir: Path | None,
+    port: int,
+    metrics_port: int | None = None,
+) -> list[str]:
     """A worker's `jlora serve` command line, asked again at each (re)start: the registry
-    exists after the router's first start, with the adapters registered through it."""
+    exists after the router's first start, with the adapters registered through it.
+    `metrics_port`: where it serves /metrics (None: nowhere)."""
     command = [
         sys.executable, "-m", "jlora.cli.main", *(["-v"] if args.verbose else []), "serve",
         "--model", args.model, "--dtype", args.dtype, "--host", args.host,
-        "--port", str(port),
+        "--port", str(port), "--log-format", args.log_format,
         "--grace", str(args.grace),
         "--max-seq-len", str(args.max_seq_len), "--max-slots", str(args.max_slots),
         "--max-lora-rank", str(args.max_lora_rank), "--lora-mode", args.lora_mode,
@@ -128,6 +142,8 @@ def _worker_command(args: argparse.Namespace, adapters_dir: Path | None, port: i
     ]  # fmt: skip
     command += sharding_flags(args) + cache_flags(args)
     command += ["--served-model-name", served_model_name(args)]
+    if metrics_port is not None:
+        command += ["--metrics-port", str(metrics_port)]
     if args.max_loras is not None:
         command += ["--max-loras", str(args.max_loras)]
     if adapters_dir is not None:
@@ -157,6 +173,17 @@ def _process_group(port_file: str, count: int) -> list[list[str]]:
         ]
         for index in range(count)
     ]
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free on `host` now."""
+    import socket
+
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _free_port_pair() -> int:
@@ -204,8 +231,10 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
-    def launch(port: int, port_file: str) -> list[list[str]]:
-        command = _worker_command(args, adapters_dir, port)
+    metrics_ports = _free_ports(args.host, args.workers)
+
+    def launch(index: int, port: int, port_file: str) -> list[list[str]]:
+        command = _worker_command(args, adapters_dir, port, metrics_ports[index])
         return [
             [*command, *flags] for flags in _process_group(port_file, args.processes_per_worker)
         ]
@@ -220,8 +249,9 @@ def run(args: argparse.Namespace) -> int:
         )
         ports = supervisor.start(START_TIMEOUT_S)
         args.state_dir.mkdir(parents=True, exist_ok=True)
+        addresses = [f"{args.host}:{port}" for port in ports]
         router = start_router(
-            [f"{args.host}:{port}" for port in ports],
+            addresses,
             host=args.host,
             port=args.port,
             http_port=args.http_port,
@@ -232,12 +262,17 @@ def run(args: argparse.Namespace) -> int:
             model_name=served_model_name(args),
             api_key=api_key,
             migration=migration,
+            worker_metrics={
+                address: f"http://{args.host}:{metrics_port}/metrics"
+                for address, metrics_port in zip(addresses, metrics_ports, strict=True)
+            },
         )
         print(
             f"jlora up: router gRPC on {args.host}:{router.port}, OpenAI-compatible HTTP "
             f"on http://{args.host}:{router.http_port}/v1 (models: "
             f"{', '.join([served_model_name(args), *names])}; workers: "
-            f"{', '.join(f'{args.host}:{port}' for port in ports)}); Ctrl-C stops",
+            f"{', '.join(addresses)}); metrics on http://{args.host}:{router.http_port}"
+            "/metrics (the workers' included); Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )

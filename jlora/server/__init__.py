@@ -6,8 +6,9 @@
     engine.close()
 
 `app.py` builds the server and tells how it stops; `servicer.py` tells a Generate
-call's life; `scheduler.py` the engine's thread; `metrics.py` lists the metrics;
-`convert.py` maps the wire's messages to the engine's types.
+call's life; `scheduler.py` the engine's thread; `metrics.py` lists the metrics and
+`logs.py` the log lines about the traffic; `convert.py` maps the wire's messages to the
+engine's types.
 """
 
 from jlora.server.app import WorkerServer, serve

@@ -111,7 +111,7 @@ class WorkerServer:
         self.engine = engine
         self.host = host
         self._api_key = api_key
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         self._loop = asyncio.new_event_loop()
         self.scheduler = Scheduler(
             engine,
@@ -259,9 +259,10 @@ def serve(
     port 0 picks a free port (`WorkerServer.port`); metrics_port None serves no /metrics,
     0 picks a free port. `tokenizer` encodes text and chat prompts (None: token ids
     only). `model_name` is the base model's id in Models (and as Generate's adapter, the
-    base model). At most max_slots + `max_queue` Generate calls are in flight; more get
-    RESOURCE_EXHAUSTED. With `adapters_dir`, RegisterAdapter paths resolve inside it and
-    may not leave it. `api_key`: required of every call but health and reflection.
+    base model) and the vllm:* metrics' model_name label. At most max_slots +
+    `max_queue` Generate calls are in flight; more get RESOURCE_EXHAUSTED. With
+    `adapters_dir`, RegisterAdapter paths resolve inside it and may not leave it.
+    `api_key`: required of every call but health and reflection.
     `sampling_defaults`: what a request's unset sampling fields take (the model's
     generation_config, where it has one; `SamplingParams()` by default). The caller owns
     the engine: stop the server, then close it.

@@ -23,6 +23,27 @@ client library). Who updates what:
 
 Counters mirror the engine's cumulative counts: each snapshot adds what they grew by.
 
+vLLM's names beside them, so what reads a vLLM server (Grafana's vLLM dashboard, the
+Gateway API Inference Extension's endpoint picker) reads a worker. Each is labelled
+{model_name} (the served model id), but vllm:lora_requests_info, whose labels are vLLM's:
+
+- on the event loop, each with its jlora twin in the same call (`Metrics.request_queued`
+  ... `stream_closed`): vllm:num_requests_running, vllm:num_requests_waiting
+  (jlora_running_requests, jlora_queued_requests), vllm:prompt_tokens_total,
+  vllm:generation_tokens_total, vllm:time_to_first_token_seconds,
+  vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds (histograms on
+  vLLM's buckets);
+- from the engine's stats: vllm:kv_cache_usage_perc, the fraction (0..1) of the device
+  pool's pages in use (`kv_cache_usage`: KV blocks of requests and adapters' rank rows;
+  prefix-cache history counts as free, as vLLM counts its cached blocks), and, on an
+  engine that serves adapters, vllm:lora_requests_info{running_lora_adapters,
+  waiting_lora_adapters, max_lora}: the adapters of the running and of the queued
+  requests (sorted, comma-separated names, the base model left out) and the device's
+  adapter slots (EngineStats.adapter_slots_total: the engine's max_loras, or more where
+  adapters live in the pool's pages); its value is the time of the snapshot (seconds
+  since the epoch), by which a reader finds the newest. vLLM keeps each earlier label
+  set with its older time; here only the newest one is exported.
+
 prometheus_client's metrics are thread-safe. `serve(..., metrics_port=...)` exposes the
 registry at http://host:port/metrics.
 """
@@ -36,20 +57,46 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from jlora.contract.metrics import LATENCY_BUCKETS, OUTCOMES, PER_TOKEN_BUCKETS
-from jlora.engine.api import CacheStats, EngineStats, MergeStats
+from jlora.engine.api import CacheStats, EngineStats, MergeStats, RunningInfo
 
 STATS_INTERVAL = 0.5  # seconds between two engine-stats refreshes
 
 
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# vLLM's buckets for its histograms of the same names.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 # jlora_pool_pages{kind}: the kinds partition the pool (they sum to its pages).
 POOL_KINDS = ("kv", "kv_cached", "lora", "free")
 
 
+def kv_cache_usage(stats: EngineStats) -> float:
+    """The fraction (0..1) of the device pool's pages in use (vllm:kv_cache_usage_perc)."""
+    if stats.kv_blocks_total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - stats.kv_blocks_free / stats.kv_blocks_total))
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """The registry and its metrics; `model_name` labels the vLLM-named ones. The event
+    loop's bookkeeping goes through the methods `request_queued` ... `stream_closed`,
+    each of which updates a jlora metric and its vLLM twin."""
+
+    def __init__(self, model_name: str = "base") -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
+        self.model_name = model_name
         self.queued = Gauge(
             "jlora_queued_requests",
             "Accepted Generate calls that have no token yet (waiting for a decode slot)",
@@ -217,7 +264,117 @@ class Metrics:
             "Device KV pages whose adapter is not on the device (FastLibra's invalid KV)",
             registry=registry,
         )
+        self._add_vllm_metrics()
+        # What the event loop counted so far (read by the throughput log's thread).
+        self.prompt_tokens_seen = 0
+        self.generated_tokens_seen = 0
         self._seen: dict[Counter, float] = {}  # each mirrored counter's last engine count
+        self._lora_labels: tuple[str, str, str] | None = None  # lora info's label set now
+
+    def _add_vllm_metrics(self) -> None:
+        registry, labels, model = self.registry, ["model_name"], self.model_name
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches",
+            labels,
+            registry=registry,
+        ).labels(model)
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed",
+            labels,
+            registry=registry,
+        ).labels(model)
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage",
+            labels,
+            registry=registry,
+        ).labels(model)
+        self.vllm_prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed", labels, registry=registry
+        ).labels(model)
+        self.vllm_generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed",
+            labels,
+            registry=registry,
+        ).labels(model)
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            labels,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=registry,
+        ).labels(model)
+        self.vllm_tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds",
+            labels,
+            buckets=VLLM_TPOT_BUCKETS,
+            registry=registry,
+        ).labels(model)
+        self.vllm_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds",
+            labels,
+            buckets=VLLM_LATENCY_BUCKETS,
+            registry=registry,
+        ).labels(model)
+        self.vllm_lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests",
+            LORA_INFO_LABELS,
+            registry=registry,
+        )
+
+    # -- request bookkeeping, on the event loop ----------------------------------------
+
+    def request_queued(self) -> None:
+        """A Generate call was accepted (it waits for its first token)."""
+        self.queued.inc()
+        self.vllm_waiting.inc()
+
+    def prompt_accepted(self, tokens: int) -> None:
+        """The engine took a request of `tokens` prompt tokens."""
+        self.prompt_tokens.inc(tokens)
+        self.vllm_prompt_tokens.inc(tokens)
+        self.prompt_tokens_seen += tokens
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token, `seconds` after the request arrived: it runs now."""
+        self.ttft.observe(seconds)
+        self.vllm_ttft.observe(seconds)
+        self.queued.dec()
+        self.vllm_waiting.dec()
+        self.running.inc()
+        self.vllm_running.inc()
+
+    def next_token(self, seconds: float) -> None:
+        """A later token, `seconds` after the request's previous one."""
+        self.tpt.observe(seconds)
+        self.vllm_tpot.observe(seconds)
+
+    def tokens_streamed(self, tokens: int) -> None:
+        self.generated_tokens.inc(tokens)
+        self.vllm_generation_tokens.inc(tokens)
+        self.generated_tokens_seen += tokens
+
+    def request_finished(self, seconds: float) -> None:
+        """A request's last token (it has a finish reason), `seconds` after it arrived."""
+        self.latency.observe(seconds)
+        self.vllm_latency.observe(seconds)
+
+    def stream_closed(self, *, started: bool) -> None:
+        """A Generate call ended, after its first token (`started`) or before."""
+        if started:
+            self.running.dec()
+            self.vllm_running.dec()
+        else:
+            self.queued.dec()
+            self.vllm_waiting.dec()
+
+    # -- engine snapshots, on the scheduler thread -------------------------------------
 
     def observe_engine(self, stats: EngineStats) -> None:
         """Fold an engine-stats snapshot in (the engine's counters are cumulative)."""
@@ -228,10 +385,25 @@ class Metrics:
         self._catch_up(self.adapter_load_wait, stats.adapter_wait_s)
         self.kv_blocks_free.set(stats.kv_blocks_free)
         self.adapter_slots_free.set(stats.adapter_slots_free)
+        self.vllm_kv_usage.set(kv_cache_usage(stats))
+        if stats.adapter_slots_total > 0:
+            self._observe_lora_requests(stats)
         if stats.merging is not None:
             self._observe_merging(stats.merging)
         if stats.cache is not None:
             self._observe_cache(stats.cache)
+
+    def _observe_lora_requests(self, stats: EngineStats) -> None:
+        """vllm:lora_requests_info: one label set, the newest, set to the time now."""
+
+        def names(requests: tuple[RunningInfo, ...]) -> str:
+            return ",".join(sorted({r.adapter for r in requests if r.adapter}))
+
+        labels = (names(stats.running), names(stats.queued), str(stats.adapter_slots_total))
+        if self._lora_labels not in (None, labels):
+            self.vllm_lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.vllm_lora_info.labels(*labels).set_to_current_time()
 
     def _catch_up(self, counter: Counter, count: float) -> None:
         """Advance `counter` to the engine's cumulative `count` (never backwards)."""

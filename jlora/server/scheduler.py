@@ -9,7 +9,8 @@ one thread owns it and runs, in a loop:
 2. one `engine.step()` if the engine has unfinished requests, and hands the step's
    tokens, stamped with the time the step returned, to `deliver` (which forwards them
    to the event loop);
-3. every `STATS_INTERVAL` seconds, an engine-stats snapshot into the metrics.
+3. every `STATS_INTERVAL` seconds, an engine-stats snapshot into the metrics and the
+   throughput log (logs.py: a line every `LOG_INTERVAL` seconds while busy).
 
 When the engine has nothing to do the thread blocks on the command queue (waking every
 `STATS_INTERVAL` for the metrics), so an idle worker burns no CPU. A request that fails
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 
 from jlora.engine.api import TokenEvent
 from jlora.engine.orchestrator import Orchestrator
+from jlora.server.logs import ThroughputLog
 from jlora.server.metrics import STATS_INTERVAL, Metrics
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class Scheduler:
         self.engine = engine
         self._deliver = deliver
         self._metrics = metrics
+        self._throughput = ThroughputLog(metrics, now=time.monotonic())
         self._on_failure = on_failure
         self._commands: queue.SimpleQueue[tuple[Callable[[Orchestrator], Any], Future] | None] = (
             queue.SimpleQueue()
@@ -110,7 +113,9 @@ class Scheduler:
                         self._metrics.batch_size.observe(len({e.request_id for e in events}))
                         self._deliver(events, now)
                 if time.monotonic() >= next_stats:
-                    self._metrics.observe_engine(self.engine.stats())
+                    stats = self.engine.stats()
+                    self._metrics.observe_engine(stats)
+                    self._throughput.observe(stats, time.monotonic())
                     next_stats = time.monotonic() + STATS_INTERVAL
         except BaseException as err:
             log.exception("the engine failed; the worker stops serving")

@@ -21,9 +21,10 @@ thread owns the engine (scheduler.py). A Generate call's life:
 4. The handler awaits its queue and yields one GenerateResponse per token; the last one
    carries the finish reason and the usage (its cached_tokens: the prompt tokens the
    engine's prefills took from the prefix cache, `TokenEvent.cached_tokens` summed), and
-   the stream closes. A request that
-   fails in the engine (finish reason "error": its adapter could not be loaded, its CPU
-   path broke) ends the call with the error's status, after the tokens it had.
+   the stream closes (every call that opened one logs one line as it ends, logs.py). A
+   request that fails in the engine (finish reason "error": its adapter could not be
+   loaded, its CPU path broke) ends the call with the error's status, after the tokens
+   it had.
 5. If the call ends before that (the client cancels, its deadline passes, the server
    stops after its grace period), grpc cancels the handler at its `await`; the `finally`
    closes the stream and queues `engine.abort(id)`, which frees the decode slot and the
@@ -83,6 +84,7 @@ from jlora.contract.metrics import failed_outcome
 from jlora.engine.api import ERROR, Request, SamplingParams, SequenceState, TokenEvent
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert
+from jlora.server.logs import log_request
 from jlora.server.metrics import Metrics
 from jlora.server.scheduler import EngineFailed, Scheduler
 
@@ -110,6 +112,8 @@ class _Stream:
         default_factory=asyncio.Queue
     )
     tokens: int = 0  # handed to the queue
+    first: float | None = None  # when its first token arrived
+    last_token: float | None = None  # when the token with its finish reason arrived
     cached: int = 0  # prompt tokens its prefills took from the prefix cache
     resumed: int = 0  # generated before it was migrated here (GenerateRequest.resume)
     finished: bool = False  # its last event (a finish reason or an error) is queued
@@ -164,11 +168,10 @@ class JloraServicer(pb_grpc.JloraServicer):
                 continue
             since_previous = stamp - stream.last
             if stream.tokens == 0:
-                self._metrics.ttft.observe(since_previous)
-                self._metrics.queued.dec()
-                self._metrics.running.inc()
+                self._metrics.first_token(since_previous)
+                stream.first = stamp
             else:
-                self._metrics.tpt.observe(since_previous)
+                self._metrics.next_token(since_previous)
             stream.tokens += 1
             stream.cached += event.cached_tokens
             tokens += 1
@@ -176,9 +179,10 @@ class JloraServicer(pb_grpc.JloraServicer):
             since_arrival = stamp - stream.request.arrival_time
             if event.finish_reason is not None:
                 stream.finished = True
-                self._metrics.latency.observe(since_arrival)
+                stream.last_token = stamp
+                self._metrics.request_finished(since_arrival)
             stream.queue.put_nowait(_Token(event, since_arrival, since_previous))
-        self._metrics.generated_tokens.inc(tokens)
+        self._metrics.tokens_streamed(tokens)
 
     def fail_all(self, error: BaseException) -> None:
         """The engine failed: end every stream with `error`."""
@@ -188,12 +192,27 @@ class JloraServicer(pb_grpc.JloraServicer):
     def _open(self, request: Request, resumed: int) -> _Stream:
         stream = _Stream(request, last=request.arrival_time, resumed=resumed)
         self._streams[request.request_id] = stream
-        self._metrics.queued.inc()
+        self._metrics.request_queued()
         return stream
 
-    def _close(self, stream: _Stream) -> None:
-        if self._streams.pop(stream.request.request_id, None) is not None:
-            (self._metrics.running if stream.tokens else self._metrics.queued).dec()
+    def _close(self, stream: _Stream, outcome: str) -> None:
+        """The call has ended with `outcome` (its finish reason, or how it failed): the
+        stream leaves the table and the request's line is logged."""
+        if self._streams.pop(stream.request.request_id, None) is None:
+            return
+        self._metrics.stream_closed(started=stream.tokens > 0)
+        request = stream.request
+        ended = stream.last_token if stream.last_token is not None else time.monotonic()
+        log_request(
+            request.request_id,
+            adapter=request.adapter,
+            prompt_tokens=len(request.prompt_ids),
+            generation_tokens=stream.tokens,
+            cached_tokens=stream.cached,
+            ttft=stream.first - request.arrival_time if stream.first is not None else None,
+            e2e=ended - request.arrival_time,
+            finish_reason=outcome,
+        )
 
     # -- Generate -------------------------------------------------------------------
 
@@ -225,7 +244,7 @@ class JloraServicer(pb_grpc.JloraServicer):
             except EngineFailed as err:
                 label = "unavailable"
                 await _fail(context, Unavailable(str(err)))
-            self._metrics.prompt_tokens.inc(len(engine_request.prompt_ids))
+            self._metrics.prompt_accepted(len(engine_request.prompt_ids))
             while finish is None:
                 item = await stream.queue.get()
                 if isinstance(item, _Migrated):
@@ -250,7 +269,7 @@ class JloraServicer(pb_grpc.JloraServicer):
                 yield self._response(stream, item)
             label = finish
         finally:
-            self._close(stream)
+            self._close(stream, label)
             outcome.labels(label).inc()
             if finish is None and not stream.migrated:
                 # Ended early (cancelled, deadline, stopped, or refused above): free the slot
