@@ -101,6 +101,13 @@ def test_the_contract_imports_nothing_of_the_worker():
     assert _violations("jlora/contract", lambda m: m not in {"jax", "numpy", "numba"}) == []
 
 
+def test_the_client_imports_only_the_api_and_the_contract():
+    """jlora.client runs where an application does: of the project, only the stubs and
+    the contract (its errors, status details and API key), as the router."""
+    assert _within("jlora/client", ("jlora.client", "jlora.api", "jlora.contract")) == []
+    assert _violations("jlora/client", lambda m: m not in {"jax", "numpy", "numba"}) == []
+
+
 def test_the_model_imports_only_the_kernel_helpers_of_cpu_offload():
     """jlora.model knows no engine, server or adapter files: it imports itself, the
     tokenizer it loads, and from cpu_offload only the compiled helpers it shares."""
@@ -144,6 +151,8 @@ def test_the_scanner_sees_imports(tmp_path):
         ("jlora, jlora.cli.main, jlora.engine.api, configs, router, cpu_offload", "jax flax torch"),
         # A client, or a server test with the mock engine, never pays for jax.
         ("jlora.api, jlora.server, jlora.engine.mock", "jax flax torch"),
+        # An application's process: the client (blocking and asyncio).
+        ("jlora.client", "jax flax torch numba"),
         # The host side of the engine: scheduling, memory, adapters as files.
         (
             "jlora.engine.orchestrator, jlora.engine.scheduler, jlora.adapters.peft",
