@@ -276,8 +276,8 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

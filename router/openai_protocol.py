@@ -32,15 +32,6 @@ NOT_YET: dict[str, Any] = {
     "n": 1,
     "best_of": 1,
     "suffix": "",
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": {},
-    "min_tokens": 0,
-    "min_p": 0,
-    "stop_token_ids": [],
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "tools": [],
     "tool_choice": "none",
     "functions": [],
@@ -71,21 +62,22 @@ class _Generate(_Body):
     stop: Any = None  # a string or a list of them (checked by hand)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's
-    prompt_logprobs: int | None = None  # vLLM's
-    # accepted, ignored
-    user: str | None = None
-    # not yet
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids (as strings) -> bias
+    # vLLM's
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # accepted, ignored
+    user: str | None = None
+    # not yet
+    n: int | None = None
     structured_outputs: dict[str, Any] | None = None
 
 
@@ -270,6 +262,22 @@ def _base(request: _Generate, *, chat: bool) -> pb.GenerateRequest:
     sampling.ignore_eos = request.ignore_eos
     if request.prompt_logprobs is not None:
         sampling.prompt_logprobs = request.prompt_logprobs
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if (value := getattr(request, name)) is not None:
+            setattr(sampling, name, value)
+    if request.min_tokens is not None:
+        sampling.min_tokens = _int32("min_tokens", request.min_tokens)
+    for key, bias in (request.logit_bias or {}).items():
+        if not key.isdigit() or int(key) > INT32_MAX:
+            raise HttpError(
+                400, f"logit_bias has the key {key!r}: keys are token ids", param="logit_bias"
+            )
+        sampling.logit_bias[int(key)] = bias
+    for i, token in enumerate(request.stop_token_ids or ()):
+        sampling.stop_token_ids.append(_int32(f"stop_token_ids[{i}]", token))
+    sampling.include_stop_str_in_output = bool(request.include_stop_str_in_output)
+    if request.skip_special_tokens is not None:
+        sampling.skip_special_tokens = request.skip_special_tokens
     return message
 
 

@@ -441,12 +441,17 @@ BAD_LINE_SETTINGS = [
     ({"stop": [str(i) for i in range(17)]}, ["at most 16"]),
     ({"ignore_eos": "yes"}, ["ignore_eos='yes' must be true or false"]),
     ({"ignore_eos": 1}, ["ignore_eos=1"]),
+    ({"repetition_penalty": 0}, ["repetition_penalty=0", "(0, 100]"]),
+    ({"logit_bias": [[5, 1.0]]}, ["logit_bias=[[5, 1.0]] must map token ids to biases"]),
+    ({"logit_bias": {"5": 300}}, ["logit_bias", "[-100, 100]"]),
+    ({"stop_token_ids": 5}, ["stop_token_ids=5 must be a list of token ids"]),
+    ({"skip_special_tokens": "no"}, ["skip_special_tokens='no' must be true or false"]),
     (
         {"max_new_tokens": 8},
         [
             "unknown fields ['max_new_tokens']",
             "(expected prompt, adapter, max_tokens, temperature, top_p, top_k, seed, stop, "
-            "ignore_eos)",
+            "ignore_eos, logprobs, prompt_logprobs, presence_penalty,",
         ],
     ),
 ]

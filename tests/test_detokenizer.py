@@ -8,7 +8,7 @@ from jlora.engine.detokenizer import Detokenizer
 class CharTokenizer:
     """Token id = Unicode code point; id 0xFFFD stands for an incomplete byte sequence."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(map(chr, ids))
 
 
@@ -57,7 +57,7 @@ def test_incomplete_character_is_not_released():
 class ByteTokenizer:
     """Token id = one UTF-8 byte, as in byte-level BPE's worst case."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jlora.device.sampling import SamplingArrays, sample
+from jlora.device.sampling import SamplingArrays, host_sampling, sample
 
 sample_jit = jax.jit(lambda logits, params: sample(logits, params)[0])
 logprobs_jit = jax.jit(lambda logits, params: sample(logits, params)[1])
@@ -16,15 +16,18 @@ logprobs_jit = jax.jit(lambda logits, params: sample(logits, params)[1])
 LOGITS = np.log(np.array([0.5, 0.25, 0.125, 0.125], np.float32))
 
 
-def _arrays(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None, logprobs=False):
+def _arrays(
+    rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None, logprobs=False, min_p=0.0
+) -> SamplingArrays:
     full = lambda value, dtype: np.full(rows, value, dtype)  # noqa: E731
-    return SamplingArrays(
+    return host_sampling(rows, 0).replace(
         temperature=full(temperature, np.float32),
         top_k=full(top_k, np.int32),
         top_p=full(top_p, np.float32),
         seed=full(seed, np.uint32),
         step=np.arange(rows, dtype=np.int32) if step is None else full(step, np.int32),
         logprobs=np.asarray(logprobs) if np.ndim(logprobs) else full(logprobs, bool),
+        min_p=full(min_p, np.float32),
     )
 
 
@@ -52,7 +55,8 @@ def test_temperature_one_follows_the_softmax():
         ({"top_k": 2}, {0, 1}),
         ({"top_p": 0.4}, {0}),  # the first token alone already holds 0.5 >= 0.4
         ({"top_p": 0.7}, {0, 1}),  # 0.5 < 0.7, then 0.75 >= 0.7
-        ({"top_k": 3, "top_p": 0.99}, {0, 1, 2}),
+        ({"top_k": 2, "top_p": 0.99}, {0, 1}),
+        ({"top_k": 3}, {0, 1, 2, 3}),  # a tie with the k-th is kept (transformers', vLLM's)
         ({"temperature": 1e-4}, {0}),
     ],
 )
@@ -63,6 +67,24 @@ def test_cuts_restrict_the_support(kwargs, support):
 def test_top_k_renormalises():
     freq = np.bincount(_draws(top_k=2), minlength=4) / 4000
     np.testing.assert_allclose(freq, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.87], ids=["no-cut", "nucleus"])
+def test_a_draw_over_a_whole_vocabulary_follows_its_softmax(top_p):
+    """3000 tokens (past the candidates, in blocks of the draw's inversion): five heavy
+    tokens in different blocks hold 0.9, the rest share 0.1; with top_p 0.87 only the
+    five are kept (renormalised)."""
+    vocab, rows = 3000, 4000
+    heavy, weights = [10, 700, 1500, 2222, 2999], np.array([0.3, 0.25, 0.2, 0.1, 0.05])
+    probs = np.full(vocab, 0.1 / (vocab - 5))
+    probs[heavy] = weights
+    logits = np.tile(np.log(probs).astype(np.float32), (rows, 1))
+    drawn = np.asarray(sample_jit(logits, _arrays(rows, top_p=top_p)))
+    expected = weights if top_p == 1.0 else weights / weights.sum()
+    freq = np.array([(drawn == token).mean() for token in heavy])
+    np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / rows))
+    tail = 1 - np.isin(drawn, heavy).mean()
+    assert abs(tail - (0.1 if top_p == 1.0 else 0.0)) < 4 * np.sqrt(0.09 / rows)
 
 
 def test_seed_and_step_determine_the_sample_not_the_batch():

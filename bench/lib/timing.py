@@ -39,6 +39,9 @@ PASSAGE = (
 )
 
 
+GREEDY = SamplingParams()
+
+
 @dataclasses.dataclass
 class Measurement:
     system: str  # what ran: "jlora", "transformers", an engine variant
@@ -69,12 +72,14 @@ def jlora_decode(
     new_tokens: int,
     adapters: list[str | None] | None = None,
     around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    sampling: SamplingParams = GREEDY,
 ) -> float:
     """Seconds for N decode steps of `prompts` (prompt i with adapters[i]), after an
     untimed first step that prefills them all; `around()` is entered for the N steps
-    alone (a profiler's trace)."""
+    alone (a profiler's trace); `sampling`: the requests' (greedy by default; its
+    max_tokens and ignore_eos are set here)."""
     # Each request yields one token at prefill, one at the untimed first decode, then N.
-    sampling = SamplingParams(max_tokens=new_tokens + 2, ignore_eos=True)
+    sampling = dataclasses.replace(sampling, max_tokens=new_tokens + 2, ignore_eos=True)
     for prompt, adapter in zip(prompts, adapters or [None] * len(prompts), strict=True):
         engine.add_request(Request(uuid.uuid4().hex, prompt, sampling, adapter=adapter))
     engine.step()

@@ -16,7 +16,9 @@ adapters and settings and a trace replays as is: `{"prompt": ..., "adapter": ...
 (`"adapter": null` is the base model; a missing field means `--adapter`), and any of
 `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` (a string or a list of
 strings) and `ignore_eos` (true or false), each in place of its flag for that prompt
-(missing or null: the flag's value; a line's `stop` replaces the `--stop` strings).
+(missing or null: the flag's value; a line's `stop` replaces the `--stop` strings), and
+any other field of `SamplingParams` (`repetition_penalty`, `min_tokens`, `logit_bias`
+as {"token id": bias}, `stop_token_ids`, `logprobs`, ...).
 Any other key, a value of the wrong JSON type or out of range is refused, naming the
 line and the key, before anything runs.
 """
@@ -217,8 +219,19 @@ def _line_sampling(item: dict[str, Any], default: SamplingParams, where: str) ->
                 f"{where}: stop={item['stop']!r} must be a string or a list of strings"
             )
         given["stop"] = tuple(stop)
-    if not isinstance(given.get("ignore_eos", False), bool):
-        raise UsageError(f"{where}: ignore_eos={item['ignore_eos']!r} must be true or false")
+    for key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(given.get(key, False), bool):
+            raise UsageError(f"{where}: {key}={item[key]!r} must be true or false")
+    if "logit_bias" in given:
+        bias = given["logit_bias"]
+        if not isinstance(bias, dict) or not all(str(k).isdigit() for k in bias):
+            raise UsageError(f"{where}: logit_bias={bias!r} must map token ids to biases")
+        given["logit_bias"] = tuple(sorted((int(k), v) for k, v in bias.items()))
+    if "stop_token_ids" in given:
+        ids = given["stop_token_ids"]
+        if not isinstance(ids, list):
+            raise UsageError(f"{where}: stop_token_ids={ids!r} must be a list of token ids")
+        given["stop_token_ids"] = tuple(ids)
     try:
         return dataclasses.replace(default, **given)
     except InvalidRequest as err:

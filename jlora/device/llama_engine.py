@@ -185,7 +185,7 @@ class LlamaEngine(DeviceEngine):
         self.kv_blocks = KVBlocks(
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
-        self.rows = DecodeRows(cfg.max_slots, cfg.blocks_per_seq, cfg.num_blocks)
+        self.rows = DecodeRows(cfg.max_slots, cfg.blocks_per_seq, cfg.block_size, cfg.num_blocks)
         # prefill_many's calls
         self.packed = PackedPrefill(cfg, None if backend is None else backend.segment_rows)
         specs = StepSpecs(
@@ -194,8 +194,9 @@ class LlamaEngine(DeviceEngine):
             cache=cache_specs,
             lora=None if self.lora is None else self.lora.specs,
         )
+        history = cfg.blocks_per_seq * cfg.block_size
         self.steps = CompiledSteps(
-            self.model, specs, self.packed.longest or None, host_attention=host
+            self.model, specs, history, self.packed.longest or None, host_attention=host
         )
         # Merged inference: the steps without LoRA weights, the fold, and its state.
         self.merged_steps: CompiledSteps | None = None
@@ -204,6 +205,7 @@ class LlamaEngine(DeviceEngine):
             self.merged_steps = CompiledSteps(
                 self.model,
                 dataclasses.replace(specs, lora=None),
+                history,
                 self.packed.longest or None,
                 host_attention=host,
             )
@@ -251,8 +253,8 @@ class LlamaEngine(DeviceEngine):
                 f"a prefill job's cached={job.cached} must be a multiple of block_size="
                 f"{cfg.block_size} below its {len(job.tokens)} tokens"
             )
-        sampling = host_sampling(1)
-        set_sampling(sampling, 0, job.sampling)
+        sampling = host_sampling(1, self.steps.history)
+        set_sampling(sampling, 0, job.sampling, job.tokens)
         if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
             steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
             return self._run_prefill(steps, None, job, sampling)

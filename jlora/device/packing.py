@@ -144,22 +144,25 @@ def layout(
     prompts: int,
     num_blocks: int,
     window: int | None = None,
+    *,
+    history: int,
 ) -> PackedCall:
     """The arrays of one packed call of `jobs` (plain: nothing cached, at most `prompts`
     of them, their tokens together at most `size`); `num_blocks` is the sentinel;
-    `window`: the most rows of one LoRA segment (None: any)."""
+    `window`: the most rows of one LoRA segment (None: any); `history`: the width of
+    the sampling rows' history (the steps')."""
     order = sorted(range(len(jobs)), key=lambda j: jobs[j].adapter_slot)  # stable
     lengths = [len(jobs[j].tokens) for j in order]
     starts = np.full(prompts + 1, sum(lengths), np.int32)
     starts[: len(jobs) + 1] = np.cumsum([0, *lengths])
     tokens = np.zeros(size, np.int32)
     tables = np.full((prompts, len(jobs[0].block_table)), num_blocks, np.int32)
-    sampling = host_sampling(prompts)
+    sampling = host_sampling(prompts, history)
     slots = np.full(prompts, -1, np.int32)
     for row, j in enumerate(order):
         tokens[starts[row] : starts[row + 1]] = jobs[j].tokens
         tables[row] = jobs[j].block_table
-        set_sampling(sampling, row, jobs[j].sampling)
+        set_sampling(sampling, row, jobs[j].sampling, jobs[j].tokens)
         slots[row] = jobs[j].adapter_slot
     # A segment per run of one slot's prompts, cut every `window` rows; the rest empty,
     # at the end.
@@ -251,7 +254,7 @@ class PackedPrefill:
         and the cache (donated)."""
         cfg = self.config
         size = bucket(cfg.prefill_buckets, sum(len(job.tokens) for job in jobs))
-        call = layout(jobs, size, self.prompts, cfg.num_blocks, self.window)
+        call = layout(jobs, size, self.prompts, cfg.num_blocks, self.window, history=steps.history)
         steps.compile_prefill_packed(
             params,
             cache,

@@ -2,9 +2,10 @@
 decode step each iteration (JetStream's decode state).
 
 A row holds its last token (not yet in the KV cache), that token's position, its block
-table, its sampling parameters and its device adapter slot. A free row has an
-all-sentinel block table, so its KV writes are dropped, and is greedy (an all-greedy
-batch skips the sampler's sort). A decode step takes the live rows, in order, padded
+table, its sampling parameters, its tokens so far where a penalty reads them, and its
+device adapter slot. A free row has an all-sentinel block table, so its KV writes are
+dropped, and is greedy with no adjustment (such a batch skips the sampler's sort and
+adjustments). A decode step takes the live rows, in order, padded
 with idle rows to the row bucket (`batch`), and each live row then continues from its
 new token (`advance`), and the step's log-probabilities are kept, by slot, where a live
 row asked for them (`logprobs`).
@@ -17,13 +18,16 @@ import numpy as np
 from flax import struct
 
 from jlora.device.sampling import (
+    PAD,
     SamplingArrays,
     TokenLogprobs,
     host_logprobs,
     host_sampling,
     set_sampling,
 )
-from jlora.engine.device_api import DecodeRow, LogprobArrays
+from jlora.engine.device_api import DecodeRow, LogprobArrays, SamplingRow
+
+IDLE = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 
 
 @struct.dataclass
@@ -33,22 +37,25 @@ class DecodeState:
     tokens: np.ndarray  # i32[S], each row's last token (not yet in the cache)
     positions: np.ndarray  # i32[S], that token's position
     block_tables: np.ndarray  # i32[S, blocks_per_seq]; a free row is all sentinel (num_blocks)
-    sampling: SamplingArrays  # [S]; a free row is greedy
+    sampling: SamplingArrays  # [S]; a free row is greedy (its history is `history`'s)
+    history: np.ndarray  # i32[S, max_seq_len]: a penalized row's tokens so far, then PAD
     lora_idx: np.ndarray  # i32[S], each row's device adapter slot (-1: the base model)
     live: np.ndarray  # bool[S], inserted rows
 
 
 class DecodeRows:
-    """`slots` rows of tables of `blocks_per_seq` blocks; `sentinel` is the block id no
-    write reaches (the pool's size)."""
+    """`slots` rows of tables of `blocks_per_seq` blocks of `block_size` tokens;
+    `sentinel` is the block id no write reaches (the pool's size)."""
 
-    def __init__(self, slots: int, blocks_per_seq: int, sentinel: int) -> None:
+    def __init__(self, slots: int, blocks_per_seq: int, block_size: int, sentinel: int) -> None:
         self.sentinel = sentinel
+        self.block_size = block_size
         self.state = DecodeState(
             tokens=np.zeros(slots, np.int32),
             positions=np.zeros(slots, np.int32),
             block_tables=np.full((slots, blocks_per_seq), sentinel, np.int32),
-            sampling=host_sampling(slots),
+            sampling=host_sampling(slots, 0),
+            history=np.full((slots, blocks_per_seq * block_size), PAD, np.int32),
             lora_idx=np.full(slots, -1, np.int32),
             live=np.zeros(slots, bool),
         )
@@ -60,6 +67,10 @@ class DecodeRows:
         state.positions[slot] = row.position
         state.block_tables[slot] = row.block_table
         set_sampling(state.sampling, slot, row.sampling)
+        state.history[slot] = PAD
+        if row.sampling.penalized:
+            assert len(row.history) == row.position + 1, "a penalized row needs its tokens"
+            state.history[slot, : len(row.history)] = row.history
         state.lora_idx[slot] = row.adapter_slot
         state.live[slot] = True
 
@@ -68,8 +79,7 @@ class DecodeRows:
         state.live[slot] = False
         state.block_tables[slot] = self.sentinel
         state.positions[slot] = 0
-        state.sampling.temperature[slot] = 0.0
-        state.sampling.logprobs[slot] = False
+        set_sampling(state.sampling, slot, IDLE)
         state.lora_idx[slot] = -1
 
     def count(self) -> int:
@@ -94,13 +104,15 @@ class DecodeRows:
         self, batch: np.ndarray, blocks: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, SamplingArrays]:
         """The decode step's row inputs for `batch`: tokens, positions, the first `blocks`
-        of their block tables, sampling."""
+        of their block tables, sampling (with the history of those blocks' tokens)."""
         state = self.state
+        sampling = jax.tree.map(lambda field: field[batch], state.sampling)
+        history = state.history[batch, : blocks * self.block_size]
         return (
             state.tokens[batch],
             state.positions[batch],
             state.block_tables[batch, :blocks],
-            jax.tree.map(lambda field: field[batch], state.sampling),
+            sampling.replace(history=history),
         )
 
     def advance(
@@ -119,6 +131,8 @@ class DecodeRows:
         state.tokens[live] = tokens[live]
         state.positions[live] += 1
         state.sampling.step[live] += 1
+        rows = np.flatnonzero(live & (state.positions < state.history.shape[1]))
+        state.history[rows, state.positions[rows]] = state.tokens[rows]
         return tokens
 
     def logprobs(self) -> LogprobArrays | None:

@@ -79,17 +79,21 @@ class CompiledSteps:
         self,
         model: Llama,
         specs: StepSpecs,
+        history: int,
         packed_longest: int | None = None,
         layer_views: bool | None = None,
         host_attention: bool = False,
     ) -> None:
-        """packed_longest: the most tokens of one prompt in a packed prefill (None: any).
+        """history: the tokens of a prefill's sampling history (a sequence's most; the
+        penalties read it, sampling.py); a decode step's is its bucket's tokens.
+        packed_longest: the most tokens of one prompt in a packed prefill (None: any).
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (host/layer_views.py); None: on a CPU mesh
         (a GPU's scan reads them from the stack).
         host_attention: decode and packed prefill attention by the host kernels
         (jlora/model/host/attention.py); the engine passes `host_attention.usable`."""
         self.model = model
+        self.history = history
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
         lora = rep if lora is None else lora
@@ -333,7 +337,7 @@ class CompiledSteps:
             np.zeros(bucket, np.int32),
             np.int32(1),
             np.zeros(blocks_per_seq, np.int32),
-            host_sampling(1),
+            host_sampling(1, self.history),
             lora_weights,
             None if lora_weights is None else Segments.single(-1, bucket),
         ]
@@ -379,7 +383,7 @@ class CompiledSteps:
             np.zeros(bucket, np.int32),
             np.zeros(prompts + 1, np.int32),
             np.zeros((prompts, blocks_per_seq), np.int32),
-            host_sampling(prompts),
+            host_sampling(prompts, self.history),
             lora_weights,
             segments,
         )
@@ -419,7 +423,12 @@ class CompiledSteps:
                 )
         if bucket not in self._head_exe:
             self._head_exe[bucket] = self._compile(
-                self._head_jit, f"prefill head[{bucket}]", params, x, np.int32(1), host_sampling(1)
+                self._head_jit,
+                f"prefill head[{bucket}]",
+                params,
+                x,
+                np.int32(1),
+                host_sampling(1, self.history),
             )
 
     def compile_scored_head(self, params: Params, x: jax.Array) -> None:
@@ -431,7 +440,7 @@ class CompiledSteps:
                 params,
                 x,
                 np.int32(1),
-                host_sampling(1),
+                host_sampling(1, self.history),
                 np.zeros(x.shape[0], np.int32),
                 on_first_use=True,
             )
@@ -448,7 +457,7 @@ class CompiledSteps:
             return
         if self.host_attention:
             host_kernel.warm()  # its FFI target registered before a step calls it
-        args = (params, cache, *_idle_rows(slots, blocks, cache.num_blocks, lora_weights))
+        args = (params, cache, *_idle_rows(slots, blocks, cache, lora_weights))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])
         if self._views is None or views is None:
@@ -474,7 +483,7 @@ class CompiledSteps:
         and each process warms up on its own."""
         if jax.process_count() > 1:
             return cache
-        idle = _idle_rows(slots, blocks, cache.num_blocks, lora_weights)
+        idle = _idle_rows(slots, blocks, cache, lora_weights)
         sampled, _, cache = self.decode(params, cache, *idle)
         jax.block_until_ready(sampled)
         return cache
@@ -588,10 +597,12 @@ class CompiledSteps:
         )
 
 
-def _idle_rows(slots: int, blocks: int, sentinel: int, lora_weights: LoraWeights | None):
+def _idle_rows(slots: int, blocks: int, cache: KVCache, lora_weights: LoraWeights | None):
     """A decode step's inputs after the cache, for `slots` idle rows: block tables all
-    `sentinel` (nothing written), base-model rows where there are adapter slots."""
+    the sentinel `cache.num_blocks` (nothing written), base-model rows where there are
+    adapter slots."""
     zeros = np.zeros(slots, np.int32)
-    tables = np.full((slots, blocks), sentinel, np.int32)
+    tables = np.full((slots, blocks), cache.num_blocks, np.int32)
     lora_idx = None if lora_weights is None else np.full(slots, -1, np.int32)
-    return zeros, zeros, tables, host_sampling(slots), lora_weights, lora_idx
+    sampling = host_sampling(slots, blocks * cache.block_size)
+    return zeros, zeros, tables, sampling, lora_weights, lora_idx

@@ -19,6 +19,8 @@ from jlora.contract.adapters import Adapter
 from jlora.contract.errors import InvalidRequest, RequestError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 300  # the most tokens one request's logit_bias names (OpenAI's limit)
 MAX_LOGPROBS = 20  # the most top log-probabilities a position reports (OpenAI's limit)
 
 # TokenEvent.finish_reason
@@ -33,13 +35,25 @@ class SamplingParams:
 
     temperature 0 is greedy decoding; top_k 0 and top_p 1 disable those cuts;
     seed None draws a fresh seed for the request. A request stops at the first of:
-    an end-of-sequence token (unless ignore_eos), a stop string (excluded from the
-    text), max_tokens generated, or the engine's max_seq_len.
+    an end-of-sequence token (unless ignore_eos) or one of stop_token_ids, a stop string
+    (excluded from the text unless include_stop_str_in_output), max_tokens generated, or
+    the engine's max_seq_len. Neither a stop token nor a stop string ends it before
+    min_tokens are generated (the stop tokens cannot be sampled until then).
+
+    The logits are adjusted in vLLM's order before the cuts: logit_bias (token id, bias
+    added) and min_tokens; then the penalties: repetition_penalty (Hugging Face's: a
+    token of the prompt or the output has its positive logit divided by it, a negative
+    one multiplied), frequency_penalty and presence_penalty (OpenAI's: subtracted, times
+    the token's count in the output and once if it occurs there); then temperature,
+    min_p (tokens less likely than min_p times the most likely are cut), top_k, top_p.
+    Greedy rows take the adjusted logits' argmax.
 
     logprobs N: each generated token's event carries its log-probability and those of
     the N most likely tokens there (0 to MAX_LOGPROBS; None: none). prompt_logprobs N:
     the first event carries the same for every prompt token after the first (computed
-    in full: such a prompt takes no prefix-cache hit).
+    in full: such a prompt takes no prefix-cache hit). Log-probabilities are the
+    model's, before any adjustment. skip_special_tokens False keeps special tokens'
+    text in the output.
     """
 
     max_tokens: int = 256
@@ -51,6 +65,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> InvalidRequest:
@@ -73,6 +96,41 @@ class SamplingParams:
             value = getattr(self, field)
             if value is not None and not (_integer(value) and 0 <= value <= MAX_LOGPROBS):
                 raise bad(field, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not _finite(value := getattr(self, field)) or not -2.0 <= value <= 2.0:
+                raise bad(field, "must be in [-2, 2]")
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad("repetition_penalty", "must be in (0, 100] (1 disables it)")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1] (0 disables it)")
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"must name at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias:
+            if not _integer(token) or token < 0:
+                raise bad("logit_bias", f"has token id {token!r}: ids are non-negative integers")
+            if not _finite(bias) or not -100.0 <= bias <= 100.0:
+                raise bad(
+                    "logit_bias", f"gives token {token} the bias {bias!r}: not in [-100, 100]"
+                )
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
+            raise bad("logit_bias", "names a token twice")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            _integer(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or min_tokens changes the logits the sampler sees."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 def _finite(value: object) -> bool:
@@ -125,6 +183,16 @@ def check_request(
         raise InvalidRequest(
             "stop strings need a tokenizer; this model has none", field="sampling.stop"
         )
+    for field, ids in (
+        ("logit_bias", [token for token, _ in request.sampling.logit_bias]),
+        ("stop_token_ids", request.sampling.stop_token_ids),
+    ):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{field} has token id {bad}, outside the vocabulary [0, {vocab_size})",
+                field=f"sampling.{field}",
+            )
     bad = next((i for i, t in enumerate(generated) if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(

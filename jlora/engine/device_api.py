@@ -70,7 +70,11 @@ class TextCodec(Decoder, Protocol):
 class SamplingRow:
     """One row's sampling parameters (sampling.py): temperature 0 is greedy; step is the
     number of tokens the request has generated before this one; logprobs: its tokens'
-    log-probabilities are wanted."""
+    log-probabilities are wanted. The logit adjustments (SamplingParams' meaning):
+    presence, frequency and repetition penalties, min_p; `banned` (EOS and the stop
+    token ids) cannot be sampled while step < min_tokens; logit_bias: (token, bias)
+    pairs. With a penalty the engine needs the row's tokens so far (the prompt, then
+    `step` generated): a prefill job's own, a decode row's `DecodeRow.history`."""
 
     temperature: float
     top_k: int
@@ -78,6 +82,18 @@ class SamplingRow:
     seed: int
     step: int
     logprobs: bool = False
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    banned: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the row's tokens so far."""
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +180,16 @@ class Prefilled:
 class DecodeRow:
     """What a decode row needs to continue a sequence: its last token (not yet in the
     KV cache) at `position`, its blocks, its sampling (step: tokens generated before
-    the next one) and its device adapter slot (-1: the base model)."""
+    the next one) and its device adapter slot (-1: the base model). history: where its
+    sampling has a penalty, its tokens so far (positions 0 to `position`, the last token
+    included); else empty."""
 
     token: int
     position: int
     block_table: np.ndarray
     sampling: SamplingRow
     adapter_slot: int = -1
+    history: Sequence[int] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,8 @@ def mock_logprobs(anchor: int, chosen: Sequence[int], vocab_size: int) -> Logpro
 
 
 class MockTokenizer:
-    """Text <-> ids for the mock: a prompt's UTF-8 bytes are its ids; token t reads ' t<t>'.
+    """Text <-> ids for the mock: a prompt's UTF-8 bytes are its ids; token t reads ' t<t>';
+    the EOS ids are its special tokens.
 
     (Not inverses of each other; the mock only needs both directions to be deterministic.)
     """
@@ -110,8 +111,9 @@ class MockTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f" t{token}" for token in ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        special = set(self.eos_ids) if skip_special_tokens else set()
+        return "".join(f" t{token}" for token in ids if token not in special)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

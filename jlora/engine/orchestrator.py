@@ -407,12 +407,21 @@ class Orchestrator:
         sampling = request.sampling
         limit = min(len(request.prompt_ids) + sampling.max_tokens, self.max_seq_len)
         seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32))
+        stops = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else frozenset(self._eos)
+        )
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = Detokenizer(self.tokenizer, sampling.stop)
+            detokenizer = Detokenizer(
+                self.tokenizer,
+                sampling.stop,
+                include_stop=sampling.include_stop_str_in_output,
+                min_tokens=sampling.min_tokens,
+                skip_special=sampling.skip_special_tokens,
+            )
             for token in generated:  # its text went out already: rebuild the state only
                 detokenizer.add(token)
-        seq = Sequence(request, seed, limit, detokenizer, generated=list(generated))
+        seq = Sequence(request, seed, limit, detokenizer, stops, generated=list(generated))
         # A resumed request's prompt was scored where it started.
         seq.score_prompt = sampling.prompt_logprobs is not None and not generated
         return seq
@@ -562,12 +571,14 @@ class Orchestrator:
         return table
 
     def _insert(self, seq: Sequence) -> None:
+        sampling = seq.sampling_row()
         row = DecodeRow(
             token=seq.generated[-1],
             position=seq.length - 1,
             block_table=self._block_table(seq),
-            sampling=seq.sampling_row(),
+            sampling=sampling,
             adapter_slot=seq.adapter_slot,
+            history=seq.tokens if sampling.penalized else (),
         )
         self.device.insert(seq.row, row)
 
@@ -586,9 +597,15 @@ class Orchestrator:
         the prompt's, on a first event); False if that finished the request."""
         seq.generated.append(token)
         seq.served_at = time.monotonic()
-        text, hit_stop = seq.detokenizer.add(token) if seq.detokenizer else ("", False)
+        # A stop token's own text is left out, as vLLM's, unless include_stop_str_in_output.
+        stop_token = seq.stopped_by(token)
+        text, hit_stop = "", False
+        if seq.detokenizer is not None and (
+            not stop_token or seq.request.sampling.include_stop_str_in_output
+        ):
+            text, hit_stop = seq.detokenizer.add(token)
         finish = None
-        if hit_stop or (token in self._eos and not seq.request.sampling.ignore_eos):
+        if hit_stop or stop_token:
             finish = STOP
         elif seq.length >= seq.limit:
             finish = LENGTH

@@ -64,6 +64,7 @@ class Sequence:
     seed: int
     limit: int  # the sequence may grow to this many tokens (prompt + generated)
     detokenizer: Detokenizer | None
+    stops: frozenset[int] = frozenset()  # the tokens that end it (EOS, stop_token_ids)
     order: int = 0  # first-come first-served rank
     generated: list[int] = dataclasses.field(default_factory=list)
     lease: Lease | None = None  # its KV blocks, once admitted
@@ -100,7 +101,19 @@ class Sequence:
             self.seed,
             len(self.generated),
             logprobs=params.logprobs is not None,
+            presence=params.presence_penalty,
+            frequency=params.frequency_penalty,
+            repetition=params.repetition_penalty,
+            min_p=params.min_p,
+            min_tokens=params.min_tokens,
+            banned=tuple(sorted(self.stops)) if params.min_tokens else (),
+            logit_bias=params.logit_bias,
         )
+
+    def stopped_by(self, token: int) -> bool:
+        """Whether `token`, just generated, ends the sequence: a stop token, once more
+        than min_tokens are out."""
+        return token in self.stops and len(self.generated) > self.request.sampling.min_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from jlora.model.weights import Progress, Put, WeightsError, default_device, loa
 from jlora.tokenizer import Tokenizer
 
 # generation_config.json's sampling fields a server takes as its defaults (vLLM's).
-GENERATION_FIELDS = ("temperature", "top_p", "top_k")
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: str  # what was loaded, for logs
     # The model's default sampling (a Hugging Face directory's generation_config.json:
-    # temperature, top_p, top_k; none where it samples greedily, do_sample false).
+    # GENERATION_FIELDS; none where it samples greedily, do_sample false).
     generation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ class TextCodec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -135,6 +135,21 @@ def to_sampling(
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(
+            msg.repetition_penalty
+            if msg.HasField("repetition_penalty")
+            else defaults.repetition_penalty
+        ),
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
+        min_tokens=msg.min_tokens,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        ),
     )
 
 

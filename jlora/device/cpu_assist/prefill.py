@@ -139,7 +139,7 @@ class AssistedPrefill:
             for _ in range(2):  # the first call pays one-off costs
                 start = time.perf_counter()
                 token, _, cache = self.steps.prefill(
-                    params, cache, tokens, bucket, sentinel, host_sampling(1),
+                    params, cache, tokens, bucket, sentinel, host_sampling(1, self.steps.history),
                     self.lora.weights, segments,
                 )  # fmt: skip
                 int(token)
