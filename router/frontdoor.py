@@ -174,6 +174,7 @@ class FrontDoor:
         self.max_queue = max_queue
         self.draining = False
         self._calls: dict[str, Call] = {}  # in flight, by request id
+        self._groups: dict[str, str] = {}  # generate(group=...) -> its first call's worker
         self.arrivals: collections.Counter[str] = collections.Counter()  # calls per adapter
         self._waiting = 0  # calls in the router's queue
         self._queue = asyncio.Lock()  # FIFO: the head of the queue holds it
@@ -210,11 +211,18 @@ class FrontDoor:
     # -- Generate -------------------------------------------------------------------
 
     async def generate(
-        self, request: pb.GenerateRequest, *, deadline: float | None = None
+        self,
+        request: pb.GenerateRequest,
+        *,
+        deadline: float | None = None,
+        group: str | None = None,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Route and forward one Generate call (see the module docstring); RequestError
         for a status. `deadline` is in `loop.time()` seconds. Close the iterator when
-        done with it (`contextlib.aclosing`), so an abandoned call is cancelled."""
+        done with it (`contextlib.aclosing`), so an abandoned call is cancelled.
+        `group`: calls of one group go to the worker its first went to while that one
+        has room (the choices of one prompt: their prompt is in its prefix cache), until
+        `release_group`."""
         arrival = time.monotonic()
         outcome = "cancelled"  # unless the call ends another way
         if self.draining:
@@ -256,7 +264,11 @@ class FrontDoor:
                     worker = target
                 else:
                     try:
-                        worker = await self._place(route, tried, deadline, admitted=admitted)
+                        worker = self._grouped(group, route, tried) or await self._place(
+                            route, tried, deadline, admitted=admitted
+                        )
+                        if group is not None:
+                            self._groups.setdefault(group, worker.address)
                     except RequestError as err:
                         if lost is None:
                             raise
@@ -469,6 +481,22 @@ class FrontDoor:
                 f"adapter={name!r} is not registered", field="adapter", reason="ADAPTER_NOT_FOUND"
             )
         raise Unavailable(f"adapter={name!r} is registered but no worker that is up has it")
+
+    def release_group(self, group: str) -> None:
+        """`group`'s calls are placed freely again."""
+        self._groups.pop(group, None)
+
+    def _grouped(
+        self, group: str | None, route: RouteRequest, tried: dict[str, str]
+    ) -> Worker | None:
+        """The worker `group` went to, if it has room for `route` and has not failed it."""
+        address = self._groups.get(group) if group is not None else None
+        worker = next((w for w in self.pool.workers if w.address == address), None)
+        if worker is None or address in tried or self._waiting:
+            return None
+        if route.adapter is not None and route.adapter not in worker.adapters:
+            return None
+        return worker if worker.view(self.base_model).healthy else None
 
     async def _place(
         self, route: RouteRequest, tried: dict[str, str], deadline: float | None, admitted: bool

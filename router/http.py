@@ -15,8 +15,9 @@ gRPC hop): a request body becomes a `jlora.v1` GenerateRequest, its stream the
 OpenAI answer. `model` is an adapter's name or the base model's id.
 
 The bodies are `router.openai_protocol`'s models: which fields are honoured, ignored or
-refused, and the defaults. /v1/completions takes a batch of prompts (a choice each, run
-side by side); `logprobs` (completions: the N most likely per token; chat: `logprobs`
+refused, and the defaults. /v1/completions takes a batch of prompts (n choices each, run
+side by side; a prompt's first choice alone until its first token, then the others on
+its worker, whose prefix cache then holds the prompt); `logprobs` (completions: the N most likely per token; chat: `logprobs`
 and `top_logprobs`), `echo` and vLLM's `prompt_logprobs` come back in OpenAI's and vLLM's
 shapes, the tokens' texts decoded by the worker. The deadline is the router's
 `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
@@ -66,7 +67,8 @@ from router.openai_answers import Answer
 from router.openai_protocol import (
     ChatRequest,
     CompletionRequest,
-    chat_message,
+    chat_messages,
+    choices,
     completion_messages,
     parse,
 )
@@ -268,7 +270,7 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json_body(request, self.limits)
         parsed = parse(ChatRequest, body)
-        return await self._generate(request, body, parsed, [chat_message(parsed)])
+        return await self._generate(request, body, parsed, chat_messages(parsed))
 
     # -- Generate ---------------------------------------------------------------------
 
@@ -279,30 +281,44 @@ class OpenAIApi:
         parsed: CompletionRequest | ChatRequest,
         messages: list[pb.GenerateRequest],
     ) -> web.StreamResponse:
-        """Each message's stream, side by side: one choice each."""
+        """Each message's stream, side by side: one choice each (`choices`' best_of per
+        prompt, the n most likely of them returned). A prompt's first choice runs
+        alone until its first token; its siblings then go to the same worker, whose
+        prefix cache holds the prompt by then (one prefill shared)."""
         chat = isinstance(parsed, ChatRequest)
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         deadline = self._deadline(request)
         request_id = uuid.uuid4().hex
         for i, message in enumerate(messages):
             message.request_id = request_id if len(messages) == 1 else f"{request_id}-{i}"
-        shape = Answer(parsed, messages, request_id=request_id)
+        n, best_of = choices(parsed)
+        groups = [f"{request_id}/{start}" for start in range(0, len(messages), best_of)]
         params = generate_param(chat, body)
-        streams = [self._front.generate(message, deadline=deadline) for message in messages]
+        streams = [
+            self._front.generate(message, deadline=deadline, group=groups[i // best_of])
+            for i, message in enumerate(messages)
+        ]
         async with contextlib.AsyncExitStack() as closing:
+            for group in groups:
+                closing.callback(self._front.release_group, group)
             for stream in streams:
                 await closing.enter_async_context(contextlib.aclosing(stream))
             try:  # errors before any token are plain HTTP errors
-                firsts = await asyncio.gather(*(anext(stream) for stream in streams))
+                leaders = await asyncio.gather(*(anext(s) for s in streams[::best_of]))
+                others = [s for i, s in enumerate(streams) if i % best_of]
+                rest = iter(await asyncio.gather(*(anext(s) for s in others)))
             except RequestError as err:
                 raise http_error(err, params) from None
+            firsts = [leaders[i // best_of] if i % best_of == 0 else next(rest)
+                      for i in range(len(streams))]  # fmt: skip
+            shape = Answer(parsed, messages, request_id=request_id, per_prompt=n)
             if not parsed.stream:
                 try:
                     rests = await asyncio.gather(*(_rest(stream) for stream in streams))
                 except RequestError as err:
                     raise http_error(err, params) from None
                 answers = [[first, *rest] for first, rest in zip(firsts, rests, strict=True)]
-                return web.json_response(shape.whole(answers))
+                return web.json_response(shape.whole(answers, best_of=best_of))
             sse = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )

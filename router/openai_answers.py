@@ -1,5 +1,6 @@
 """OpenAI's answers to /v1/completions and /v1/chat/completions, from the workers'
-GenerateResponses: whole answers, stream chunks and usage, one choice per prompt.
+GenerateResponses: whole answers, stream chunks and usage, n choices per prompt (the n
+most likely of best_of, by the sum of their tokens' log-probabilities, as vLLM's).
 
 Log-probabilities come in the route's own shape: /v1/completions' (OpenAI's legacy
 `tokens`, `token_logprobs`, `top_logprobs` as {text: logprob} with the chosen token among
@@ -30,8 +31,10 @@ class Answer:
         messages: list[pb.GenerateRequest],
         *,
         request_id: str,
+        per_prompt: int = 1,
     ) -> None:
-        self.request, self.messages = request, messages
+        """`per_prompt`: the choices of each prompt, side by side in `messages`."""
+        self.request, self.messages, self.per_prompt = request, messages, per_prompt
         self.chat = isinstance(request, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
@@ -40,14 +43,25 @@ class Answer:
 
     # -- whole answers --------------------------------------------------------------
 
-    def whole(self, choices: list[list[pb.GenerateResponse]]) -> dict[str, Any]:
+    def whole(
+        self, sampled: list[list[pb.GenerateResponse]], *, best_of: int | None = None
+    ) -> dict[str, Any]:
+        """The answer to `sampled`, the responses of every message: `best_of` per prompt
+        (None: per_prompt), of which the per_prompt most likely are returned."""
+        best_of = best_of or self.per_prompt
+        kept = []
+        for start in range(0, len(sampled), best_of):
+            group = range(start, start + best_of)
+            likely = sorted(group, key=lambda i: -sum(r.logprobs.token.logprob for r in sampled[i]))
+            kept += sorted(likely[: self.per_prompt])
+        self.messages = [self.messages[i] for i in kept]
         answer = self._envelope(
             "chat.completion" if self.chat else "text_completion",
-            [self._choice(i, responses) for i, responses in enumerate(choices)],
+            [self._choice(j, sampled[i]) for j, i in enumerate(kept)],
         )
-        answer["usage"] = usage([responses[-1] for responses in choices])
+        answer["usage"] = usage([responses[-1] for responses in sampled], per_prompt=best_of)
         if self.chat and self.request.prompt_logprobs is not None:
-            answer["prompt_logprobs"] = _prompt_logprobs(choices[0][0])
+            answer["prompt_logprobs"] = _prompt_logprobs(sampled[0][0])
         return answer
 
     def _choice(self, index: int, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
@@ -114,7 +128,7 @@ class Answer:
 
     def usage_chunk(self, lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        chunk["usage"] = usage(lasts)
+        chunk["usage"] = usage(lasts, per_prompt=self.per_prompt)
         return chunk
 
     # -- parts ----------------------------------------------------------------------
@@ -199,14 +213,18 @@ def _finish(response: pb.GenerateResponse) -> str | None:
     return FINISH_REASONS.get(response.finish_reason)
 
 
-def usage(lasts: list[pb.GenerateResponse]) -> dict[str, Any]:
-    """OpenAI's usage object, summed over the choices' last messages; the prefix-cache
-    hits as prompt_tokens_details.cached_tokens."""
-    prompt = sum(last.usage.prompt_tokens for last in lasts)
+def usage(lasts: list[pb.GenerateResponse], *, per_prompt: int = 1) -> dict[str, Any]:
+    """OpenAI's usage object from the last message of every choice sampled (`per_prompt`
+    side by side per prompt): the completion tokens of all, each prompt's tokens once
+    (its first choice's, and its prefix-cache hits as prompt_tokens_details.cached_tokens)."""
+    firsts = lasts[::per_prompt]
+    prompt = sum(last.usage.prompt_tokens for last in firsts)
     completion = sum(last.usage.completion_tokens for last in lasts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(last.usage.cached_tokens for last in lasts)},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(last.usage.cached_tokens for last in firsts)
+        },
     }

@@ -26,11 +26,10 @@ from router.http_body import HttpError
 
 INT32_MAX = 2**31 - 1
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 128  # n and best_of at most (OpenAI's n limit)
 IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")
 # Known fields jlora does not serve yet, by the only value it accepts (None always is).
 NOT_YET: dict[str, Any] = {
-    "n": 1,
-    "best_of": 1,
     "suffix": "",
     "tools": [],
     "tool_choice": "none",
@@ -74,10 +73,10 @@ class _Generate(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    n: int = 1
     # accepted, ignored
     user: str | None = None
     # not yet
-    n: int | None = None
     structured_outputs: dict[str, Any] | None = None
 
 
@@ -86,7 +85,7 @@ class CompletionRequest(_Generate):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # sampled per prompt, the n most likely returned
 
 
 class ChatRequest(_Generate):
@@ -103,6 +102,23 @@ class ChatRequest(_Generate):
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
+
+
+def choices(request: CompletionRequest | ChatRequest) -> tuple[int, int]:
+    """(n, best_of): the choices returned per prompt and those sampled (400 naming the
+    field unless 1 <= n <= best_of <= MAX_CHOICES, and a stream samples no more than it
+    returns, as OpenAI's)."""
+    n = request.n
+    best_of = getattr(request, "best_of", None) or n
+    if not 1 <= n <= MAX_CHOICES:
+        raise HttpError(400, f"n={n} must be in [1, {MAX_CHOICES}]", param="n")
+    if not n <= best_of <= MAX_CHOICES:
+        raise HttpError(
+            400, f"best_of={best_of} must be in [n={n}, {MAX_CHOICES}]", param="best_of"
+        )
+    if request.stream and best_of > n:
+        raise HttpError(400, f"best_of={best_of} > n={n} cannot be streamed", param="best_of")
+    return n, best_of
 
 
 def parse(kind: type[_Generate], body: dict[str, Any]) -> Any:
@@ -143,7 +159,8 @@ def _path(loc: tuple) -> str:
 
 
 def completion_messages(request: CompletionRequest) -> list[pb.GenerateRequest]:
-    """One GenerateRequest per prompt of the batch."""
+    """One GenerateRequest per choice sampled (`choices`' best_of per prompt of the
+    batch, prompt by prompt)."""
     messages = []
     for prompt in _prompts(request.prompt):
         message = _base(request, chat=False)
@@ -157,8 +174,24 @@ def completion_messages(request: CompletionRequest) -> list[pb.GenerateRequest]:
             sampling.logprobs = request.logprobs
         if request.echo:  # the prompt's tokens come back with their texts
             sampling.prompt_logprobs = max(sampling.prompt_logprobs, request.logprobs or 0)
-        messages.append(message)
+        n, best_of = choices(request)
+        if best_of > n and not sampling.HasField("logprobs"):
+            sampling.logprobs = 0  # the choices are ranked by their tokens' log-probabilities
+        messages += siblings(message, best_of)
     return messages
+
+
+def siblings(message: pb.GenerateRequest, count: int) -> list[pb.GenerateRequest]:
+    """`count` copies of `message`, choice j's seed the request's plus j (mod 2**32):
+    the same seed gives the same choices; unset, each draws its own."""
+    copies = [message]
+    for j in range(1, count):
+        copy = pb.GenerateRequest()
+        copy.CopyFrom(message)
+        if message.sampling.HasField("seed"):
+            copy.sampling.seed = (message.sampling.seed + j) % 2**32
+        copies.append(copy)
+    return copies
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -220,6 +253,11 @@ def chat_message(request: ChatRequest) -> pb.GenerateRequest:
     if request.logprobs:
         sampling.logprobs = request.top_logprobs or 0
     return message
+
+
+def chat_messages(request: ChatRequest) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per choice (n)."""
+    return siblings(chat_message(request), choices(request)[0])
 
 
 def _text_part(part: object, where: str) -> str:

@@ -254,6 +254,62 @@ def test_a_batch_of_prompts_gets_a_choice_each(deployment, stream):
         assert reply.usage.completion_tokens == 9
 
 
+@pytest.fixture
+def placed(deployment, monkeypatch):
+    """Each worker's request ids, as they reach its engine."""
+    seen: list[list[str]] = [[] for _ in deployment.engines]
+    for engine, ids in zip(deployment.engines, seen, strict=True):
+        add = engine.add_request
+
+        def recorded(request, *args, add=add, ids=ids, **kwargs):
+            ids.append(request.request_id)
+            return add(request, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "add_request", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_of_a_prompt_run_on_one_worker(deployment, placed, stream):
+    """n=3 over a batch of two prompts: six choices, prompt by prompt, each the mock's
+    completion; a prompt's three on one worker (its first's: the prompt is in its prefix
+    cache); the prompts counted once each in usage."""
+    prompts = ["ab", [7, 8, 9]]
+    reply = deployment.client.completions.create(
+        model="a", prompt=prompts, max_tokens=3, n=3, stream=stream, seed=5,
+        stream_options={"include_usage": True} if stream else None,
+    )  # fmt: skip
+    texts, usage = [""] * 6, None
+    for chunk in list(reply) if stream else [reply]:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    ids = [list(b"ab"), [7, 8, 9]]
+    assert texts == [expected_text(ids[i // 3], "a", 3) for i in range(6)]
+    assert usage.prompt_tokens == 5 and usage.completion_tokens == 18
+    for prompt in range(2):
+        choices = {f"-{prompt * 3 + j}" for j in range(3)}
+        where = [sum(i[-2:] in choices for i in ids_) for ids_ in placed]
+        assert sorted(where) == [0, 3], where
+
+
+def test_best_of_returns_the_n_most_likely(deployment):
+    """best_of=4, n=2: four sampled, two returned (ranked by their tokens' summed
+    log-probabilities; the mock's choices are alike), without logprobs unless asked."""
+    reply = deployment.client.completions.create(
+        model="b", prompt="xy", max_tokens=4, n=2, best_of=4
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.text == expected_text(list(b"xy"), "b", 4) and c.logprobs is None
+               for c in reply.choices)  # fmt: skip
+    assert reply.usage.completion_tokens == 16 and reply.usage.prompt_tokens == 2
+    chat = deployment.client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_ignored_fields_are_accepted_and_chat_runs_to_the_context(deployment):
     """OpenAI's user, metadata and store change nothing; chat without max_tokens runs to
     the end of the context (max_seq_len 64), as vLLM's does."""
@@ -313,7 +369,12 @@ BAD_INPUTS = [
     (COMPLETIONS, dict(model="a", prompt="x", top_p=1.5), 400, "top_p", "(0, 1]"),
     (COMPLETIONS, dict(model="a", prompt="x", seed=-1), 400, "seed", "seed"),
     (COMPLETIONS, dict(model="a", prompt="x", stop=5), 400, "stop", "stop"),
-    (COMPLETIONS, dict(model="a", prompt="x", n=2), 400, "n", "n=2"),
+    (COMPLETIONS, dict(model="a", prompt="x", n=0), 400, "n", "[1, 128]"),
+    (CHAT, dict(model="a", messages=USER, n=129), 400, "n", "[1, 128]"),
+    (COMPLETIONS, dict(model="a", prompt="x", n=3, best_of=2), 400, "best_of", "[n=3, 128]"),
+    (COMPLETIONS, dict(model="a", prompt="x", best_of=2, stream=True), 400, "best_of",
+     "cannot be streamed"),
+    (CHAT, dict(model="a", messages=USER, best_of=2), 400, "best_of", "not a field"),
     (COMPLETIONS, dict(model="a", prompt="x", echo="yes"), 400, "echo", "boolean"),
     (COMPLETIONS, dict(model="a", prompt="x", frobnicate_tokens=3), 400, "frobnicate_tokens",
      "not a field"),

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -202,3 +203,49 @@ def test_smollm2_through_the_openai_client(tmp_path):
             client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=4)
     finally:
         assert up.stop() == 0
+
+
+def test_n_choices_share_one_prefill_and_a_seed_repeats_them(tmp_path):
+    """cpu-tiny, two workers, sampling at temperature 1: n=4 choices of a 40-token prompt
+    run on one worker, whose prefix cache serves the three later ones the prompt's
+    full blocks (the router's /metrics shows the workers' hits); the same seed gives the
+    same four choices, and best_of=4 with n=2 returns the two of them whose tokens are
+    the most likely."""
+    up = Up(tmp_path, "--model", "cpu-tiny", "--workers", "2", "--max-seq-len", "64")
+    try:
+        client = openai.OpenAI(base_url=up.http, api_key="unused", max_retries=0)
+        prompt = list(range(3, 43))
+        ask = dict(model="cpu-tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=11,
+                   logprobs=0)  # fmt: skip
+        # cpu-tiny has no tokenizer (no text): a choice is told by its tokens' logprobs
+        # (to 1e-3: a batch's arithmetic moves them by 1e-6)
+        told = lambda c: tuple(round(x, 3) for x in c.logprobs.token_logprobs)  # noqa: E731
+        first = client.completions.create(n=4, **ask)
+        again = client.completions.create(n=4, **ask)
+        choices = [told(c) for c in first.choices]
+        assert choices == [told(c) for c in again.choices] and len(set(choices)) == 4
+        deadline = time.monotonic() + 30  # the workers' counters follow their engines'
+        while (hits := _prefix_hits(up)) < 2 * 3 * 32 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert hits >= 2 * 3 * 32  # two requests, three later choices, two 16-token blocks each
+        score = lambda c: sum(c.logprobs.token_logprobs)  # noqa: E731
+        best = client.completions.create(n=2, best_of=4, **ask)
+        ranked = sorted(first.choices, key=score, reverse=True)[:2]
+        assert sorted(map(told, best.choices)) == sorted(map(told, ranked))
+        assert best.usage.completion_tokens == 4 * 6
+        client.close()
+    finally:
+        up.stop()
+
+
+def _prefix_hits(up: Up) -> float:
+    """The prompt tokens the workers' prefix caches served, through the router's /metrics."""
+    url = up.http.removesuffix("/v1") + "/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "jlora_prefix_cache_hit_tokens"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
