@@ -12,7 +12,12 @@ row of a run samples alike:
   (OpenAI's `logprobs=5`);
 - `penalties`: greedy with repetition_penalty 1.1, presence and frequency penalties
   0.5, a logit bias on 8 tokens and min_tokens of N (the stop tokens banned throughout);
-- `all`: sampled, with log-probabilities and every penalty.
+- `grammar`: greedy, the text a JSON object whose one string is at least 400
+  characters long (so no row completes it within N tokens): the grammar's mask is
+  computed on the host before each step and applied in it;
+- `all`: sampled, with log-probabilities, every penalty and the grammar.
+
+A model without a tokenizer (a random-weight preset) runs no grammar.
 
 Each system runs once untimed (compiling what it meets), then `repeats` times,
 alternating; the table shows the median tokens/s, the range and the ratio to `greedy`.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -32,12 +38,21 @@ from bench.lib.engines import Plan, make_engine
 from bench.lib.report import machine_facts
 from bench.lib.timing import Measurement, compare, jlora_decode, make_prompts, write_report
 from configs.engine import DTYPES
-from jlora.engine.api import SamplingParams
+from jlora.engine.api import SamplingParams, StructuredOutput
 from jlora.model.loading import load_model
 
+STORY = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 400}},
+    "required": ["story"],
+    "additionalProperties": False,
+}
 
-def systems(new_tokens: int) -> dict[str, SamplingParams]:
+
+def systems(new_tokens: int, grammar: bool = True) -> dict[str, SamplingParams]:
+    """Each system's sampling; `grammar`: with the systems that constrain the text."""
     sampled = dict(temperature=0.8, top_p=0.95, top_k=50, seed=1)
+    structured = StructuredOutput("json_schema", json.dumps(STORY)) if grammar else None
     penalties = dict(
         repetition_penalty=1.1,
         presence_penalty=0.5,
@@ -45,13 +60,17 @@ def systems(new_tokens: int) -> dict[str, SamplingParams]:
         logit_bias=tuple((token, -5.0) for token in range(100, 108)),
         min_tokens=new_tokens,
     )
-    return {
+    out = {
         "greedy": SamplingParams(),
         "sampled": SamplingParams(**sampled),
         "logprobs": SamplingParams(logprobs=5),
         "penalties": SamplingParams(max_tokens=new_tokens + 2, **penalties),
-        "all": SamplingParams(max_tokens=new_tokens + 2, logprobs=5, **sampled, **penalties),
+        "grammar": SamplingParams(structured=structured),
+        "all": SamplingParams(
+            max_tokens=new_tokens + 2, logprobs=5, structured=structured, **sampled, **penalties
+        ),
     }
+    return out if grammar else {name: s for name, s in out.items() if name != "grammar"}
 
 
 def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
@@ -103,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = make_engine(loaded, plan, {}, on_demand=True)
     runs = {
         name: functools.partial(jlora_decode, engine, prompts, plan.new_tokens, sampling=sampling)
-        for name, sampling in systems(plan.new_tokens).items()
+        for name, sampling in systems(plan.new_tokens, loaded.tokenizer is not None).items()
     }
     shape = f"{plan.batch}x({plan.prompt_len}+{plan.new_tokens})"
     measurements = compare("decode", shape, plan.batch * plan.new_tokens, plan.repeats, **runs)

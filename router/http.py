@@ -17,9 +17,10 @@ OpenAI answer. `model` is an adapter's name or the base model's id.
 The bodies are `router.openai_protocol`'s models: which fields are honoured, ignored or
 refused, and the defaults. /v1/completions takes a batch of prompts (n choices each, run
 side by side; a prompt's first choice alone until its first token, then the others on
-its worker, whose prefix cache then holds the prompt); `logprobs` (completions: the N most likely per token; chat: `logprobs`
-and `top_logprobs`), `echo` and vLLM's `prompt_logprobs` come back in OpenAI's and vLLM's
-shapes, the tokens' texts decoded by the worker. The deadline is the router's
+its worker, whose prefix cache then holds the prompt); `logprobs` (completions: the N
+most likely per token; chat: `logprobs` and `top_logprobs`), `echo` and vLLM's
+`prompt_logprobs` come back in OpenAI's and vLLM's shapes, the tokens' texts decoded by
+the worker. The deadline is the router's
 `request_timeout`, or the `X-Request-Timeout` header (seconds) if smaller.
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the workers' prefix
 caches served (Usage.cached_tokens).
@@ -117,6 +118,8 @@ def generate_param(chat: bool, body: dict[str, Any]) -> Callable[[str], str | No
             return "max_completion_tokens"
         if field == "sampling.logprobs" and chat:
             return "top_logprobs"
+        if field == "sampling.structured":
+            return "structured_outputs" if "structured_outputs" in body else "response_format"
         if field.startswith("sampling."):
             return field.removeprefix("sampling.")
         if field.startswith("prompt.chat."):

@@ -17,6 +17,7 @@ the worker's to check (its errors name the body's field).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -35,8 +36,6 @@ NOT_YET: dict[str, Any] = {
     "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "response_format": {"type": "text"},
-    "structured_outputs": {},
 }
 
 
@@ -74,10 +73,10 @@ class _Generate(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     n: int = 1
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
     # accepted, ignored
     user: str | None = None
-    # not yet
-    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Generate):
@@ -97,7 +96,6 @@ class ChatRequest(_Generate):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
@@ -316,7 +314,70 @@ def _base(request: _Generate, *, chat: bool) -> pb.GenerateRequest:
     sampling.include_stop_str_in_output = bool(request.include_stop_str_in_output)
     if request.skip_special_tokens is not None:
         sampling.skip_special_tokens = request.skip_special_tokens
+    _structured(request, sampling.structured)
+    if not sampling.structured.WhichOneof("constraint"):
+        sampling.ClearField("structured")
     return message
+
+
+STRUCTURED = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs
+
+
+def _structured(request: _Generate, out: pb.StructuredOutput) -> None:
+    """OpenAI's response_format or vLLM's structured_outputs into `out` (400 naming the
+    field where it is not one constraint of a known kind)."""
+    form, vllm = request.response_format, request.structured_outputs
+    if form is not None and vllm:
+        raise HttpError(
+            400, "give response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    if form is not None:
+        kind = form.get("type")
+        if kind == "json_object":
+            out.json_object = True
+        elif kind == "json_schema":
+            spec = form.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise HttpError(
+                    400,
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    param="response_format.json_schema.schema",
+                )
+            out.json_schema = json.dumps(schema)
+        elif kind != "text":
+            raise HttpError(
+                400,
+                f"response_format.type={kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                param="response_format.type",
+            )
+    if vllm:
+        given = [key for key in vllm if vllm[key] not in (None, False)]
+        unknown = sorted(set(vllm) - set(STRUCTURED))
+        if unknown:
+            param = f"structured_outputs.{unknown[0]}"
+            raise HttpError(400, f"{param} is not one of {list(STRUCTURED)}", param=param)
+        if len(given) != 1:
+            raise HttpError(
+                400,
+                f"structured_outputs sets {given or 'nothing'}: it takes exactly one of "
+                f"{list(STRUCTURED)}",
+                param="structured_outputs",
+            )
+        (key,) = given
+        value, param = vllm[key], f"structured_outputs.{key}"
+        if key == "json":
+            out.json_schema = value if isinstance(value, str) else json.dumps(value)
+        elif key == "json_object":
+            out.json_object = True
+        elif key == "choice":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise HttpError(400, f"{param} must be a list of strings", param=param)
+            out.choice.options.extend(value)
+        elif isinstance(value, str):
+            setattr(out, key, value)
+        else:
+            raise HttpError(400, f"{param} must be a string", param=param)
 
 
 def _int32(field: str, value: int) -> int:

@@ -38,7 +38,7 @@ def _logits(rows: int, seed: int = 0) -> np.ndarray:
 
 
 def _rows(rows: list[SamplingRow], histories: list[list[int]]) -> SamplingArrays:
-    arrays = host_sampling(len(rows), HISTORY)
+    arrays = host_sampling(len(rows), HISTORY, VOCAB)
     for i, (row, history) in enumerate(zip(rows, histories, strict=True)):
         set_sampling(arrays, i, row, history)
     return arrays
@@ -122,7 +122,7 @@ def test_min_p_keeps_the_tokens_transformers_keeps(min_p, temperature):
     from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
 
     logits = np.tile(_logits(1, seed=4) / 2, (3000, 1))
-    arrays = host_sampling(3000, 0).replace(
+    arrays = host_sampling(3000, 0, VOCAB).replace(
         temperature=np.full(3000, temperature, np.float32),
         min_p=np.full(3000, min_p, np.float32),
         step=np.arange(3000, dtype=np.int32),
@@ -170,7 +170,7 @@ def test_the_cuts_keep_the_tokens_transformers_warpers_keep(peaked):
     rng = np.random.default_rng(7 if peaked else 8)
     scale = 4.0 if peaked else 0.5
     logits = rng.normal(0.0, scale, (len(CUTS), vocab)).astype(np.float32)
-    arrays = host_sampling(len(CUTS), 0)
+    arrays = host_sampling(len(CUTS), 0, 1000)
     for i, (temperature, top_k, top_p, min_p) in enumerate(CUTS):
         arrays.temperature[i], arrays.top_k[i] = temperature, top_k
         arrays.top_p[i], arrays.min_p[i] = top_p, min_p

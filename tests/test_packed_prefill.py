@@ -25,6 +25,7 @@ from jlora.adapters.peft import make_demo_adapters
 from jlora.contract.errors import RequestError
 from jlora.device.llama_engine import LlamaEngine
 from jlora.device.packing import layout, packs
+from jlora.device.sampling import host_sampling
 from jlora.engine.device_api import DecodeRow, DeviceEngine, PrefillJob, SamplingRow
 from jlora.engine.mock import MockEngine
 from jlora.model.kv_cache import KVCache
@@ -185,7 +186,9 @@ def test_packed_logits_equal_each_prompts_alone(engine, longest, host):
     model, weights = engine.model, engine.lora.weights
     jobs = _Blocks(engine).jobs(seed=10)
     sentinel = engine.config.num_blocks
-    call = layout(jobs, 96, 6, num_blocks=sentinel, window=longest, history=64)
+    call = layout(
+        jobs, 96, 6, num_blocks=sentinel, window=longest, sampling=engine.steps.sampling_rows(6)
+    )
     assert len(set(call.segments.start.tolist())) == (5 if longest else 4)
     tables = np.full((6, 16), sentinel, np.int32)
     tables[:4, :3] = np.arange(12).reshape(4, 3)  # each prompt's own three blocks
@@ -356,7 +359,7 @@ def test_layout_groups_prompts_by_adapter_and_pads():
         PrefillJob([4], table + 2, WARM, adapter_slot=-1),
         PrefillJob([5, 6], table + 3, GREEDY, adapter_slot=1),
     ]
-    call = layout(jobs, 8, 4, num_blocks=9, history=64)
+    call = layout(jobs, 8, 4, num_blocks=9, sampling=host_sampling(4, 64, 128))
     # Rows by slot (stable): job 1 (base), job 0, job 2; then an empty row.
     assert call.rows == [1, 0, 2]
     assert call.tokens.tolist() == [4, 1, 2, 3, 5, 6, 0, 0]
@@ -367,7 +370,7 @@ def test_layout_groups_prompts_by_adapter_and_pads():
     assert call.segments.slot.tolist() == [-1, 1, -1, -1]
     assert call.segments.start.tolist() == [0, 1, 6, 6, 6]
     # Segments of at most 2 rows: slot 1's five rows cut in three; room for 4 + 8 // 2.
-    call = layout(jobs, 8, 4, num_blocks=9, window=2, history=64)
+    call = layout(jobs, 8, 4, num_blocks=9, window=2, sampling=host_sampling(4, 64, 128))
     assert (call.segments.slot.tolist(), call.segments.start.tolist()) == (
         [-1, 1, 1, 1, -1, -1, -1, -1],
         [0, 1, 3, 5, 6, 6, 6, 6, 6],

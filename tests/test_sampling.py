@@ -20,7 +20,7 @@ def _arrays(
     rows, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=None, logprobs=False, min_p=0.0
 ) -> SamplingArrays:
     full = lambda value, dtype: np.full(rows, value, dtype)  # noqa: E731
-    return host_sampling(rows, 0).replace(
+    return host_sampling(rows, 0, 4096).replace(
         temperature=full(temperature, np.float32),
         top_k=full(top_k, np.int32),
         top_p=full(top_p, np.float32),

@@ -59,7 +59,7 @@ from jlora.device.kv_pool import KVBlocks, size_pool
 from jlora.device.lora_slots import DeviceSlots, Transfer
 from jlora.device.packing import PackedPrefill
 from jlora.device.rows import DecodeRows
-from jlora.device.sampling import SamplingArrays, host_logprobs, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays, host_logprobs, set_sampling
 from jlora.device.steps import CompiledSteps, StepSpecs
 from jlora.device.warmup import warm_up
 from jlora.engine.cost_model import ColdStart
@@ -185,7 +185,13 @@ class LlamaEngine(DeviceEngine):
         self.kv_blocks = KVBlocks(
             self.tp.named(cache_specs), cfg.num_blocks, cfg.emulated_link_gbps
         )
-        self.rows = DecodeRows(cfg.max_slots, cfg.blocks_per_seq, cfg.block_size, cfg.num_blocks)
+        self.rows = DecodeRows(
+            cfg.max_slots,
+            cfg.blocks_per_seq,
+            cfg.block_size,
+            cfg.num_blocks,
+            model_config.vocab_size,
+        )
         # prefill_many's calls
         self.packed = PackedPrefill(cfg, None if backend is None else backend.segment_rows)
         specs = StepSpecs(
@@ -196,7 +202,12 @@ class LlamaEngine(DeviceEngine):
         )
         history = cfg.blocks_per_seq * cfg.block_size
         self.steps = CompiledSteps(
-            self.model, specs, history, self.packed.longest or None, host_attention=host
+            self.model,
+            specs,
+            history,
+            model_config.vocab_size,
+            self.packed.longest or None,
+            host_attention=host,
         )
         # Merged inference: the steps without LoRA weights, the fold, and its state.
         self.merged_steps: CompiledSteps | None = None
@@ -206,6 +217,7 @@ class LlamaEngine(DeviceEngine):
                 self.model,
                 dataclasses.replace(specs, lora=None),
                 history,
+                model_config.vocab_size,
                 self.packed.longest or None,
                 host_attention=host,
             )
@@ -253,7 +265,7 @@ class LlamaEngine(DeviceEngine):
                 f"a prefill job's cached={job.cached} must be a multiple of block_size="
                 f"{cfg.block_size} below its {len(job.tokens)} tokens"
             )
-        sampling = host_sampling(1, self.steps.history)
+        sampling = self.steps.sampling_rows(1)
         set_sampling(sampling, 0, job.sampling, job.tokens)
         if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
             steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
@@ -400,6 +412,9 @@ class LlamaEngine(DeviceEngine):
 
     def decode_logprobs(self) -> LogprobArrays | None:
         return self.rows.logprobs()
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        self.rows.constrain(slot, allowed)
 
     def free(self, slot: int) -> None:
         self.rows.free(slot)

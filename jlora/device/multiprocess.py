@@ -52,6 +52,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, cast
 
+import numpy as np
+
 from jlora.contract.adapters import Adapter
 from jlora.contract.errors import RequestError
 from jlora.device.llama_engine import LlamaEngine
@@ -216,6 +218,10 @@ class Leader(DeviceEngine):
 
     def decode_logprobs(self) -> LogprobArrays | None:
         return self.engine.decode_logprobs()  # the followers' copies are the same
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        self._send("constrain", slot, allowed)
+        self.engine.constrain(slot, allowed)
 
     def free(self, slot: int) -> None:
         self._send("free", slot)

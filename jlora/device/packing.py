@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from configs import SPLIT_TOKENS, EngineConfig, bucket
-from jlora.device.sampling import SamplingArrays, host_logprobs, host_sampling, set_sampling
+from jlora.device.sampling import SamplingArrays, host_logprobs, set_sampling
 from jlora.device.steps import CompiledSteps
 from jlora.engine.device_api import Prefilled, PrefillJob
 from jlora.model.kv_cache import KVCache
@@ -145,19 +145,18 @@ def layout(
     num_blocks: int,
     window: int | None = None,
     *,
-    history: int,
+    sampling: SamplingArrays,
 ) -> PackedCall:
     """The arrays of one packed call of `jobs` (plain: nothing cached, at most `prompts`
     of them, their tokens together at most `size`); `num_blocks` is the sentinel;
-    `window`: the most rows of one LoRA segment (None: any); `history`: the width of
-    the sampling rows' history (the steps')."""
+    `window`: the most rows of one LoRA segment (None: any); `sampling`: greedy host
+    sampling arrays of `prompts` rows (the steps' `sampling_rows`), filled in here."""
     order = sorted(range(len(jobs)), key=lambda j: jobs[j].adapter_slot)  # stable
     lengths = [len(jobs[j].tokens) for j in order]
     starts = np.full(prompts + 1, sum(lengths), np.int32)
     starts[: len(jobs) + 1] = np.cumsum([0, *lengths])
     tokens = np.zeros(size, np.int32)
     tables = np.full((prompts, len(jobs[0].block_table)), num_blocks, np.int32)
-    sampling = host_sampling(prompts, history)
     slots = np.full(prompts, -1, np.int32)
     for row, j in enumerate(order):
         tokens[starts[row] : starts[row + 1]] = jobs[j].tokens
@@ -254,7 +253,10 @@ class PackedPrefill:
         and the cache (donated)."""
         cfg = self.config
         size = bucket(cfg.prefill_buckets, sum(len(job.tokens) for job in jobs))
-        call = layout(jobs, size, self.prompts, cfg.num_blocks, self.window, history=steps.history)
+        call = layout(
+            jobs, size, self.prompts, cfg.num_blocks, self.window,
+            sampling=steps.sampling_rows(self.prompts),
+        )  # fmt: skip
         steps.compile_prefill_packed(
             params,
             cache,

@@ -21,6 +21,7 @@ from jlora.device.sampling import (
     PAD,
     SamplingArrays,
     TokenLogprobs,
+    constrain,
     host_logprobs,
     host_sampling,
     set_sampling,
@@ -45,16 +46,18 @@ class DecodeState:
 
 class DecodeRows:
     """`slots` rows of tables of `blocks_per_seq` blocks of `block_size` tokens;
-    `sentinel` is the block id no write reaches (the pool's size)."""
+    `sentinel` is the block id no write reaches (the pool's size); `vocab` tokens."""
 
-    def __init__(self, slots: int, blocks_per_seq: int, block_size: int, sentinel: int) -> None:
+    def __init__(
+        self, slots: int, blocks_per_seq: int, block_size: int, sentinel: int, vocab: int
+    ) -> None:
         self.sentinel = sentinel
         self.block_size = block_size
         self.state = DecodeState(
             tokens=np.zeros(slots, np.int32),
             positions=np.zeros(slots, np.int32),
             block_tables=np.full((slots, blocks_per_seq), sentinel, np.int32),
-            sampling=host_sampling(slots, 0),
+            sampling=host_sampling(slots, 0, vocab),
             history=np.full((slots, blocks_per_seq * block_size), PAD, np.int32),
             lora_idx=np.full(slots, -1, np.int32),
             live=np.zeros(slots, bool),
@@ -73,6 +76,9 @@ class DecodeRows:
             state.history[slot, : len(row.history)] = row.history
         state.lora_idx[slot] = row.adapter_slot
         state.live[slot] = True
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        constrain(self.state.sampling, slot, allowed)
 
     def free(self, slot: int) -> None:
         state = self.state

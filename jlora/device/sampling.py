@@ -59,6 +59,8 @@ class SamplingArrays:
     bias_ids: Rows  # i32[S, MAX_LOGIT_BIAS]
     bias: Rows  # f32[S, MAX_LOGIT_BIAS]
     history: Rows  # i32[S, H]: the row's tokens so far, then PAD (read for the penalties)
+    allowed: Rows  # i32[S, ceil(V / 32)]: a grammar's bitmask of the next token (-1: any)
+    constrained: Rows  # bool[S]: the row has a grammar
 
 
 @struct.dataclass
@@ -75,7 +77,8 @@ def sample(logits: jax.Array, params: SamplingArrays) -> tuple[jax.Array, TokenL
     adjusts its logits skip the adjustments, all-greedy ones the sort, and those no row
     of which wants log-probabilities skip those."""
     adjusting = (
-        jnp.any(params.bias_ids < PAD)
+        jnp.any(params.constrained)
+        | jnp.any(params.bias_ids < PAD)
         | jnp.any(params.step < params.min_tokens)
         | jnp.any(penalized(params))
     )
@@ -98,10 +101,21 @@ def penalized(params: SamplingArrays) -> jax.Array:
 
 
 def adjust(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """f32[S, V]: the logits after each row's logit bias, min_tokens ban and penalties."""
+    """f32[S, V]: the logits after each row's grammar, logit bias, min_tokens ban and
+    penalties."""
     rows, vocab = logits.shape
     row = jnp.arange(rows)[:, None]
-    logits = logits.astype(jnp.float32).at[row, params.bias_ids].add(params.bias, mode="drop")
+
+    def grammar(logits: jax.Array) -> jax.Array:
+        words = jnp.repeat(params.allowed, 32, axis=-1)
+        bits = (words >> (jnp.arange(words.shape[-1], dtype=jnp.int32) % 32)[None, :]) & 1
+        # logits padded past the vocabulary (a mesh's): those ids are never allowed
+        bits = jnp.pad(bits, ((0, 0), (0, max(0, vocab - bits.shape[-1]))))[:, :vocab]
+        return jnp.where(params.constrained[:, None] & (bits == 0), -jnp.inf, logits)
+
+    logits = logits.astype(jnp.float32)
+    logits = jax.lax.cond(jnp.any(params.constrained), grammar, lambda logits: logits, logits)
+    logits = logits.at[row, params.bias_ids].add(params.bias, mode="drop")
     ban = jnp.where((params.step < params.min_tokens)[:, None], -jnp.inf, 0.0)
     logits = logits.at[row, params.banned].add(
         jnp.broadcast_to(ban, params.banned.shape), mode="drop"
@@ -308,9 +322,9 @@ def _largest(keys: jax.Array, enough) -> jax.Array:  # type: ignore[no-untyped-d
     return jax.lax.fori_loop(0, 33, halve, (lo, hi))[0]
 
 
-def host_sampling(rows: int, history: int) -> SamplingArrays:
+def host_sampling(rows: int, history: int, vocab: int) -> SamplingArrays:
     """Greedy sampling arrays on the host (numpy) for `rows` rows with `history` tokens
-    of history each, to be filled in per row."""
+    of history each, over `vocab` tokens, to be filled in per row."""
     return SamplingArrays(
         temperature=np.zeros(rows, np.float32),
         top_k=np.zeros(rows, np.int32),
@@ -327,6 +341,8 @@ def host_sampling(rows: int, history: int) -> SamplingArrays:
         bias_ids=np.full((rows, MAX_LOGIT_BIAS), PAD, np.int32),
         bias=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
         history=np.full((rows, history), PAD, np.int32),
+        allowed=np.full((rows, -(-vocab // 32)), -1, np.int32),
+        constrained=np.zeros(rows, bool),
     )
 
 
@@ -357,3 +373,10 @@ def set_sampling(
     arrays.history[row] = PAD
     if sampling.penalized:
         arrays.history[row, : len(history)] = history
+    constrain(arrays, row, sampling.allowed)
+
+
+def constrain(arrays: SamplingArrays, row: int, allowed: np.ndarray | None) -> None:
+    """Row `row`'s next token is one of `allowed` (a grammar's bitmask); None: any."""
+    arrays.allowed[row] = -1 if allowed is None else allowed
+    arrays.constrained[row] = allowed is not None

@@ -80,12 +80,14 @@ class CompiledSteps:
         model: Llama,
         specs: StepSpecs,
         history: int,
+        vocab: int,
         packed_longest: int | None = None,
         layer_views: bool | None = None,
         host_attention: bool = False,
     ) -> None:
         """history: the tokens of a prefill's sampling history (a sequence's most; the
-        penalties read it, sampling.py); a decode step's is its bucket's tokens.
+        penalties read it, sampling.py); a decode step's is its bucket's tokens. vocab:
+        the model's whole vocabulary (a grammar's bitmask covers it).
         packed_longest: the most tokens of one prompt in a packed prefill (None: any).
         layer_views: decode reading each layer's kernels from arrays of their own where
         the parameters can be split without a copy (host/layer_views.py); None: on a CPU mesh
@@ -94,6 +96,7 @@ class CompiledSteps:
         (jlora/model/host/attention.py); the engine passes `host_attention.usable`."""
         self.model = model
         self.history = history
+        self.vocab = vocab
         self.packed_longest = packed_longest
         params, cache, lora, rep = specs.params, specs.cache, specs.lora, REPLICATED
         lora = rep if lora is None else lora
@@ -297,6 +300,10 @@ class CompiledSteps:
         )
         return *sample(logits, sampling), cache
 
+    def sampling_rows(self, rows: int) -> SamplingArrays:
+        """Greedy host sampling arrays for `rows` prefill rows (their history wide)."""
+        return host_sampling(rows, self.history, self.vocab)
+
     # -- compilation -------------------------------------------------------------
 
     def _compile(self, jitted, what: str, *args, on_first_use: bool = False):
@@ -337,7 +344,7 @@ class CompiledSteps:
             np.zeros(bucket, np.int32),
             np.int32(1),
             np.zeros(blocks_per_seq, np.int32),
-            host_sampling(1, self.history),
+            self.sampling_rows(1),
             lora_weights,
             None if lora_weights is None else Segments.single(-1, bucket),
         ]
@@ -383,7 +390,7 @@ class CompiledSteps:
             np.zeros(bucket, np.int32),
             np.zeros(prompts + 1, np.int32),
             np.zeros((prompts, blocks_per_seq), np.int32),
-            host_sampling(prompts, self.history),
+            self.sampling_rows(prompts),
             lora_weights,
             segments,
         )
@@ -428,7 +435,7 @@ class CompiledSteps:
                 params,
                 x,
                 np.int32(1),
-                host_sampling(1, self.history),
+                self.sampling_rows(1),
             )
 
     def compile_scored_head(self, params: Params, x: jax.Array) -> None:
@@ -440,7 +447,7 @@ class CompiledSteps:
                 params,
                 x,
                 np.int32(1),
-                host_sampling(1, self.history),
+                self.sampling_rows(1),
                 np.zeros(x.shape[0], np.int32),
                 on_first_use=True,
             )
@@ -457,7 +464,7 @@ class CompiledSteps:
             return
         if self.host_attention:
             host_kernel.warm()  # its FFI target registered before a step calls it
-        args = (params, cache, *_idle_rows(slots, blocks, cache, lora_weights))
+        args = (params, cache, *_idle_rows(slots, blocks, cache, lora_weights, self.vocab))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])
         if self._views is None or views is None:
@@ -483,7 +490,7 @@ class CompiledSteps:
         and each process warms up on its own."""
         if jax.process_count() > 1:
             return cache
-        idle = _idle_rows(slots, blocks, cache, lora_weights)
+        idle = _idle_rows(slots, blocks, cache, lora_weights, self.vocab)
         sampled, _, cache = self.decode(params, cache, *idle)
         jax.block_until_ready(sampled)
         return cache
@@ -597,12 +604,14 @@ class CompiledSteps:
         )
 
 
-def _idle_rows(slots: int, blocks: int, cache: KVCache, lora_weights: LoraWeights | None):
+def _idle_rows(
+    slots: int, blocks: int, cache: KVCache, lora_weights: LoraWeights | None, vocab: int
+):
     """A decode step's inputs after the cache, for `slots` idle rows: block tables all
     the sentinel `cache.num_blocks` (nothing written), base-model rows where there are
     adapter slots."""
     zeros = np.zeros(slots, np.int32)
     tables = np.full((slots, blocks), cache.num_blocks, np.int32)
     lora_idx = None if lora_weights is None else np.full(slots, -1, np.int32)
-    sampling = host_sampling(slots, blocks * cache.block_size)
+    sampling = host_sampling(slots, blocks * cache.block_size, vocab)
     return zeros, zeros, tables, sampling, lora_weights, lora_idx

@@ -12,6 +12,7 @@ found and naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 
@@ -27,6 +28,40 @@ MAX_LOGPROBS = 20  # the most top log-probabilities a position reports (OpenAI's
 STOP, LENGTH, ERROR = "stop", "length", "error"
 # AdapterInfo.state
 HOST, LOADING, DEVICE = "host", "loading", "device"
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the text a request generates (engine/grammar.py): kind
+    "json_schema" (spec: the schema, as JSON text), "json_object" (any JSON object),
+    "regex" (spec: the pattern the whole text matches), "choice" (exactly one of
+    `choices`), or "grammar" (spec: a Lark grammar, llguidance's dialect)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        field = "sampling.structured"
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                f"structured output kind={self.kind!r} is not one of {list(STRUCTURED_KINDS)}",
+                field=field,
+            )
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as err:
+                raise InvalidRequest(f"the JSON schema is not JSON ({err})", field=field) from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequest("the JSON schema must be an object", field=field)
+        if self.kind in ("regex", "grammar") and not self.spec:
+            raise InvalidRequest(f"structured output {self.kind} is empty", field=field)
+        if self.kind == "choice" and (not self.choices or not all(self.choices)):
+            raise InvalidRequest("a choice needs non-empty strings to choose from", field=field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +88,9 @@ class SamplingParams:
     the first event carries the same for every prompt token after the first (computed
     in full: such a prompt takes no prefix-cache hit). Log-probabilities are the
     model's, before any adjustment. skip_special_tokens False keeps special tokens'
-    text in the output.
+    text in the output. structured: the text follows that constraint (the tokens it
+    does not allow cannot be sampled, before any other adjustment); the request stops
+    when it is complete and admits nothing more.
     """
 
     max_tokens: int = 256
@@ -74,6 +111,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> InvalidRequest:
@@ -182,6 +220,11 @@ def check_request(
     if request.sampling.stop and not has_tokenizer:
         raise InvalidRequest(
             "stop strings need a tokenizer; this model has none", field="sampling.stop"
+        )
+    if request.sampling.structured is not None and not has_tokenizer:
+        raise InvalidRequest(
+            "structured output needs a tokenizer; this model has none",
+            field="sampling.structured",
         )
     for field, ids in (
         ("logit_bias", [token for token, _ in request.sampling.logit_bias]),

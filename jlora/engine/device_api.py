@@ -74,7 +74,10 @@ class SamplingRow:
     presence, frequency and repetition penalties, min_p; `banned` (EOS and the stop
     token ids) cannot be sampled while step < min_tokens; logit_bias: (token, bias)
     pairs. With a penalty the engine needs the row's tokens so far (the prompt, then
-    `step` generated): a prefill job's own, a decode row's `DecodeRow.history`."""
+    `step` generated): a prefill job's own, a decode row's `DecodeRow.history`.
+    allowed: a grammar's bitmask of the tokens the next may be (i32[ceil(V / 32)], bit
+    t % 32 of word t // 32; engine/grammar.py), None: any; a decode row's changes every
+    step (`DeviceEngine.constrain`)."""
 
     temperature: float
     top_k: int
@@ -89,6 +92,7 @@ class SamplingRow:
     min_tokens: int = 0
     banned: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
     @property
     def penalized(self) -> bool:
@@ -294,6 +298,11 @@ class DeviceEngine(abc.ABC):
     def decode_logprobs(self) -> LogprobArrays | None:
         """The log-probabilities of the last `generate()`'s tokens, by slot (max_slots
         positions; valid for the rows whose sampling asked), or None if no row asked."""
+
+    @abc.abstractmethod
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        """Row `slot`'s next token is one of `allowed` (SamplingRow.allowed), from the
+        next `generate()` on; None: any."""
 
     @abc.abstractmethod
     def free(self, slot: int) -> None:

@@ -128,6 +128,18 @@ class _Row:
     step: int
     adapter_slot: int
     logprobs: bool = False
+    allowed: np.ndarray | None = None  # a grammar's bitmask of the next token
+
+
+def allowed_token(token: int, allowed: np.ndarray | None) -> int:
+    """`token` if the bitmask `allowed` (None: any) allows it, else the next one it
+    allows (cyclically): how the mock follows a grammar."""
+    if allowed is None:
+        return token
+    bits = np.unpackbits(allowed.view(np.uint8), bitorder="little")
+    ids = np.flatnonzero(bits)
+    later = ids[ids >= token]
+    return int(later[0] if len(later) else ids[0])
 
 
 class MockEngine(DeviceEngine):
@@ -224,6 +236,7 @@ class MockEngine(DeviceEngine):
         for position in range(job.cached, len(job.tokens)):
             self._write(job.block_table, position, (adapter, int(job.tokens[position])))
         token = mock_next_token(job.tokens[-1], adapter, job.sampling.step, self.vocab_size)
+        token = allowed_token(token, job.sampling.allowed)
         prompt = None
         if job.score_next is not None:
             positions = range(job.cached, len(job.tokens))
@@ -272,7 +285,11 @@ class MockEngine(DeviceEngine):
             row.sampling.step,
             row.adapter_slot,
             row.sampling.logprobs,
+            row.sampling.allowed,
         )
+
+    def constrain(self, slot: int, allowed: np.ndarray | None) -> None:
+        self._rows[slot].allowed = allowed
 
     def generate(self) -> np.ndarray:
         self.steps += 1
@@ -287,6 +304,7 @@ class MockEngine(DeviceEngine):
             self._write(row.block_table, row.position, (adapter, row.token))
             row.position += 1
             row.token = mock_next_token(row.token, adapter, row.step, self.vocab_size)
+            row.token = allowed_token(row.token, row.allowed)
             row.step += 1
             tokens[slot] = row.token
         self._logprobs = None

@@ -60,6 +60,7 @@ from jlora.contract.adapters import Adapter
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
+    InvalidRequest,
     NotFound,
     RequestError,
 )
@@ -80,6 +81,7 @@ from jlora.engine.api import (
 )
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device_api import DecodeRow, DeviceEngine, LogprobArrays, PrefillJob
+from jlora.engine.grammar import Grammars
 from jlora.engine.memory.manager import MemoryManager
 from jlora.engine.merging import DynamicBatcher
 from jlora.engine.scheduler import KEEP, Plan, Prefill, Scheduler, Sequence
@@ -128,6 +130,7 @@ class Orchestrator:
         self._ids: set[str] = set()
         self._seeds = np.random.default_rng()
         self._eos = set(self.tokenizer.eos_ids) if self.tokenizer is not None else set()
+        self._grammar_cache: Grammars | None = None
 
     # -- capacity and state ----------------------------------------------------------
 
@@ -229,6 +232,11 @@ class Orchestrator:
         self._carry_out(self.scheduler.grow(), events)
         decoding = self.scheduler.decoding()
         if decoding:
+            grammars = [(seq.row, seq.grammar) for seq in decoding if seq.grammar is not None]
+            if grammars:
+                masks = self._grammars().masks([grammar for _, grammar in grammars])
+                for (row, _), mask in zip(grammars, masks, strict=True):
+                    self.device.constrain(row, mask)
             start = time.perf_counter()
             tokens = self.device.generate()
             if self.batcher is not None:
@@ -422,6 +430,10 @@ class Orchestrator:
             for token in generated:  # its text went out already: rebuild the state only
                 detokenizer.add(token)
         seq = Sequence(request, seed, limit, detokenizer, stops, generated=list(generated))
+        if sampling.structured is not None:
+            seq.grammar = self._grammars().matcher(sampling.structured)
+            for token in generated:
+                seq.grammar.consume(token)
         # A resumed request's prompt was scored where it started.
         seq.score_prompt = sampling.prompt_logprobs is not None and not generated
         return seq
@@ -561,6 +573,19 @@ class Orchestrator:
                 parked.parked = False
                 self._insert(parked)
 
+    def _grammars(self) -> Grammars:
+        """The tokenizer's compiled grammars, made on the first structured request."""
+        if self._grammar_cache is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None:
+                raise InvalidRequest(
+                    "structured output needs the model's Hugging Face tokenizer",
+                    field="sampling.structured",
+                )
+            eos = sorted(self._eos)
+            self._grammar_cache = Grammars(backend.to_str(), self.device.vocab_size, eos)
+        return self._grammar_cache
+
     # -- rows -------------------------------------------------------------------------------
 
     def _block_table(self, seq: Sequence) -> np.ndarray:
@@ -597,6 +622,12 @@ class Orchestrator:
         the prompt's, on a first event); False if that finished the request."""
         seq.generated.append(token)
         seq.served_at = time.monotonic()
+        if seq.grammar is not None:
+            try:
+                seq.grammar.consume(token)
+            except RequestError as error:
+                self._fail(seq, error, events)
+                return False
         # A stop token's own text is left out, as vLLM's, unless include_stop_str_in_output.
         stop_token = seq.stopped_by(token)
         text, hit_stop = "", False
@@ -605,7 +636,7 @@ class Orchestrator:
         ):
             text, hit_stop = seq.detokenizer.add(token)
         finish = None
-        if hit_stop or stop_token:
+        if hit_stop or stop_token or (seq.grammar is not None and seq.grammar.stopped):
             finish = STOP
         elif seq.length >= seq.limit:
             finish = LENGTH

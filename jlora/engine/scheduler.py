@@ -44,6 +44,7 @@ from jlora.engine.adapters import AdapterManager
 from jlora.engine.api import Request
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device_api import DeviceEngine, LogprobArrays, SamplingRow
+from jlora.engine.grammar import Matcher
 from jlora.engine.memory.manager import FULL, SWAPPING, MemoryManager
 from jlora.engine.memory.tree import Lease
 from jlora.engine.merging import Batch, DynamicBatcher
@@ -81,6 +82,7 @@ class Sequence:
     # Its prompt is scored (prompt logprobs) until its first token: each prefill's
     # scores by the position it starts at.
     score_prompt: bool = False
+    grammar: Matcher | None = None  # its structured output's place (engine/grammar.py)
     prompt_scores: dict[int, LogprobArrays] = dataclasses.field(default_factory=dict)
 
     @property
@@ -108,6 +110,7 @@ class Sequence:
             min_tokens=params.min_tokens,
             banned=tuple(sorted(self.stops)) if params.min_tokens else (),
             logit_bias=params.logit_bias,
+            allowed=None if self.grammar is None else self.grammar.mask(),
         )
 
     def stopped_by(self, token: int) -> bool:

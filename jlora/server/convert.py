@@ -24,6 +24,7 @@ from jlora.engine.api import (
     Request,
     RunningInfo,
     SamplingParams,
+    StructuredOutput,
 )
 
 MAX_REQUEST_ID = 128
@@ -150,7 +151,20 @@ def to_sampling(
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
+        structured=to_structured(msg.structured) if msg.HasField("structured") else None,
     )
+
+
+def to_structured(msg: pb.StructuredOutput) -> StructuredOutput:
+    """The engine's constraint of `msg`; InvalidRequest naming it if none is set."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequest("structured output sets no constraint", field="sampling.structured")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.options))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, spec=getattr(msg, kind))
 
 
 def logprobs_message(entry: Logprobs, tokenizer: TextCodec | None) -> pb.PositionLogprobs:

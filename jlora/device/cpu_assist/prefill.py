@@ -33,7 +33,7 @@ from configs import EngineConfig
 from jlora.adapters.store import HostStore
 from jlora.device.cpu_assist.callbacks import CpuAssist, ShardPlan, default_workers
 from jlora.device.lora_slots import DeviceSlots
-from jlora.device.sampling import SamplingArrays, host_sampling
+from jlora.device.sampling import SamplingArrays
 from jlora.device.steps import CompiledSteps
 from jlora.engine import cost_model
 from jlora.model.kv_cache import KVCache
@@ -139,7 +139,7 @@ class AssistedPrefill:
             for _ in range(2):  # the first call pays one-off costs
                 start = time.perf_counter()
                 token, _, cache = self.steps.prefill(
-                    params, cache, tokens, bucket, sentinel, host_sampling(1, self.steps.history),
+                    params, cache, tokens, bucket, sentinel, self.steps.sampling_rows(1),
                     self.lora.weights, segments,
                 )  # fmt: skip
                 int(token)
