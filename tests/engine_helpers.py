@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from configs import EngineConfig
 from jlora.device.llama_engine import LlamaEngine, build_engine
-from jlora.engine.api import Request, SamplingParams
+from jlora.engine.api import EngineStats, Request, SamplingParams
 from jlora.engine.orchestrator import Orchestrator
 
 
@@ -73,3 +74,23 @@ def kv_blocks(engine: Orchestrator | LlamaEngine, count: int) -> np.ndarray:
         free = list(range(device.config.num_blocks))
     assert len(free) >= count, f"{count} KV blocks asked, {len(free)} hold no adapter"
     return np.asarray(free[:count], np.int32)
+
+
+def engine_stats(**fields) -> EngineStats:
+    """An idle engine's stats snapshot (4 slots, 16 KV blocks, 2 adapter slots), with
+    `fields` in place."""
+    idle = EngineStats(
+        running=(),
+        waiting=0,
+        max_slots=4,
+        max_seq_len=64,
+        kv_blocks_total=16,
+        kv_blocks_free=16,
+        kv_block_size=16,
+        adapter_slots_total=2,
+        adapter_slots_free=2,
+        adapter_slots_loading=0,
+        adapter_loads=0,
+        adapter_evictions=0,
+    )
+    return dataclasses.replace(idle, **fields)

@@ -97,3 +97,31 @@ def hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:
 
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0, -1].float().numpy()
+
+
+def tiny_llama_with_adapter(tmp_path_factory, seed: int, **config):
+    """(jlora's load, PEFT's model over transformers', the adapter's directory): a tiny
+    random transformers Llama (TINY_HF with `config`) and a rank-8 PEFT adapter on all
+    its projections, A and B drawn at random."""
+    import copy
+
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from jlora.model.loading import load_model
+
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF, **config)).eval()
+    base = tmp_path_factory.mktemp("base")
+    hf.save_pretrained(base)
+    peft = get_peft_model(
+        copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    )
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 1.0 / param.shape[1] ** 0.5)
+    adapter = tmp_path_factory.mktemp("adapter")
+    peft.save_pretrained(adapter)
+    return load_model(str(base)), peft.eval(), adapter

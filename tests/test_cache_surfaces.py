@@ -22,13 +22,14 @@ from jlora.cli import up
 from jlora.cli.common import PoolSize, cache_config, parse_pool_size
 from jlora.cli.generate import Prompt, _run_batch
 from jlora.cli.main import build_parser
-from jlora.engine.api import CacheStats, EngineStats, SamplingParams
+from jlora.engine.api import CacheStats, SamplingParams
 from jlora.engine.mock import MockTokenizer, mock_completion, mock_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import convert, serve
 from jlora.server.metrics import Metrics
 from router.app import start_router
 from router.openai_answers import usage
+from tests.engine_helpers import engine_stats
 from tests.test_openai_http import Deployment
 from tests.test_router import stub_for, wait_for
 from tests.test_router_migration import Client, assert_unmigrated_run
@@ -73,24 +74,6 @@ def report_hits(engine: Orchestrator, hits: int, pool: CacheStats | None = POOL)
     return engine
 
 
-def engine_stats(cache: CacheStats | None) -> EngineStats:
-    return EngineStats(
-        running=(),
-        waiting=0,
-        max_slots=4,
-        max_seq_len=64,
-        kv_blocks_total=16,
-        kv_blocks_free=16,
-        kv_block_size=16,
-        adapter_slots_total=2,
-        adapter_slots_free=2,
-        adapter_slots_loading=0,
-        adapter_loads=0,
-        adapter_evictions=0,
-        cache=cache,
-    )
-
-
 def pool_message(cache: CacheStats) -> pb.CacheStats:
     return pb.CacheStats(**dataclasses.asdict(cache))
 
@@ -113,9 +96,9 @@ def test_the_new_fields_round_trip():
 
 
 def test_the_stats_message_carries_the_pool_when_the_engine_has_one():
-    with_pool = convert.stats_message(engine_stats(POOL), max_queue=4, draining=False)
+    with_pool = convert.stats_message(engine_stats(cache=POOL), max_queue=4, draining=False)
     assert with_pool.memory.cache == pool_message(POOL)
-    without = convert.stats_message(engine_stats(None), max_queue=4, draining=False)
+    without = convert.stats_message(engine_stats(cache=None), max_queue=4, draining=False)
     assert not without.memory.HasField("cache")
 
 
@@ -242,10 +225,10 @@ def test_the_pool_and_prefix_cache_metrics_follow_the_engine_stats():
     def value(name: str, **labels: str) -> float | None:
         return metrics.registry.get_sample_value(name, labels)
 
-    metrics.observe_engine(engine_stats(None))
+    metrics.observe_engine(engine_stats(cache=None))
     assert value("jlora_pool_page_bytes") == 0  # no pool: nothing reported
     assert value("jlora_pool_pages", kind="free") is None
-    metrics.observe_engine(engine_stats(POOL))
+    metrics.observe_engine(engine_stats(cache=POOL))
     # The kinds partition the 100 pages: 30 KV of which 12 cached, 20 adapters, 50 free.
     pages = {kind: value("jlora_pool_pages", kind=kind) for kind in ("kv", "kv_cached", "lora")}
     assert pages == {"kv": 18, "kv_cached": 12, "lora": 20}
@@ -263,19 +246,21 @@ def test_the_pool_and_prefix_cache_metrics_follow_the_engine_stats():
     assert value("jlora_invalid_kv_pages") == 1
     # The engine's counts are cumulative: the counters follow them, never backwards.
     later = dataclasses.replace(POOL, prompt_tokens=300, hit_tokens=150, swaps_in=5)
-    metrics.observe_engine(engine_stats(later))
+    metrics.observe_engine(engine_stats(cache=later))
     assert value("jlora_prefix_cache_prompt_tokens_total") == 300
     assert value("jlora_prefix_cache_hit_tokens_total") == 150
     assert value("jlora_pool_swaps_total", direction="in") == 5
     assert value("jlora_prefix_cache_hit_rate") == 0.5
-    metrics.observe_engine(engine_stats(POOL))  # an older snapshot
+    metrics.observe_engine(engine_stats(cache=POOL))  # an older snapshot
     assert value("jlora_prefix_cache_prompt_tokens_total") == 300
 
 
 def test_the_adapter_wait_counter_follows_the_engine_stats():
     metrics = Metrics()
     for seconds in (0.0, 1.5, 2.25, 2.0):  # the last: an older snapshot
-        metrics.observe_engine(dataclasses.replace(engine_stats(None), adapter_wait_s=seconds))
+        metrics.observe_engine(
+            dataclasses.replace(engine_stats(cache=None), adapter_wait_s=seconds)
+        )
     assert metrics.registry.get_sample_value("jlora_adapter_load_wait_seconds_total") == 2.25
 
 

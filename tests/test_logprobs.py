@@ -12,15 +12,13 @@ weights, CPU assistance.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import numpy as np
 import pytest
 
 from jlora.engine.api import Request, SamplingParams
-from jlora.model.loading import load_model
 from tests.engine_helpers import make_engine
-from tests.model_helpers import TINY_HF
+from tests.model_helpers import TINY_HF, tiny_llama_with_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -43,28 +41,9 @@ SERVING = {  # name -> engine options
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(jlora's load, PEFT's model over transformers', the adapter's directory)."""
-    import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=16, rope_theta=5e5)  # fmt: skip
-    hf = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**TINY_HF, rope_parameters=rope)
-    ).eval()
-    base = tmp_path_factory.mktemp("base")
-    hf.save_pretrained(base)
-    peft = get_peft_model(
-        copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    )
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 1.0 / param.shape[1] ** 0.5)
-    adapter = tmp_path_factory.mktemp("adapter")
-    peft.save_pretrained(adapter)
-    return load_model(str(base)), peft.eval(), adapter
+    return tiny_llama_with_adapter(tmp_path_factory, 0, rope_parameters=rope)
 
 
 def _log_softmax(model, ids: list[int]) -> np.ndarray:

@@ -8,7 +8,6 @@ streams are known: every value asserted is a count or a time the test can name.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import re
@@ -26,13 +25,14 @@ from jlora.api import jlora_pb2 as pb
 from jlora.api import jlora_pb2_grpc as pb_grpc
 from jlora.cli import up
 from jlora.cli.main import build_parser
-from jlora.engine.api import EngineStats, RunningInfo
+from jlora.engine.api import RunningInfo
 from jlora.engine.mock import mock_engine
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server import WorkerServer, serve
 from jlora.server.logs import ThroughputLog
 from jlora.server.metrics import VLLM_LATENCY_BUCKETS, Metrics
 from router.app import start_router
+from tests.engine_helpers import engine_stats
 from tests.test_server import request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,24 +90,6 @@ def metrics_url(server: WorkerServer) -> str:
 
 def stub_for(address: str) -> pb_grpc.JloraStub:
     return pb_grpc.JloraStub(grpc.insecure_channel(address))
-
-
-def engine_stats(**fields) -> EngineStats:
-    base = EngineStats(
-        running=(),
-        waiting=0,
-        max_slots=4,
-        max_seq_len=64,
-        kv_blocks_total=16,
-        kv_blocks_free=16,
-        kv_block_size=16,
-        adapter_slots_total=2,
-        adapter_slots_free=2,
-        adapter_slots_loading=0,
-        adapter_loads=0,
-        adapter_evictions=0,
-    )
-    return dataclasses.replace(base, **fields)
 
 
 def info(request_id: str, adapter: str | None) -> RunningInfo:

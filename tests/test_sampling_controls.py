@@ -11,15 +11,13 @@ same control, and each control must change the text (the plain request's differ)
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import numpy as np
 import pytest
 
 from jlora.engine.api import SamplingParams
-from jlora.model.loading import load_model
 from tests.engine_helpers import make_engine, run_to_completion
-from tests.model_helpers import TINY_HF
+from tests.model_helpers import tiny_llama_with_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -34,24 +32,7 @@ SERVING = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(jlora's load, PEFT's model over transformers', the adapter's directory)."""
-    import torch
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF)).eval()
-    base = tmp_path_factory.mktemp("base")
-    hf.save_pretrained(base)
-    peft = get_peft_model(
-        copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-    )
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_" in name:
-                param.normal_(0.0, 1.0 / param.shape[1] ** 0.5)
-    adapter = tmp_path_factory.mktemp("adapter")
-    peft.save_pretrained(adapter)
-    return load_model(str(base)), peft.eval(), adapter
+    return tiny_llama_with_adapter(tmp_path_factory, 1)
 
 
 def _openai_penalties(presence: float, frequency: float, prompt: int):
