@@ -121,9 +121,11 @@ class HfEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(
-            self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            self.tokenizer.decode(
+                ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            )
         )
 
     @torch.inference_mode()
