@@ -79,6 +79,7 @@ from jlora.contract.status import from_rpc_error
 from router.adapters import AdapterCatalog
 from router.metrics import RouterMetrics
 from router.policies import NoHealthyWorker, Policy, RouteRequest
+from router.views import served_models, summed_stats
 from router.workers import Dispatch, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -555,73 +556,12 @@ class FrontDoor:
     # -- stats and models -------------------------------------------------------------
 
     def models(self) -> list[pb.Model]:
-        base = self.base_model
-        contexts = [w.max_seq_len for w in self.pool.workers if w.max_seq_len]
-        context = min(contexts, default=0)
-        models = [pb.Model(id=base, kind=pb.MODEL_KIND_BASE, max_seq_len=context)] if base else []
-        ranks: dict[str, int] = {}
-        for worker in self.pool.workers:
-            ranks.update({a.name: a.rank for a in worker.adapters.values()})
-        models += [
-            pb.Model(
-                id=name,
-                kind=pb.MODEL_KIND_ADAPTER,
-                parent=base or "",
-                rank=rank,
-                max_seq_len=context,
-            )
-            for name, rank in sorted(ranks.items())
-        ]
-        return models
+        return served_models(self.pool.workers, self.base_model)
 
     def stats(self) -> pb.StatsResponse:
-        """The router's view: the workers' last snapshots summed (the running batches
-        concatenated, the pools and prefix caches added up), the router's own queue
-        added to the workers' queues."""
-        reply = pb.StatsResponse(
-            queued=self._waiting, max_queue=self.max_queue, draining=self.draining
-        )
-        contexts = []
-        for worker in self.pool.workers:
-            stats = worker.stats
-            if stats is None:
-                continue
-            reply.running.extend(stats.running)
-            reply.waiting.extend(stats.waiting)
-            reply.queued += stats.queued
-            contexts.append(stats.max_seq_len)
-            if worker.up:
-                reply.max_slots += stats.max_slots
-                reply.free_slots += stats.free_slots
-            for field in (
-                "kv_blocks_total",
-                "kv_blocks_free",
-                "host_store_bytes_used",
-                "host_store_bytes_capacity",
-            ):
-                setattr(
-                    reply.memory, field, getattr(reply.memory, field) + getattr(stats.memory, field)
-                )
-            reply.memory.kv_block_size = stats.memory.kv_block_size
-            reply.memory.kv_bytes_per_block = stats.memory.kv_bytes_per_block
-            if stats.memory.HasField("cache"):
-                _add_cache(reply.memory.cache, stats.memory.cache)
-            for field in ("total", "free", "loading", "loads", "evictions"):
-                setattr(
-                    reply.adapter_slots,
-                    field,
-                    getattr(reply.adapter_slots, field) + getattr(stats.adapter_slots, field),
-                )
-        reply.memory.device_bytes_in_use = reply.memory.device_bytes_limit = -1
-        reply.max_seq_len = min(contexts, default=0)
+        """The router's view: the workers' last snapshots summed (`summed_stats`), the
+        router's own queue added to the workers' queues."""
+        reply = summed_stats(self.pool.workers)
+        reply.queued += self._waiting
+        reply.max_queue, reply.draining = self.max_queue, self.draining
         return reply
-
-
-def _add_cache(total: pb.CacheStats, worker: pb.CacheStats) -> None:
-    """Add a worker's pool and prefix-cache counts to `total`; the policy and the page
-    size are the worker's (the workers of one deployment share them)."""
-    for field in pb.CacheStats.DESCRIPTOR.fields:
-        value = getattr(worker, field.name)
-        if field.name not in ("policy", "page_bytes"):
-            value += getattr(total, field.name)
-        setattr(total, field.name, value)

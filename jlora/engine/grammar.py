@@ -41,6 +41,17 @@ class Grammars:
         self._executor = llguidance.LLExecutor()
         self._compiled: dict[StructuredOutput, llguidance.LLMatcher] = {}
 
+    @classmethod
+    def of(cls, tokenizer: object, vocab_size: int, eos_ids: list[int]) -> Grammars:
+        """The grammars of a jlora Tokenizer (its `tokenizers` backend); InvalidRequest
+        naming the field where there is none."""
+        backend = getattr(tokenizer, "backend", None)
+        if backend is None:
+            raise InvalidRequest(
+                "structured output needs the model's Hugging Face tokenizer", field=FIELD
+            )
+        return cls(backend.to_str(), vocab_size, eos_ids)
+
     def matcher(self, constraint: StructuredOutput) -> Matcher:
         """A fresh matcher of `constraint`; InvalidRequest naming it if it does not
         compile."""

@@ -60,7 +60,6 @@ from jlora.contract.adapters import Adapter
 from jlora.contract.errors import (
     AlreadyExists,
     FailedPrecondition,
-    InvalidRequest,
     NotFound,
     RequestError,
 )
@@ -72,9 +71,7 @@ from jlora.engine.api import (
     AdapterInfo,
     EngineStats,
     Logprobs,
-    MergeStats,
     Request,
-    RunningInfo,
     SequenceState,
     TokenEvent,
     check_request,
@@ -85,6 +82,7 @@ from jlora.engine.grammar import Grammars
 from jlora.engine.memory.manager import MemoryManager
 from jlora.engine.merging import DynamicBatcher
 from jlora.engine.scheduler import KEEP, Plan, Prefill, Scheduler, Sequence
+from jlora.engine.stats import engine_stats
 
 log = logging.getLogger(__name__)
 
@@ -317,76 +315,8 @@ class Orchestrator:
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """The running batch, the queue, the slots and memory, now."""
-        adapters, cfg = self.adapters, self.config
-        if adapters is not None:
-            adapters.poll()  # an idle engine installs landed loads here
-
-        def info(seq: Sequence) -> RunningInfo:
-            adapter = seq.request.adapter
-            return RunningInfo(
-                request_id=seq.request.request_id,
-                adapter=adapter,
-                rank=adapters.get(adapter).rank if adapters is not None and adapter else 0,
-                slot=seq.row,
-                prompt_tokens=len(seq.request.prompt_ids),
-                generated_tokens=len(seq.generated),
-                max_tokens=seq.request.sampling.max_tokens,
-            )
-
-        running = tuple(info(seq) for seq in self.scheduler.admitted())
-        slots = adapters.slots if adapters is not None else None
-        counts = slots.stats() if slots is not None else {}
-        memory, cache = self.device.memory(), self.memory.stats()
-        return EngineStats(
-            running=running,
-            waiting=self.num_waiting,
-            max_slots=cfg.max_slots,
-            max_seq_len=cfg.max_seq_len,
-            kv_blocks_total=cfg.num_blocks,
-            kv_blocks_free=cache.pages_total
-            - cache.pages_lora
-            - cache.pages_kv
-            + cache.pages_kv_cached,
-            kv_block_size=cfg.block_size,
-            adapter_slots_total=self.device.adapter_slots,
-            adapter_slots_free=slots.num_free if slots is not None else 0,
-            adapter_slots_loading=len(slots.loading()) if slots is not None else 0,
-            adapter_loads=counts.get("loads", 0),
-            adapter_evictions=counts.get("evictions", 0),
-            host_store_bytes_used=memory.host_store_used,
-            host_store_bytes_capacity=memory.host_store_capacity,
-            device_bytes_in_use=memory.device_in_use,
-            device_bytes_limit=memory.device_limit,
-            merging=self._merge_stats(),
-            queued=tuple(info(seq) for seq in self.scheduler.waiting),
-            kv_block_bytes=memory.kv_block_bytes,
-            cache=cache,
-            preemptions=self.counters["preemptions"],
-            prefill_chunks=self.counters["prefill_chunks"],
-            adapter_wait_s=self.scheduler.adapter_wait_s,
-        )
-
-    def _merge_stats(self) -> MergeStats | None:
-        batcher = self.batcher
-        if batcher is None:
-            return None
-        now, waits = time.monotonic(), dict.fromkeys(batcher.credits, 0.0)
-        for seq in self.scheduler.sequences():
-            if seq.row < 0 or seq.parked:  # queued or paused: not served this iteration
-                adapter = seq.request.adapter
-                waits[adapter] = max(waits.get(adapter, 0.0), now - seq.served_at)
-        counters = batcher.counters
-        return MergeStats(
-            merged=self.device.merged,
-            alpha=batcher.alpha,
-            beta=batcher.beta,
-            merged_iterations=counters["merged_iterations"],
-            unmerged_iterations=counters["unmerged_iterations"],
-            switches=counters["switches"],
-            credits=tuple((name or "", credit) for name, credit in batcher.credits.items()),
-            waits=tuple((name or "", wait) for name, wait in waits.items()),
-        )
+        """The running batch, the queue, the slots and memory, now (stats.py)."""
+        return engine_stats(self)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -469,7 +399,7 @@ class Orchestrator:
                 adapter_slot=p.seq.adapter_slot,
                 assist=p.seq.request.adapter if p.assist else None,
                 cached=max(p.lease.cached_tokens, p.seq.chunked),
-                score_next=self._score_next(p),
+                score_next=p.score_next,
             )
             for p in prefills
         ]
@@ -501,33 +431,10 @@ class Orchestrator:
                 events,
                 cached=cached,
                 logprobs=prefilled.logprobs,
-                prompt_logprobs=self._prompt_logprobs(seq),
+                prompt_logprobs=seq.take_prompt_logprobs(),
             )
             if running and not seq.parked:
                 self._insert(seq)
-
-    def _score_next(self, p: Prefill) -> int | None:
-        """A prefill job's `score_next`: the prompt token after this chunk (-1 after the
-        prompt's last), where the request's prompt is scored."""
-        if not p.seq.score_prompt:
-            return None
-        prompt = p.seq.request.prompt_ids
-        return prompt[p.end] if p.end < len(prompt) else -1
-
-    def _prompt_logprobs(self, seq: Sequence) -> tuple[Logprobs, ...] | None:
-        """The prompt's log-probabilities (every token after the first), from its prefills'
-        scores, once: a later prefill of the request (after a preemption) scores none."""
-        if not seq.score_prompt:
-            return None
-        seq.score_prompt = False
-        count = seq.request.sampling.prompt_logprobs
-        assert count is not None
-        prompt = seq.request.prompt_ids
-        scores = LogprobArrays.concatenate(
-            [seq.prompt_scores[s] for s in sorted(seq.prompt_scores)]
-        )
-        seq.prompt_scores.clear()
-        return tuple(scores.at(i - 1, prompt[i], count) for i in range(1, len(prompt)))
 
     def _assisted(self, seq: Sequence, routes: str) -> None:
         """A CPU-assisted prefill: park the request if its adapter has not landed yet."""
@@ -576,14 +483,8 @@ class Orchestrator:
     def _grammars(self) -> Grammars:
         """The tokenizer's compiled grammars, made on the first structured request."""
         if self._grammar_cache is None:
-            backend = getattr(self.tokenizer, "backend", None)
-            if backend is None:
-                raise InvalidRequest(
-                    "structured output needs the model's Hugging Face tokenizer",
-                    field="sampling.structured",
-                )
-            eos = sorted(self._eos)
-            self._grammar_cache = Grammars(backend.to_str(), self.device.vocab_size, eos)
+            vocab = self.device.vocab_size
+            self._grammar_cache = Grammars.of(self.tokenizer, vocab, sorted(self._eos))
         return self._grammar_cache
 
     # -- rows -------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from configs import SPLIT_TOKENS, bucket
 from jlora.contract.errors import RequestError, ResourceExhausted
 from jlora.engine import cost_model
 from jlora.engine.adapters import AdapterManager
-from jlora.engine.api import Request
+from jlora.engine.api import Logprobs, Request
 from jlora.engine.detokenizer import Detokenizer
 from jlora.engine.device_api import DeviceEngine, LogprobArrays, SamplingRow
 from jlora.engine.grammar import Matcher
@@ -113,6 +113,21 @@ class Sequence:
             allowed=None if self.grammar is None else self.grammar.mask(),
         )
 
+    def take_prompt_logprobs(self) -> tuple[Logprobs, ...] | None:
+        """The prompt's log-probabilities (every token after the first), from its prefills'
+        scores, once: a later prefill of the request (after a preemption) scores none."""
+        if not self.score_prompt:
+            return None
+        self.score_prompt = False
+        count = self.request.sampling.prompt_logprobs
+        assert count is not None
+        prompt = self.request.prompt_ids
+        scores = LogprobArrays.concatenate(
+            [self.prompt_scores[s] for s in sorted(self.prompt_scores)]
+        )
+        self.prompt_scores.clear()
+        return tuple(scores.at(i - 1, prompt[i], count) for i in range(1, len(prompt)))
+
     def stopped_by(self, token: int) -> bool:
         """Whether `token`, just generated, ends the sequence: a stop token, once more
         than min_tokens are out."""
@@ -128,6 +143,15 @@ class Prefill:
     lease: Lease
     assist: bool
     end: int
+
+    @property
+    def score_next(self) -> int | None:
+        """Its job's `score_next`: the prompt token after this chunk (-1 after the
+        prompt's last), where the request's prompt is scored."""
+        if not self.seq.score_prompt:
+            return None
+        prompt = self.seq.request.prompt_ids
+        return prompt[self.end] if self.end < len(prompt) else -1
 
 
 @dataclasses.dataclass
