@@ -15,7 +15,7 @@ pages (FastLibra's unified pool, `KVPagesBackend`; lora_pool "slots" keeps slots
 their own, and BGMV always does): an adapter is written into the pages the
 orchestrator's memory manager gives it (`load_adapter`'s `pages`; a caller that names
 none gets `slot_pages`, at the top of the pool), so the number of adapters resident
-follows from their ranks. The pool's size is `steps.size_pool`'s, carried in `config`.
+follows from their ranks. The pool's size is `kv_pool.size_pool`'s, carried in `config`.
 
 A prefill pads its prompt to the next prefill bucket and runs in one compiled call that
 also samples the first token; a prefill after a cached prefix pads only the new tokens,
@@ -26,7 +26,7 @@ compiles at warm-up (warmup.py), never while serving a known one. In `cpu-assist
 `auto` modes a prefill whose adapter is still in flight runs layer group by layer group
 instead (cpu_assist/): the landed groups are installed before each segment, and the
 layers of the groups still in flight compute their LoRA on the CPU. The prefix cache's
-swaps copy whole blocks out of the cache and back (`steps.KVBlocks`).
+swaps copy whole blocks out of the cache and back (`kv_pool.KVBlocks`).
 
 Merged inference (dLoRA §4.1): `merge(name)` folds a staged adapter into a copy of its
 target kernels (`jlora.model.merge`, one compiled call) and serves `params` = those
@@ -53,13 +53,13 @@ from configs import EngineConfig, ModelConfig, bucket
 from configs.sharding import DEFAULT_SHARDING, load_sharding
 from jlora.adapters.store import HostStore
 from jlora.contract.adapters import Adapter
-from jlora.contract.errors import InvalidRequest, RequestError
+from jlora.contract.errors import RequestError
 from jlora.contract.peft import read_adapter_config
 from jlora.device.kv_pool import KVBlocks, size_pool
 from jlora.device.lora_slots import DeviceSlots, Transfer
 from jlora.device.packing import PackedPrefill
 from jlora.device.rows import DecodeRows
-from jlora.device.sampling import SamplingArrays, host_logprobs, set_sampling
+from jlora.device.sampling import SamplingArrays, prefill_outputs, set_sampling
 from jlora.device.steps import CompiledSteps, StepSpecs
 from jlora.device.warmup import warm_up
 from jlora.engine.cost_model import ColdStart
@@ -82,7 +82,7 @@ from jlora.model.lora.base import KVPagesBackend, LoraWeights, Segments
 from jlora.model.lora.reference import PooledReferenceBackend
 from jlora.model.lora.targets import rank_row_bytes
 from jlora.model.merge import WeightMerger
-from jlora.model.sharding import TensorParallel, to_host
+from jlora.model.sharding import TensorParallel, to_host, unrolled_layer_loop
 from jlora.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported where used: the CPU workers' kernels load only when needed
@@ -276,10 +276,8 @@ class LlamaEngine(DeviceEngine):
             table = job.block_table.copy()
             table[: job.cached // cfg.block_size] = cfg.num_blocks
             tokens = self._padded(job.tokens)
-            targets = None
-            if job.score_next is not None:  # every position is computed: score them all
-                whole = dataclasses.replace(job, cached=0)
-                targets = self._padded(whole.targets(), fill=-1)
+            whole = dataclasses.replace(job, cached=0)  # every position is computed: score all
+            targets = None if job.score_next is None else self._padded(whole.targets(), fill=-1)
             head, self.cache, routes = self.assisted.run(
                 self.params,
                 self.cache,
@@ -296,7 +294,7 @@ class LlamaEngine(DeviceEngine):
                     f"the CPU-assisted prefill for adapter {job.assist!r} failed: {failure}",
                     reason="CPU_ASSIST_FAILED",
                 ) from failure
-            prefilled = _prefilled(job, head, skip=job.cached)
+            prefilled = prefill_outputs(job, head, skip=job.cached)
             return dataclasses.replace(prefilled, routes=routes)
         start = time.perf_counter()
         prefilled = self._run_prefill(self.steps, self.lora_weights, job, sampling)
@@ -388,7 +386,7 @@ class LlamaEngine(DeviceEngine):
             job.cached,
             self._padded(job.targets(), fill=-1) if scored else None,
         )
-        return _prefilled(job, head)
+        return prefill_outputs(job, head)
 
     def insert(self, slot: int, row: DecodeRow) -> None:
         self.rows.insert(slot, row)
@@ -424,18 +422,7 @@ class LlamaEngine(DeviceEngine):
     def stage_adapter(self, name: str, path: str, *, expect_sha256: str | None = None) -> Adapter:
         assert self.store is not None and self.lora is not None, "max_loras=0"
         spec = read_adapter_config(path)
-        if spec.rank > self.lora.max_rank:
-            raise InvalidRequest(
-                f"adapter {name!r} has rank r={spec.rank}, above this engine's "
-                f"max_lora_rank={self.lora.max_rank}",
-                field="path",
-            )
-        if missing := sorted(set(spec.targets) - set(self.lora.shapes)):
-            raise InvalidRequest(
-                f"adapter {name!r} targets {missing}, which this engine's "
-                f"lora_targets={sorted(self.lora.shapes)} do not hold",
-                field="path",
-            )
+        self.lora.check_fits(name, spec.rank, spec.targets)
         stored = self.store.register(name, path, expect_sha256=expect_sha256)
         # Off the scheduler thread: the install of its rank-exact transfers (device_api.py),
         # and with merging on, its merge.
@@ -593,26 +580,6 @@ class LlamaEngine(DeviceEngine):
             self.cpu.close()
         if self.store is not None:
             self.store.close()
-
-
-def _prefilled(job: PrefillJob, head: Sequence, skip: int = 0) -> Prefilled:
-    """A prefill step's outputs on the host: (the first token, its log-probabilities (one
-    position)[, every position's]); the positions' scores from `skip` on (where the step
-    computed a cached prefix again) and not past the job's computed tokens."""
-    token, logprobs, *scores = head
-    first = host_logprobs(logprobs) if job.sampling.logprobs else None
-    prompt = None
-    if scores:
-        prompt = host_logprobs(scores[0], slice(skip, skip + len(job.tokens) - job.cached))
-    return Prefilled(int(to_host(token)), logprobs=first, prompt=prompt)
-
-
-def unrolled_layer_loop(layer_loop: str, mesh: jax.sharding.Mesh) -> bool:
-    """Whether EngineConfig.layer_loop unrolls the layers on this mesh ("auto": on a GPU,
-    whose scan copies each layer's weights out of the stack)."""
-    if layer_loop == "auto":
-        return mesh.devices.flat[0].platform == "gpu"
-    return layer_loop == "unrolled"
 
 
 def build_engine(

@@ -51,6 +51,7 @@ import jax
 import numpy as np
 
 from configs import ModelConfig
+from jlora.contract.errors import InvalidRequest
 from jlora.link import wait_for_link
 from jlora.model.kv_cache import KVCache
 from jlora.model.lora.base import (
@@ -180,6 +181,22 @@ class DeviceSlots:
         )
 
     # -- staging (any thread but the scheduler's) -------------------------------------
+
+    def check_fits(self, name: str, rank: int, targets: Sequence[str]) -> None:
+        """InvalidRequest naming `path` unless adapter `name` (of `rank` on `targets`)
+        fits these slots."""
+        if rank > self.max_rank:
+            raise InvalidRequest(
+                f"adapter {name!r} has rank r={rank}, above this engine's "
+                f"max_lora_rank={self.max_rank}",
+                field="path",
+            )
+        if missing := sorted(set(targets) - set(self.shapes)):
+            raise InvalidRequest(
+                f"adapter {name!r} targets {missing}, which this engine's "
+                f"lora_targets={sorted(self.shapes)} do not hold",
+                field="path",
+            )
 
     def prepare(self, rank: int, targets: tuple[str, ...]) -> None:
         """Compile the installs of an adapter of `rank` on `targets`, one per layer-group

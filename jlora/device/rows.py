@@ -27,6 +27,8 @@ from jlora.device.sampling import (
     set_sampling,
 )
 from jlora.engine.device_api import DecodeRow, LogprobArrays, SamplingRow
+from jlora.model.kv_cache import KVCache
+from jlora.model.lora.base import LoraWeights
 
 IDLE = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 
@@ -154,3 +156,16 @@ class DecodeRows:
         top = np.zeros((slots, step.top.shape[1]), np.float32)
         chosen[batch], top_ids[batch], top[batch] = step.chosen, step.top_ids, step.top
         return LogprobArrays(chosen, top_ids, top)
+
+
+def idle_rows(
+    slots: int, blocks: int, cache: KVCache, lora_weights: LoraWeights | None, vocab: int
+):
+    """A decode step's inputs after the cache, for `slots` idle rows: block tables all
+    the sentinel `cache.num_blocks` (nothing written), base-model rows where there are
+    adapter slots."""
+    zeros = np.zeros(slots, np.int32)
+    tables = np.full((slots, blocks), cache.num_blocks, np.int32)
+    lora_idx = None if lora_weights is None else np.full(slots, -1, np.int32)
+    sampling = host_sampling(slots, blocks * cache.block_size, vocab)
+    return zeros, zeros, tables, sampling, lora_weights, lora_idx

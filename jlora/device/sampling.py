@@ -24,7 +24,7 @@ all-greedy batch skips the sort.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +32,13 @@ import numpy as np
 from flax import struct
 
 from jlora.engine.api import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
-from jlora.engine.device_api import LogprobArrays, SamplingRow
+from jlora.engine.device_api import LogprobArrays, Prefilled, PrefillJob, SamplingRow
 from jlora.model.sharding import to_host
 
 Rows = jax.Array | np.ndarray  # numpy while the host fills it in, jax.Array inside the step
 BANNED_WIDTH = MAX_STOP_TOKEN_IDS + 16  # a request's stop token ids and the model's EOS ids
 PAD = 2**30  # an unused entry: an id past any vocabulary (its scatter is dropped)
+SCORE_BLOCK = 256  # positions whose logits a scored prefill computes at a time
 CANDIDATES = 256  # the most likely tokens a sampled row's cuts are looked for among first
 BLOCK = 512  # entries per block of a draw's two-level inversion
 
@@ -146,6 +147,19 @@ def logprobs_of(logits: jax.Array, chosen: jax.Array) -> TokenLogprobs:
     picked = jnp.take_along_axis(logprobs, jnp.maximum(chosen, 0)[:, None], axis=-1)[:, 0]
     top, top_ids = jax.lax.top_k(logprobs, _width(logits))
     return TokenLogprobs(jnp.where(chosen >= 0, picked, 0.0), top_ids.astype(jnp.int32), top)
+
+
+def block_scores(
+    logits: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array
+) -> TokenLogprobs:
+    """Every position's log-probabilities (targets[i] chosen at position i) from its
+    hidden state x[i], `logits` applied SCORE_BLOCK positions at a time: a long prompt's
+    [T, V] logits are never whole."""
+    length = x.shape[0]
+    block = SCORE_BLOCK if length % SCORE_BLOCK == 0 else length
+    blocks = (x.reshape(length // block, block, -1), targets.reshape(length // block, block))
+    scores = jax.lax.map(lambda b: logprobs_of(logits(b[0]), b[1]), blocks)
+    return jax.tree.map(lambda a: a.reshape(length, *a.shape[2:]), scores)
 
 
 def host_logprobs(logprobs: TokenLogprobs, rows: np.ndarray | slice = slice(None)) -> LogprobArrays:
@@ -380,3 +394,15 @@ def constrain(arrays: SamplingArrays, row: int, allowed: np.ndarray | None) -> N
     """Row `row`'s next token is one of `allowed` (a grammar's bitmask); None: any."""
     arrays.allowed[row] = -1 if allowed is None else allowed
     arrays.constrained[row] = allowed is not None
+
+
+def prefill_outputs(job: PrefillJob, head: Sequence, skip: int = 0) -> Prefilled:
+    """A prefill step's outputs on the host: (the first token, its log-probabilities (one
+    position)[, every position's]); the positions' scores from `skip` on (where the step
+    computed a cached prefix again) and not past the job's computed tokens."""
+    token, logprobs, *scores = head
+    first = host_logprobs(logprobs) if job.sampling.logprobs else None
+    prompt = None
+    if scores:
+        prompt = host_logprobs(scores[0], slice(skip, skip + len(job.tokens) - job.cached))
+    return Prefilled(int(to_host(token)), logprobs=first, prompt=prompt)

@@ -43,11 +43,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jlora.device.rows import idle_rows
 from jlora.device.sampling import (
     SamplingArrays,
     TokenLogprobs,
+    block_scores,
     host_sampling,
-    logprobs_of,
     sample,
 )
 from jlora.model.host import attention as host_kernel
@@ -60,7 +61,6 @@ log = logging.getLogger(__name__)
 
 
 REPLICATED = PartitionSpec()
-SCORE_BLOCK = 256  # positions whose logits a scored prefill computes at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,17 +198,8 @@ class CompiledSteps:
         first, logprobs = sample(self.model.last_logits(params, x, length)[None], sampling)
         if targets is None:
             return first[0], logprobs, cache
-        return first[0], logprobs, self._scores(params, x, targets), cache
-
-    def _scores(self, params: Params, x: jax.Array, targets: jax.Array) -> TokenLogprobs:
-        """Every position's log-probabilities (targets[i] chosen at position i), their
-        logits computed SCORE_BLOCK positions at a time: a long prompt's [T, V] logits
-        are never whole."""
-        length = x.shape[0]
-        block = SCORE_BLOCK if length % SCORE_BLOCK == 0 else length
-        blocks = (x.reshape(length // block, block, -1), targets.reshape(length // block, block))
-        scores = jax.lax.map(lambda b: logprobs_of(self.model.logits(params, b[0]), b[1]), blocks)
-        return jax.tree.map(lambda a: a.reshape(length, *a.shape[2:]), scores)
+        scores = block_scores(functools.partial(self.model.logits, params), x, targets)
+        return first[0], logprobs, scores, cache
 
     def _prefill_packed(
         self,
@@ -273,7 +264,8 @@ class CompiledSteps:
         first, logprobs = sample(self.model.last_logits(params, x, length)[None], sampling)
         if targets is None:
             return first[0], logprobs
-        return first[0], logprobs, self._scores(params, x, targets)
+        scores = block_scores(functools.partial(self.model.logits, params), x, targets)
+        return first[0], logprobs, scores
 
     def _decode(
         self,
@@ -464,7 +456,7 @@ class CompiledSteps:
             return
         if self.host_attention:
             host_kernel.warm()  # its FFI target registered before a step calls it
-        args = (params, cache, *_idle_rows(slots, blocks, cache, lora_weights, self.vocab))
+        args = (params, cache, *idle_rows(slots, blocks, cache, lora_weights, self.vocab))
         what = f"decode[{slots} slots x {blocks} blocks]"
         views = None if self._views is None else self._views(params["layers"])
         if self._views is None or views is None:
@@ -490,7 +482,7 @@ class CompiledSteps:
         and each process warms up on its own."""
         if jax.process_count() > 1:
             return cache
-        idle = _idle_rows(slots, blocks, cache, lora_weights, self.vocab)
+        idle = idle_rows(slots, blocks, cache, lora_weights, self.vocab)
         sampled, _, cache = self.decode(params, cache, *idle)
         jax.block_until_ready(sampled)
         return cache
@@ -602,16 +594,3 @@ class CompiledSteps:
         return executable(
             params, cache, tokens, positions, block_tables, sampling, lora_weights, lora_idx
         )
-
-
-def _idle_rows(
-    slots: int, blocks: int, cache: KVCache, lora_weights: LoraWeights | None, vocab: int
-):
-    """A decode step's inputs after the cache, for `slots` idle rows: block tables all
-    the sentinel `cache.num_blocks` (nothing written), base-model rows where there are
-    adapter slots."""
-    zeros = np.zeros(slots, np.int32)
-    tables = np.full((slots, blocks), cache.num_blocks, np.int32)
-    lora_idx = None if lora_weights is None else np.full(slots, -1, np.int32)
-    sampling = host_sampling(slots, blocks * cache.block_size, vocab)
-    return zeros, zeros, tables, sampling, lora_weights, lora_idx

@@ -325,3 +325,11 @@ def to_host(array: jax.Array) -> np.ndarray:
 def per_device_bytes(array: jax.Array) -> dict[Any, int]:
     """Bytes each device holds of `array` (its addressable shards)."""
     return {shard.device: shard.data.nbytes for shard in array.addressable_shards}
+
+
+def unrolled_layer_loop(layer_loop: str, mesh: jax.sharding.Mesh) -> bool:
+    """Whether EngineConfig.layer_loop unrolls the layers on this mesh ("auto": on a GPU,
+    whose scan copies each layer's weights out of the stack)."""
+    if layer_loop == "auto":
+        return mesh.devices.flat[0].platform == "gpu"
+    return layer_loop == "unrolled"
