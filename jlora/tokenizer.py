@@ -25,11 +25,13 @@ text and takes `indent`.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BPE
@@ -279,6 +281,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` it is given."""
+        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str:
@@ -286,9 +293,7 @@ class Tokenizer:
         ending with the assistant's generation prompt."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template (tokenizer.chat_template)")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
+        env = _environment()
 
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"chat template: {message}")
@@ -309,6 +314,23 @@ class Tokenizer:
             bos_token=special(self.bos_id),
             eos_token=special(self.eos_ids[0] if self.eos_ids else None),
         )
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """Jinja as Hugging Face renders chat templates."""
+    return jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its caller (TokenizerError if it does not
+    parse)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError as err:
+        raise TokenizerError(f"chat template: line {err.lineno}: {err.message}") from None
 
 
 def _json_file(file: Path) -> dict[str, Any]:

@@ -79,7 +79,7 @@ from jlora.contract.status import from_rpc_error
 from router.adapters import AdapterCatalog
 from router.metrics import RouterMetrics
 from router.policies import NoHealthyWorker, Policy, RouteRequest
-from router.views import served_models, summed_stats
+from router.views import served_models, summed_stats, tool_call_parser
 from router.workers import Dispatch, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -557,6 +557,10 @@ class FrontDoor:
 
     def models(self) -> list[pb.Model]:
         return served_models(self.pool.workers, self.base_model)
+
+    def tool_call_parser(self) -> str:
+        """The format the workers' chat template asks for tool calls in ("" for none)."""
+        return tool_call_parser(self.pool.workers)
 
     def stats(self) -> pb.StatsResponse:
         """The router's view: the workers' last snapshots summed (`summed_stats`), the

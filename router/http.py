@@ -72,6 +72,7 @@ from router.openai_protocol import (
     choices,
     completion_messages,
     parse,
+    tool_parsing,
 )
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -273,7 +274,10 @@ class OpenAIApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json_body(request, self.limits)
         parsed = parse(ChatRequest, body)
-        return await self._generate(request, body, parsed, chat_messages(parsed))
+        parsing = tool_parsing(parsed, self._front.tool_call_parser())
+        return await self._generate(
+            request, body, parsed, chat_messages(parsed, parsing), parsing=parsing
+        )
 
     # -- Generate ---------------------------------------------------------------------
 
@@ -283,11 +287,14 @@ class OpenAIApi:
         body: dict[str, Any],
         parsed: CompletionRequest | ChatRequest,
         messages: list[pb.GenerateRequest],
+        *,
+        parsing: tuple[str, str] | None = None,
     ) -> web.StreamResponse:
         """Each message's stream, side by side: one choice each (`choices`' best_of per
         prompt, the n most likely of them returned). A prompt's first choice runs
         alone until its first token; its siblings then go to the same worker, whose
-        prefix cache holds the prompt by then (one prefill shared)."""
+        prefix cache holds the prompt by then (one prefill shared). `parsing`: how a
+        chat answer's text becomes tool calls (`tool_parsing`)."""
         chat = isinstance(parsed, ChatRequest)
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         deadline = self._deadline(request)
@@ -314,7 +321,7 @@ class OpenAIApi:
                 raise http_error(err, params) from None
             firsts = [leaders[i // best_of] if i % best_of == 0 else next(rest)
                       for i in range(len(streams))]  # fmt: skip
-            shape = Answer(parsed, messages, request_id=request_id, per_prompt=n)
+            shape = Answer(parsed, messages, request_id=request_id, per_prompt=n, parsing=parsing)
             if not parsed.stream:
                 try:
                     rests = await asyncio.gather(*(_rest(stream) for stream in streams))

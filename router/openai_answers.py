@@ -9,6 +9,12 @@ top_logprobs), and vLLM's `prompt_logprobs` (per prompt token, None for the firs
 {token id: {logprob, rank, decoded_token}}; on the choice for completions, on the answer
 for chat). With `echo` (completions), the prompt's text and its tokens' entries come
 first (the first token's logprob None, as OpenAI gives it).
+
+With tools (chat), each choice's text goes through its tool-call parser
+(`jlora.contract.tool_calls`) as it streams: the message's `content` is what is not a
+call, its `tool_calls` the calls (a stream's deltas carry each call's id and name first,
+then its arguments), and `finish_reason` is "tool_calls" where the model called one by
+itself ("auto" or "required"; a named function's call ends with "stop", as OpenAI's).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import time
 from typing import Any
 
 from jlora.api import jlora_pb2 as pb
+from jlora.contract import tool_calls
 from router.openai_protocol import ChatRequest, CompletionRequest
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -32,9 +39,14 @@ class Answer:
         *,
         request_id: str,
         per_prompt: int = 1,
+        parsing: tuple[str, str] | None = None,
     ) -> None:
-        """`per_prompt`: the choices of each prompt, side by side in `messages`."""
+        """`per_prompt`: the choices of each prompt, side by side in `messages`;
+        `parsing`: the tool-call parser of each choice's text (None: text)."""
         self.request, self.messages, self.per_prompt = request, messages, per_prompt
+        self.parsing = parsing
+        # each streamed choice's parser
+        self._parsers = [self._parser() for _ in messages] if parsing else []
         self.chat = isinstance(request, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
@@ -67,8 +79,16 @@ class Answer:
     def _choice(self, index: int, responses: list[pb.GenerateResponse]) -> dict[str, Any]:
         text = "".join(response.text for response in responses)
         choice: dict[str, Any] = {"index": index, "logprobs": None}
+        finish = _finish(responses[-1])
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.parsing:
+                parser = self._parser()
+                content, calls = tool_calls.whole(parser, text)
+                choice["message"]["content"] = content or (None if calls else "")
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                finish = self._finish_with(parser, finish)
             if self.request.logprobs:
                 choice["logprobs"] = _chat_logprobs(responses)
         else:
@@ -82,7 +102,7 @@ class Answer:
                 )
             if self.request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(first)
-        choice["finish_reason"] = _finish(responses[-1])
+        choice["finish_reason"] = finish
         return choice
 
     # -- streams --------------------------------------------------------------------
@@ -112,15 +132,27 @@ class Answer:
 
     def chunk(self, index: int, response: pb.GenerateResponse, *, usage: bool) -> dict[str, Any]:
         fields: dict[str, Any]
+        finish = _finish(response)
         if self.chat:
             fields = {"delta": {"content": response.text}}
+            if self.parsing:
+                parser = self._parsers[index]
+                delta = parser.feed(response.text)
+                if finish is not None:
+                    delta.add(parser.finish())
+                    finish = self._finish_with(parser, finish)
+                fields["delta"] = (
+                    {"content": delta.content} if delta.content or not delta.calls else {}
+                )
+                if delta.calls:
+                    fields["delta"]["tool_calls"] = [call.openai() for call in delta.calls]
             if self.request.logprobs:
                 fields["logprobs"] = _chat_logprobs([response])
         else:
             fields = {"text": response.text}
             if self.request.logprobs is not None:
                 fields["logprobs"] = self._completion_logprobs(index, [response.logprobs])
-        fields["finish_reason"] = _finish(response)
+        fields["finish_reason"] = finish
         chunk = self._chunk(index, fields)
         if usage:
             chunk["usage"] = None
@@ -132,6 +164,16 @@ class Answer:
         return chunk
 
     # -- parts ----------------------------------------------------------------------
+
+    def _parser(self) -> tool_calls.Parser:
+        assert self.parsing is not None
+        kind, name = self.parsing
+        return tool_calls.parser(kind, name=name)
+
+    def _finish_with(self, parser: tool_calls.Parser, finish: str | None) -> str | None:
+        """A choice's finish reason once `parser` has read its text."""
+        called = parser.count and self.parsing is not None and self.parsing[0] != "named"
+        return "tool_calls" if called and finish == "stop" else finish
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -9,6 +9,14 @@ OpenAI answers "Unrecognized request argument". Types are strict (the string "9"
 a number), and a wrong one is a 400 naming the field by its path in the body
 (`messages[0].content`).
 
+Tools (chat): `tools` go to the worker, whose chat template shows them; `tool_choice`
+"auto" (the default with tools) parses the reply in the format the model's template asks
+for (`jlora.contract.tool_calls`; a 400 where the worker knows none), "required" and a
+named function shape the reply with a grammar (`forced_schema`; at most one call with
+`parallel_tool_calls` false), "none" leaves it text. `tool_parsing` says which parser a
+request's answer takes. An assistant message's `tool_calls` and a tool message's
+`tool_call_id` go to the template as OpenAI's shape.
+
 Defaults, as vLLM's: unset sampling fields take the worker's (the model's
 `generation_config`, else greedy); `max_tokens` unset is 16 for /v1/completions
 (OpenAI's) and the rest of the context for chat. The ranges of the sampling fields are
@@ -18,25 +26,22 @@ the worker's to check (its errors name the body's field).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jlora.api import jlora_pb2 as pb
+from jlora.contract.tool_calls import NAME_RULE, forced_schema
 from router.http_body import HttpError
 
 INT32_MAX = 2**31 - 1
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # n and best_of at most (OpenAI's n limit)
-IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")
+IGNORED = ("user", "metadata", "store", "service_tier")
 # Known fields jlora does not serve yet, by the only value it accepts (None always is).
-NOT_YET: dict[str, Any] = {
-    "suffix": "",
-    "tools": [],
-    "tool_choice": "none",
-    "functions": [],
-    "function_call": "none",
-}
+NOT_YET: dict[str, Any] = {"suffix": "", "functions": [], "function_call": "none"}
+# A message's fields, by role (content is any role's).
+MESSAGE_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
 
 
 class _Body(BaseModel):
@@ -87,13 +92,25 @@ class CompletionRequest(_Generate):
     best_of: int | None = None  # sampled per prompt, the n most likely returned
 
 
+class Function(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # a forced choice's grammar is strict anyway
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
 class ChatRequest(_Generate):
     messages: Any = None  # checked by hand, naming messages[i]...
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # checked by hand (`tool_parsing`)
     functions: list[Any] | None = None
     function_call: Any = None
     metadata: dict[str, Any] | None = None
@@ -214,38 +231,37 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     )
 
 
-def chat_message(request: ChatRequest) -> pb.GenerateRequest:
+def chat_message(request: ChatRequest, parsing: tuple[str, str] | None) -> pb.GenerateRequest:
+    """The request's GenerateRequest; `parsing` is its `tool_parsing`."""
     message = _base(request, chat=True)
     messages = request.messages
     if not isinstance(messages, list):
         raise HttpError(400, f"messages={messages!r} must be a list of messages", param="messages")
     message.chat.SetInParent()
     for i, item in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(item, dict):
-            raise HttpError(400, f"{where}={item!r} must be an object", param=where)
-        unknown = set(item) - {"role", "content", "name"}
-        if unknown:
-            field = f"{where}.{sorted(unknown)[0]}"
-            raise HttpError(400, f"{field} is not supported in a message", param=field)
-        role = item.get("role")
-        if not isinstance(role, str):
-            raise HttpError(400, f"{where}.role={role!r} must be a string", param=f"{where}.role")
-        content = item.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):
-            content = "".join(
-                _text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
-            )
-        if not isinstance(content, str):
+        _chat_item(item, f"messages[{i}]", message.chat.messages.add())
+    for tool in request.tools or ():
+        message.chat.tools.add(
+            name=tool.function.name,
+            description=tool.function.description or "",
+            parameters=json.dumps(tool.function.parameters) if tool.function.parameters else "",
+        )
+    sampling = message.sampling
+    if parsing is not None and parsing[0] in ("named", "required"):
+        if sampling.HasField("structured"):
+            param = "structured_outputs" if request.structured_outputs else "response_format"
             raise HttpError(
                 400,
-                f"{where}.content={content!r} must be a string or text parts",
-                param=f"{where}.content",
+                f"tool_choice={request.tool_choice!r} shapes the reply with a grammar of its "
+                f"own: {param} goes with tool_choice 'auto' or 'none' only",
+                param="tool_choice",
             )
-        message.chat.messages.add(role="system" if role == "developer" else role, content=content)
-    sampling = message.sampling
+        schema = forced_schema(
+            [tool.model_dump() for tool in request.tools or ()],
+            request.tool_choice,
+            parallel=request.parallel_tool_calls is not False,
+        )
+        sampling.structured.json_schema = json.dumps(schema)
     if request.top_logprobs is not None and not request.logprobs:
         raise HttpError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if request.logprobs:
@@ -253,9 +269,136 @@ def chat_message(request: ChatRequest) -> pb.GenerateRequest:
     return message
 
 
-def chat_messages(request: ChatRequest) -> list[pb.GenerateRequest]:
+def chat_messages(
+    request: ChatRequest, parsing: tuple[str, str] | None = None
+) -> list[pb.GenerateRequest]:
     """One GenerateRequest per choice (n)."""
-    return siblings(chat_message(request), choices(request)[0])
+    return siblings(chat_message(request, parsing), choices(request)[0])
+
+
+def tool_parsing(request: ChatRequest, model_format: str) -> tuple[str, str] | None:
+    """How the answer's text becomes tool calls: (parser kind, function name) for
+    `jlora.contract.tool_calls.parser`, or None (text). `model_format`: the parser the
+    model's worker reports ("" for none). 400 naming the field where the tools or the
+    choice are not well formed, or "auto" has no parser."""
+    tools, choice = request.tools or [], request.tool_choice
+    names = [tool.function.name for tool in tools]
+    for i, name in enumerate(names):
+        if not NAME_RULE.match(name):
+            param = f"tools[{i}].function.name"
+            raise HttpError(
+                400, f"{param}={name!r} must be 1 to 64 letters, digits, '_' or '-'", param=param
+            )
+        if name in names[:i]:
+            param = f"tools[{i}].function.name"
+            raise HttpError(400, f"{param}={name!r} names another tool too", param=param)
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or set(choice) != {"type", "function"}:
+            raise HttpError(
+                400,
+                f"tool_choice={choice!r} must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        if not isinstance(named, str) or named not in names:
+            raise HttpError(
+                400,
+                f"tool_choice.function.name={named!r} is not one of the tools {names}",
+                param="tool_choice.function.name",
+            )
+        return "named", named
+    if choice not in ("none", "auto", "required"):
+        raise HttpError(
+            400,
+            f"tool_choice={choice!r} must be 'none', 'auto', 'required' or a named function",
+            param="tool_choice",
+        )
+    if choice != "none" and not tools:
+        raise HttpError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
+    if choice == "none":
+        return None
+    if choice == "required":
+        return "required", ""
+    if not model_format:
+        raise HttpError(
+            400,
+            f"tool_choice='auto': model {request.model!r} writes tool calls in no format jlora "
+            "parses (start its workers with --tool-call-parser, or --chat-template a template "
+            "that asks for one); tool_choice 'required' or a named function works with any",
+            param="tool_choice",
+        )
+    return model_format, ""
+
+
+def _chat_item(item: Any, where: str, out: pb.ChatMessage) -> None:
+    """OpenAI's message `item` into `out` (400 naming its field where it is wrong)."""
+    if not isinstance(item, dict):
+        raise HttpError(400, f"{where}={item!r} must be an object", param=where)
+    role = item.get("role")
+    if not isinstance(role, str):
+        raise HttpError(400, f"{where}.role={role!r} must be a string", param=f"{where}.role")
+    unknown = set(item) - {"role", "content", "name"} - MESSAGE_FIELDS.get(role, set())
+    if unknown:
+        field = f"{where}.{sorted(unknown)[0]}"
+        raise HttpError(400, f"{field} is not a field of a {role!r} message", param=field)
+    content = item.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        content = "".join(
+            _text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)
+        )
+    if not isinstance(content, str):
+        raise HttpError(
+            400,
+            f"{where}.content={content!r} must be a string or text parts",
+            param=f"{where}.content",
+        )
+    out.role, out.content = ("system" if role == "developer" else role), content
+    out.name = _string(item, "name", where)
+    out.tool_call_id = _string(item, "tool_call_id", where)
+    calls = item.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise HttpError(
+            400, f"{where}.tool_calls must be a list of calls", param=f"{where}.tool_calls"
+        )
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise HttpError(
+                400,
+                f'{at}={call!r} must be {{"id", "type": "function", "function": {{"name", '
+                '"arguments"}}',
+                param=at,
+            )
+        arguments = _string(function, "arguments", f"{at}.function")
+        try:
+            valid = isinstance(json.loads(arguments or "{}"), dict)
+        except json.JSONDecodeError:
+            valid = False
+        if not valid:
+            param = f"{at}.function.arguments"
+            raise HttpError(400, f"{param}={arguments!r} must be a JSON object", param=param)
+        out.tool_calls.add(
+            id=_string(call, "id", at),
+            name=_string(function, "name", f"{at}.function"),
+            arguments=arguments,
+        )
+
+
+def _string(item: dict[str, Any], field: str, where: str) -> str:
+    value = item.get(field)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        param = f"{where}.{field}"
+        raise HttpError(400, f"{param}={value!r} must be a string", param=param)
+    return value
 
 
 def _text_part(part: object, where: str) -> str:

@@ -9,10 +9,16 @@ from router.workers import Worker
 
 
 def served_models(workers: Sequence[Worker], base: str | None) -> list[pb.Model]:
-    """The base model and every adapter the workers serve, at the smallest context."""
+    """The base model and every adapter the workers serve, at the smallest context, with
+    the first worker's tool-call format."""
     contexts = [w.max_seq_len for w in workers if w.max_seq_len]
     context = min(contexts, default=0)
-    models = [pb.Model(id=base, kind=pb.MODEL_KIND_BASE, max_seq_len=context)] if base else []
+    parser = tool_call_parser(workers)
+    models = (
+        [pb.Model(id=base, kind=pb.MODEL_KIND_BASE, max_seq_len=context, tool_call_parser=parser)]
+        if base
+        else []
+    )
     ranks: dict[str, int] = {}
     for worker in workers:
         ranks.update({a.name: a.rank for a in worker.adapters.values()})
@@ -23,10 +29,16 @@ def served_models(workers: Sequence[Worker], base: str | None) -> list[pb.Model]
             parent=base or "",
             rank=rank,
             max_seq_len=context,
+            tool_call_parser=parser,
         )
         for name, rank in sorted(ranks.items())
     ]
     return models
+
+
+def tool_call_parser(workers: Sequence[Worker]) -> str:
+    """The tool-call format of the first worker that has said which model it serves."""
+    return next((w.tool_call_parser for w in workers if w.base_model is not None), "")
 
 
 def summed_stats(workers: Sequence[Worker]) -> pb.StatsResponse:

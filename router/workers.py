@@ -105,6 +105,7 @@ class Worker:
         self.missed = 0  # health probes missed in a row
         self.base_model: str | None = None
         self.max_seq_len = 0  # the base model's context, from Models
+        self.tool_call_parser = ""  # its tool-call format, from Models
         self.stats: pb.StatsResponse | None = None
         self.stats_at = 0.0  # when the Stats call of `stats` was sent
         self.adapters: dict[str, pb.Adapter] = {}
@@ -232,6 +233,7 @@ class Worker:
             base = next((m for m in models.models if m.kind == pb.MODEL_KIND_BASE), None)
             if base is not None:
                 self.base_model, self.max_seq_len = base.id, base.max_seq_len
+                self.tool_call_parser = base.tool_call_parser
         sent = time.monotonic()
         stats = await _optional(self.stub.Stats(pb.StatsRequest(), timeout=timeout))
         await self.refresh_adapters(timeout)

@@ -323,6 +323,30 @@ def test_ignored_fields_are_accepted_and_chat_runs_to_the_context(deployment):
     assert reply["choices"][0]["finish_reason"] == "length"
 
 
+def test_tools_a_template_cannot_show_are_refused(monkeypatch):
+    """Tools with tool_choice "none" go to the worker, whose template must show them: the
+    mock's does (the prompt grows by the tools), one that does not is a 400 naming
+    `tools`; the workers serve on."""
+    from jlora.engine.mock import MockTokenizer
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = dict(model="a", messages=USER, tools=tools, tool_choice="none", max_tokens=2)
+    deployment = Deployment(max_seq_len=256)
+    try:
+        code, reply = deployment.post(CHAT, body)
+        assert code == 200, reply
+        shown = MockTokenizer().apply_chat_template(USER, tools)
+        assert reply["usage"]["prompt_tokens"] == len(shown.encode())
+        monkeypatch.setattr(MockTokenizer, "renders_tools", False)
+        code, reply = deployment.post(CHAT, body)
+        assert code == 400 and reply["error"]["param"] == "tools", reply
+        assert "shows no tools" in reply["error"]["message"]
+        monkeypatch.undo()
+        assert deployment.post(CHAT, body)[0] == 200
+    finally:
+        deployment.close()
+
+
 def test_models(deployment):
     models = deployment.client.models.list()
     assert [(m.id, m.root) for m in models.data] == [("smol", "smol"), ("a", "smol"), ("b", "smol")]
@@ -347,6 +371,13 @@ def test_errors_reach_the_client_as_exceptions(deployment):
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+
+F = {"function": {"name": "f"}}
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
 
 BAD_INPUTS = [
     # (route, body, HTTP status, param, what the message must name)
@@ -404,10 +435,32 @@ BAD_INPUTS = [
     (CHAT, dict(model="a", messages=USER, top_logprobs=2), 400, "top_logprobs", "logprobs=true"),
     (CHAT, dict(model="a", messages=USER, logprobs=True, top_logprobs=30), 400, "top_logprobs",
      "[0, 20]"),
-    (CHAT, dict(model="a", messages=USER, tools=[{"type": "function"}]), 400, "tools",
-     "not supported yet"),
+    (CHAT, dict(model="a", messages=USER, tools=[{"type": "function"}]), 400,
+     "tools[0].function", "required"),
+    (CHAT, dict(model="a", messages=USER, tools=[{"type": "code", **F}]), 400, "tools[0].type",
+     "'function'"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("a b")]), 400, "tools[0].function.name",
+     "letters"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("f"), tool("f")]), 400,
+     "tools[1].function.name", "another tool"),
+    (CHAT, dict(model="a", messages=USER, tool_choice="required"), 400, "tool_choice",
+     "needs tools"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("f")], tool_choice="sometimes"), 400,
+     "tool_choice", "'required'"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("f")],
+                tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "tool_choice.function.name", "not one of the tools ['f']"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("f")], tool_choice="required",
+                response_format={"type": "json_object"}), 400, "tool_choice", "response_format"),
+    (CHAT, dict(model="a", messages=USER, tools=[tool("f")]), 400, "tool_choice",
+     "--tool-call-parser"),
+    (CHAT, dict(model="a", messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]), 400,
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    (CHAT, dict(model="a", messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400,
+     "messages[0].tool_calls", "not a field of a 'user' message"),
     (CHAT, dict(model="a", messages=[{"role": "user", "content": "x", "audio": {}}]), 400,
-     "messages[0].audio", "not supported"),
+     "messages[0].audio", "not a field"),
     (CHAT, dict(model="a", messages=USER, stream_options={"include_usage": 1}), 400,
      "stream_options.include_usage", "boolean"),
     (COMPLETIONS, dict(model="a", prompt="x", stream="yes"), 400, "stream", "stream"),

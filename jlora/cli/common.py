@@ -11,6 +11,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from pathlib import Path
 
 from configs.model import DEFAULT_MODEL
 from jlora.adapters.peft import AdapterError, canonical_targets
@@ -110,6 +111,50 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="serving dtype (auto: float32 on CPU, bfloat16 on GPU)",
     )
+
+
+def add_chat_args(parser: argparse._ActionsContainer) -> None:
+    """--chat-template and --tool-call-parser (read back with `chat_template`,
+    `tool_call_parser` and `chat_flags`), as vLLM's."""
+    from jlora.contract.tool_calls import FORMATS
+
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's (e.g. one of "
+        "configs/chat_templates/, which show tools)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "none", *FORMATS],
+        default="auto",
+        help="how the model writes tool calls, for tool_choice 'auto' (default: the format "
+        "the chat template asks for, if it is one of these)",
+    )
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (None: the model's own)."""
+    if args.chat_template is None:
+        return None
+    try:
+        return args.chat_template.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--chat-template {args.chat_template}: cannot read it ({err})") from None
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The format `serve()` reports (None: the chat template's)."""
+    return {"auto": None, "none": ""}.get(args.tool_call_parser, args.tool_call_parser)
+
+
+def chat_flags(args: argparse.Namespace) -> list[str]:
+    """The flags `add_chat_args` reads, for a worker's command line."""
+    flags = ["--tool-call-parser", args.tool_call_parser]
+    if args.chat_template is not None:
+        flags += ["--chat-template", str(args.chat_template.resolve())]
+    return flags
 
 
 def add_served_model_name_arg(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
     add_cache_args,
+    add_chat_args,
     add_log_format_arg,
     add_lora_engine_args,
     add_model_args,
@@ -40,11 +41,13 @@ from jlora.cli.common import (
     add_sharding_args,
     add_warmup_arg,
     cache_config,
+    chat_template,
     load_model_reporting,
     lora_engine_config,
     resolve_dtype,
     served_model_name,
     sharding_config,
+    tool_call_parser,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_model_args(parser)
     add_served_model_name_arg(parser)
+    add_chat_args(parser)
     add_sharding_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     add_api_key_arg(parser)
@@ -275,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     adapters = adapters_to_register(given, args.adapters_dir, skipped)
     expected = _registry_entries(args.registry, args.adapters_dir, adapters, skipped)
     sharding = sharding_config(args)
+    template = chat_template(args)
     if args.port and args.process_id == 0:  # before minutes of loading and compiling
         from jlora.contract.grpc_server import bind_failure
 
@@ -294,6 +299,10 @@ def run(args: argparse.Namespace) -> int:
     from jlora.server import serve
 
     loaded = load_model_reporting(args.model, args.dtype, sharding)
+    if template is not None:
+        if loaded.tokenizer is None:
+            raise UsageError(f"--chat-template: {args.model} has no tokenizer to use it with")
+        loaded.tokenizer.chat_template = template
     max_seq_len = min(args.max_seq_len, loaded.config.max_context)
     config = EngineConfig(
         dtype=resolve_dtype(args.dtype),
@@ -341,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=loaded.tokenizer,
             model_name=served_model_name(args),
             sampling_defaults=SamplingParams(**loaded.generation),
+            tool_call_parser=tool_call_parser(args),
             max_queue=args.max_queue,
             adapters_dir=args.adapters_dir,
             api_key=resolve_api_key(args.api_key),

@@ -41,6 +41,7 @@ from jlora.cli.common import (
     UsageError,
     add_api_key_arg,
     add_cache_args,
+    add_chat_args,
     add_log_format_arg,
     add_lora_engine_args,
     add_model_args,
@@ -48,6 +49,8 @@ from jlora.cli.common import (
     add_sharding_args,
     add_warmup_arg,
     cache_flags,
+    chat_flags,
+    chat_template,
     model_config,
     served_model_name,
     sharding_flags,
@@ -71,6 +74,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_model_args(parser)
     add_served_model_name_arg(parser)
+    add_chat_args(parser)
     add_sharding_args(parser)
     parser.add_argument("--workers", type=int, default=1, help="local workers (default 1)")
     parser.add_argument(
@@ -140,7 +144,7 @@ def _worker_command(
         "--emulated-link-gbps", str(args.emulated_link_gbps), "--merge", args.merge,
         "--warmup", args.warmup,
     ]  # fmt: skip
-    command += sharding_flags(args) + cache_flags(args)
+    command += sharding_flags(args) + cache_flags(args) + chat_flags(args)
     command += ["--served-model-name", served_model_name(args)]
     if metrics_port is not None:
         command += ["--metrics-port", str(metrics_port)]
@@ -219,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if not given and adapters_dir is None:
         adapters_dir = _demo_adapters(args.model, args.state_dir)
     names = sorted(adapters_to_register(given, adapters_dir))
+    chat_template(args)  # one that cannot be read stops the start before any worker
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         # Before any worker starts (they compile for seconds to minutes): the router's
         # own ports must be free, or the whole start would fail only at its end.

@@ -30,6 +30,7 @@ at `emulated_link_gbps`; an adapter takes `rank_row_bytes · rank` on the device
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -37,7 +38,7 @@ import time
 import zlib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -115,9 +116,14 @@ class MockTokenizer:
         special = set(self.eos_ids) if skip_special_tokens else set()
         return "".join(f" t{token}" for token in ids if token not in special)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    renders_tools = True
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        shown = f"<tools>{json.dumps(tools)}\n" if tools else ""
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return turns + "<assistant>"
+        return shown + turns + "<assistant>"
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ from grpc_health.v1 import health, health_pb2
 from jlora.api import SERVICE_NAME
 from jlora.contract.grpc_server import start_server
 from jlora.contract.signals import DRAIN_SIGNALS, drain_on_signals, wait_awake
+from jlora.contract.tool_calls import FORMATS, detect
 from jlora.engine.api import SamplingParams
 from jlora.engine.orchestrator import Orchestrator
 from jlora.server.convert import TextCodec
@@ -105,6 +106,7 @@ class WorkerServer:
         adapters_dir: Path | None,
         api_key: str | None,
         sampling_defaults: SamplingParams,
+        tool_call_parser: str,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be non-negative")
@@ -128,6 +130,7 @@ class WorkerServer:
             max_queue=max_queue,
             adapters_dir=adapters_dir,
             sampling_defaults=sampling_defaults,
+            tool_call_parser=tool_call_parser,
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -253,6 +256,7 @@ def serve(
     adapters_dir: str | Path | None = None,
     api_key: str | None = None,
     sampling_defaults: SamplingParams | None = None,
+    tool_call_parser: str | None = None,
 ) -> WorkerServer:
     """Serve `engine` over gRPC and return once it listens.
 
@@ -264,9 +268,15 @@ def serve(
     `adapters_dir`, RegisterAdapter paths resolve inside it and may not leave it.
     `api_key`: required of every call but health and reflection.
     `sampling_defaults`: what a request's unset sampling fields take (the model's
-    generation_config, where it has one; `SamplingParams()` by default). The caller owns
-    the engine: stop the server, then close it.
+    generation_config, where it has one; `SamplingParams()` by default).
+    `tool_call_parser`: the format Models reports for tool calls (one of
+    jlora.contract.tool_calls.FORMATS, or "" for none; None: the one the tokenizer's chat
+    template asks for). The caller owns the engine: stop the server, then close it.
     """
+    if tool_call_parser is None:
+        tool_call_parser = detect(getattr(tokenizer, "chat_template", None))
+    elif tool_call_parser and tool_call_parser not in FORMATS:
+        raise ValueError(f"tool_call_parser={tool_call_parser!r} is not one of {FORMATS}")
     return WorkerServer(
         engine,
         host=host,
@@ -278,4 +288,5 @@ def serve(
         adapters_dir=Path(adapters_dir) if adapters_dir is not None else None,
         api_key=api_key,
         sampling_defaults=sampling_defaults or SamplingParams(),
+        tool_call_parser=tool_call_parser,
     )

@@ -9,10 +9,12 @@ jlora.v1 message ("sampling.top_p", "prompt.chat.messages[0].role").
 
 from __future__ import annotations
 
-from typing import Protocol
+import json
+from typing import Any, Protocol
 
 from jlora.api import jlora_pb2 as pb
 from jlora.contract.errors import InvalidRequest
+from jlora.contract.tool_calls import NAME_RULE
 from jlora.engine.api import (
     DEVICE,
     HOST,
@@ -28,7 +30,7 @@ from jlora.engine.api import (
 )
 
 MAX_REQUEST_ID = 128
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 ADAPTER_STATES = {
@@ -46,7 +48,12 @@ class TextCodec(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    # whether the chat template shows the tools it is given
+    renders_tools: bool
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
 
 
 def to_request(
@@ -94,25 +101,84 @@ def _prompt_ids(msg: pb.GenerateRequest, tokenizer: TextCodec | None) -> list[in
     elif kind == "text":
         ids = tokenizer.encode(msg.text) if msg.text else []
     else:
-        messages = []
-        for i, message in enumerate(msg.chat.messages):
-            if message.role not in CHAT_ROLES:
-                where = f"prompt.chat.messages[{i}].role"
-                raise InvalidRequest(
-                    f"{where}={message.role!r} must be one of {CHAT_ROLES}", field=where
-                )
-            messages.append({"role": message.role, "content": message.content})
-        if not messages:
-            raise InvalidRequest(
-                "prompt is empty: prompt.chat.messages has no message", field="prompt"
-            )
-        try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-        except ValueError as err:  # TokenizerError: no template, or the template refused
-            raise InvalidRequest(f"prompt.chat: {err}", field="prompt.chat") from None
+        ids = _chat_ids(msg.chat, tokenizer)
     if not ids:
         raise InvalidRequest(f"prompt is empty (prompt.{kind})", field="prompt")
     return ids
+
+
+def _chat_ids(chat: pb.ChatMessages, tokenizer: TextCodec) -> list[int]:
+    """A chat's messages and tools rendered with the template, then encoded."""
+    messages = [_chat_message(message, i) for i, message in enumerate(chat.messages)]
+    if not messages:
+        raise InvalidRequest("prompt is empty: prompt.chat.messages has no message", field="prompt")
+    tools = [_tool(tool, f"prompt.chat.tools[{i}]") for i, tool in enumerate(chat.tools)]
+    if tools and not tokenizer.renders_tools:
+        raise InvalidRequest(
+            "prompt.chat.tools: this model's chat template shows no tools (serve it with "
+            "--chat-template, a template that does)",
+            field="prompt.chat.tools",
+        )
+    try:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, tools or None))
+    except ValueError as err:  # TokenizerError: no template, or the template refused
+        raise InvalidRequest(f"prompt.chat: {err}", field="prompt.chat") from None
+
+
+def _chat_message(message: pb.ChatMessage, i: int) -> dict[str, Any]:
+    """A message as chat templates read it (OpenAI's shape, a call's arguments an object)."""
+    where = f"prompt.chat.messages[{i}]"
+    if message.role not in CHAT_ROLES:
+        raise InvalidRequest(
+            f"{where}.role={message.role!r} must be one of {CHAT_ROLES}", field=f"{where}.role"
+        )
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_call_id:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": _json_object(
+                        call.arguments, f"{where}.tool_calls[{j}].arguments", empty={}
+                    ),
+                },
+            }
+            for j, call in enumerate(message.tool_calls)
+        ]
+    return entry
+
+
+def _tool(tool: pb.Tool, where: str) -> dict[str, Any]:
+    """A tool as chat templates read it: OpenAI's {"type": "function", "function": ...}."""
+    if not NAME_RULE.match(tool.name):
+        raise InvalidRequest(
+            f"{where}.name={tool.name!r} must be 1 to 64 letters, digits, '_' or '-'",
+            field=f"{where}.name",
+        )
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters:
+        function["parameters"] = _json_object(tool.parameters, f"{where}.parameters", empty={})
+    return {"type": "function", "function": function}
+
+
+def _json_object(text: str, field: str, *, empty: dict[str, Any]) -> dict[str, Any]:
+    if not text:
+        return empty
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidRequest(f"{field} is not JSON ({err.msg})", field=field) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{field}={text!r} must be a JSON object", field=field)
+    return value
 
 
 def to_sampling(

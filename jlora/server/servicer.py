@@ -136,8 +136,10 @@ class JloraServicer(pb_grpc.JloraServicer):
         max_queue: int,
         adapters_dir: Path | None,
         sampling_defaults: SamplingParams,
+        tool_call_parser: str = "",
     ) -> None:
         self._scheduler = scheduler
+        self.tool_call_parser = tool_call_parser
         self._sampling_defaults = sampling_defaults
         self._metrics = metrics
         self._tokenizer = tokenizer
@@ -458,7 +460,12 @@ class JloraServicer(pb_grpc.JloraServicer):
     ) -> pb.ModelsResponse:
         infos = await self._on_engine(context, lambda engine: engine.adapter_infos())
         models = [
-            pb.Model(id=self.model_name, kind=pb.MODEL_KIND_BASE, max_seq_len=self.max_seq_len)
+            pb.Model(
+                id=self.model_name,
+                kind=pb.MODEL_KIND_BASE,
+                max_seq_len=self.max_seq_len,
+                tool_call_parser=self.tool_call_parser,
+            )
         ]
         models += [
             pb.Model(
@@ -467,6 +474,7 @@ class JloraServicer(pb_grpc.JloraServicer):
                 parent=self.model_name,
                 rank=info.adapter.rank,
                 max_seq_len=self.max_seq_len,
+                tool_call_parser=self.tool_call_parser,
             )
             for info in infos
         ]
