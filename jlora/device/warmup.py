@@ -4,7 +4,9 @@ Compile each prefill bucket up to the one the longest of `prompt_lengths` needs
     (or all; none above the bucket of `prefill_token_budget` unless merging, which
     prefills whole, is on), plain and continuing a cached prefix; the packed
     prefill's (those from the shortest prompt's bucket up), and each decode bucket up
-    to the one holding `max_length` tokens (or all). Every bucket below the longest
+    to the one holding `max_length` tokens (or all); with LoRA, each of these twice:
+    with the adapter slots and without (`base_steps`, the calls whose rows have no
+    adapter, and merged inference). Every bucket below the longest
     prompt's, because a step may prefill any part of a prompt: a chunk under the
     token budget, or one ended early on a smaller bucket (`Scheduler._chunk_end`),
     the rest continuing after it as after a cached prefix (as a prefix cache hit
@@ -75,19 +77,21 @@ def warm_up(
     if cfg.cache_policy != "none" and engine.can_swap_kv:
         engine.cache = engine.kv_blocks.warm(engine.cache)
     engine.steps.warmed_up = True
-    if cfg.merge != "never" and engine.merged_steps is not None and engine.merger is not None:
+    if engine.base_steps is not None:  # rows with no adapter, or a merged one
         for size in prefill:
             for cached in (False, True):
-                engine.merged_steps.compile_prefill(
+                engine.base_steps.compile_prefill(
                     engine.params, engine.cache, size, cfg.blocks_per_seq, None, cached=cached
                 )
-        engine.packed.compile(engine.merged_steps, engine.params, engine.cache, None, smallest)
-        compile_decodes(engine, engine.merged_steps, decode, None)
+        engine.packed.compile(engine.base_steps, engine.params, engine.cache, None, smallest)
+        compile_decodes(engine, engine.base_steps, decode, None)
+        engine.base_steps.warmed_up = True
+    if cfg.merge != "never" and engine.merger is not None:
         assert engine.store is not None
         for name in engine.store.names():
             spec = engine.store.get(name).adapter
             engine.merger.compile(spec.targets, spec.rank)
-        engine.merged_steps.warmed_up = engine.merger.warmed_up = True
+        engine.merger.warmed_up = True
 
 
 def compile_decodes(
