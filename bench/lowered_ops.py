@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bench.lib.report import machine_facts
+from bench.lib.report import emit, machine_facts
 from configs.model import load_preset
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama
@@ -197,11 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     facts = machine_facts()
     results = [measure(preset, args) for preset in args.models.split(",")]
     text = markdown(results, args, facts)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"facts": facts, "results": results}, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    emit(text, facts, results, json_path=args.json, markdown_path=args.markdown)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,17 @@ def test_text_and_chat_prompts(client):
     ids = list(MockTokenizer().apply_chat_template([{"role": "user", "content": "Hi"}]).encode())
     assert chat.token_ids == mock_completion(ids, None, 3, VOCAB)
     assert client.generate(chat=[("user", "Hi")], max_tokens=3).token_ids == chat.token_ids
+    # A ChatMessages message carries the tools too: the mock's template shows them.
+    tools = pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="Hi")],
+        tools=[pb.Tool(name="f", parameters='{"type": "object"}')],
+    )
+    shown = MockTokenizer().apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    )
+    offered = client.generate(chat=tools, max_tokens=3)
+    assert offered.usage.prompt_tokens == len(shown.encode())
 
 
 def test_logprobs_pass_through(client):

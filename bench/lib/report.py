@@ -33,6 +33,17 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def emit(text: str, facts: dict, results: list[dict], *, json_path: Path | None,
+         markdown_path: Path | None) -> None:  # fmt: skip
+    """Print a run's markdown `text`; write it to `markdown_path` and {"facts", "results"}
+    to `json_path` where given."""
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps({"facts": facts, "results": results}, indent=2) + "\n")
+    if markdown_path:
+        markdown_path.write_text(text + "\n")
+
+
 def write_report(path: Path, facts: dict, plan: Any, results: list[dict], **extra: Any) -> None:
     """{"machine": facts, "plan": the plan (a dataclass), **extra, "results": results}."""
     report = {"machine": facts, "plan": dataclasses.asdict(plan), **extra, "results": results}

@@ -18,8 +18,9 @@ from jlora.api import jlora_pb2 as pb
 # A prompt: text (encoded with the model's tokenizer) or token ids (used as given).
 Prompt = str | Sequence[int]
 # Chat messages, rendered with the model's chat template: {"role": ..., "content": ...}
-# mappings, (role, content) pairs or ChatMessage messages.
-Chat = Sequence[Mapping[str, str] | tuple[str, str] | pb.ChatMessage]
+# mappings (with "name" and "tool_call_id" where given), (role, content) pairs or
+# ChatMessage messages; or a ChatMessages message, which also carries the tools offered.
+Chat = Sequence[Mapping[str, str] | tuple[str, str] | pb.ChatMessage] | pb.ChatMessages
 
 
 def sampling_params(sampling: pb.SamplingParams | None = None, **fields: Any) -> pb.SamplingParams:
@@ -81,7 +82,10 @@ def generate_request(
     else:
         assert chat is not None
         request.chat.SetInParent()  # an empty conversation is the server's to refuse
-        request.chat.messages.extend(_chat_message(message) for message in chat)
+        if isinstance(chat, pb.ChatMessages):
+            request.chat.CopyFrom(chat)
+        else:
+            request.chat.messages.extend(_chat_message(message) for message in chat)
     if resume is not None:
         request.resume.CopyFrom(resume)
     return request
@@ -93,7 +97,12 @@ def _chat_message(message: Mapping[str, str] | tuple[str, str] | pb.ChatMessage)
     if isinstance(message, tuple):
         role, content = message
         return pb.ChatMessage(role=role, content=content)
-    return pb.ChatMessage(role=message["role"], content=message["content"])
+    return pb.ChatMessage(
+        role=message["role"],
+        content=message["content"],
+        name=message.get("name", ""),
+        tool_call_id=message.get("tool_call_id", ""),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
