@@ -31,14 +31,12 @@ swaps copy whole blocks out of the cache and back (`kv_pool.KVBlocks`).
 Merged inference (dLoRA §4.1): `merge(name)` folds a staged adapter into a copy of its
 target kernels (`jlora.model.merge`, one compiled call) and serves `params` = those
 merged kernels beside the untouched rest; `base_params` keeps the pristine arrays,
-which `unmerge()` puts back. While merged, prefill and decode run `base_steps`,
-compiled without LoRA weights, each step first checking that its rows carry the merged
-adapter's slot (`_slot_adapter`: the adapter each slot was last loaded with). Warm-up
-and staging compile every merge a switch may need.
+which `unmerge()` puts back. Warm-up and staging compile every merge a switch may need.
 
-The same steps without LoRA (`base_steps`) run every prefill and decode step whose rows
-have no adapter, chosen on the host per call as the buckets are: such a step costs
-what the base model's does, with no LoRA kernel, no device-side branch and no round trip.
+`base_steps`, the steps compiled without LoRA weights, run every call whose rows have
+no adapter (picked on the host as the buckets are: no LoRA kernel, no device-side
+branch) and, while merged, every call, once its rows are checked to carry the merged
+adapter's slot (`_slot_adapter`: the adapter each slot was last loaded with).
 """
 
 from __future__ import annotations
@@ -205,28 +203,20 @@ class LlamaEngine(DeviceEngine):
             lora=None if self.lora is None else self.lora.specs,
         )
         history = cfg.blocks_per_seq * cfg.block_size
-        self.steps = CompiledSteps(
-            self.model,
-            specs,
-            history,
-            model_config.vocab_size,
-            self.packed.longest or None,
-            host_attention=host,
-        )
+
+        def compiled(step_specs: StepSpecs) -> CompiledSteps:
+            longest = self.packed.longest or None
+            return CompiledSteps(
+                self.model, step_specs, history, model_config.vocab_size, longest,
+                host_attention=host,
+            )  # fmt: skip
+
+        self.steps = compiled(specs)
         # The steps without LoRA weights (rows with no adapter, or merged), the fold of
         # merged inference, and its state.
-        self.base_steps: CompiledSteps | None = None
-        self.merger: WeightMerger | None = None
-        if self.lora is not None:
-            self.base_steps = CompiledSteps(
-                self.model,
-                dataclasses.replace(specs, lora=None),
-                history,
-                model_config.vocab_size,
-                self.packed.longest or None,
-                host_attention=host,
-            )
-            self.merger = WeightMerger(self.tp, self.params)
+        lora = self.lora is not None
+        self.base_steps = compiled(dataclasses.replace(specs, lora=None)) if lora else None
+        self.merger = WeightMerger(self.tp, self.params) if lora else None
         self._merged: str | None = None
         self._slot_adapter: dict[int, str] = {}  # slot -> the adapter last loaded into it
         self.cpu: CpuAssist | None = None
@@ -522,18 +512,13 @@ class LlamaEngine(DeviceEngine):
         self._merged = None
 
     def _steps_for(self, slots: np.ndarray, what: str) -> tuple[CompiledSteps, LoraWeights | None]:
-        """The steps and the adapter slots for a call whose rows (or job) have the device
-        adapter slots `slots` (-1: none): the steps without LoRA where none has an adapter
-        or one is merged (`_merged_steps_for`), else the LoRA steps."""
-        if self._merged is not None:
-            return self._merged_steps_for(slots, what), None
-        if self.base_steps is not None and bool((slots < 0).all()):
-            return self.base_steps, None
-        return self.steps, self.lora_weights
-
-    def _merged_steps_for(self, slots: np.ndarray, what: str) -> CompiledSteps:
-        """The steps without LoRA, once every one of `slots` (the rows' or a job's device
-        adapter slots) is checked to be the slot the merged adapter was last loaded into."""
+        """The steps and adapter slots of a call whose rows (or job) are on device adapter
+        slots `slots` (-1: none): without LoRA where none has an adapter, or where one is
+        merged, once every slot is checked to be the one it was last loaded into."""
+        if self._merged is None:
+            if self.base_steps is not None and bool((slots < 0).all()):
+                return self.base_steps, None
+            return self.steps, self.lora_weights
         assert self.base_steps is not None
         for slot in np.unique(slots).tolist():
             if slot < 0 or self._slot_adapter.get(slot) != self._merged:
@@ -542,7 +527,7 @@ class LlamaEngine(DeviceEngine):
                     f"{what} of adapter slot {slot} ({owner}) while {self._merged!r} is "
                     "merged: only the merged adapter's rows may run"
                 )
-        return self.base_steps
+        return self.base_steps, None
 
     # -- the rest --------------------------------------------------------------------------
 
