@@ -47,7 +47,7 @@ from pathlib import Path
 from bench.lib.engines import SLOT_TARGETS, Plan, System, make_engine, spread
 from bench.lib.report import machine_facts
 from bench.lib.timing import Measurement, compare, jlora_decode, make_prompts, write_report
-from configs.engine import DTYPES, LORA_BACKENDS, LORA_POOLS
+from configs.engine import DECODE_ATTENTIONS, DTYPES, LORA_BACKENDS, LORA_POOLS
 from jlora.adapters.peft import make_demo_adapters
 from jlora.cli.common import names_from, target_list
 from jlora.model.loading import load_model
@@ -83,7 +83,8 @@ def render(facts: dict, measurements: list[Measurement], plan: Plan) -> str:
         "",
         f"decode, batch {plan.batch}, prompts of {plan.prompt_len} tokens, {plan.new_tokens} "
         f"new tokens each; adapters of rank {plan.rank} on {', '.join(plan.targets)}; "
-        "LoRA engines' slots on the adapters' targets ([all-targets]: on all seven)",
+        "LoRA engines' slots on the adapters' targets ([all-targets]: on all seven); "
+        f"decode attention: {plan.decode_attention}",
         "",
         "| system | tokens/s | range | ratio to no-lora |",
         "|---|---:|---:|---:|",
@@ -131,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
         help="timed runs of each system, alternating (default %(default)s; more on a noisy "
         "machine)",
     )
+    parser.add_argument(
+        "--decode-attention",
+        choices=DECODE_ATTENTIONS,
+        default=DECODE_ATTENTIONS[0],
+        help="every engine's decode attention (EngineConfig.decode_attention)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write raw results here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -147,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         slot_targets=args.slot_targets,
         targets=args.targets,
         repeats=args.repeats,
+        decode_attention=args.decode_attention,
     )
     if args.quick:
         plan = dataclasses.replace(plan, new_tokens=8, repeats=1)

@@ -12,7 +12,8 @@ variant, left out) at `rows` rows attending over 1024 tokens, in bfloat16, trace
 `lower(lowering_platforms=("cuda",))`, so the Pallas kernels lower to their Triton
 custom calls as on a GPU. Variants: the base model, and the LoRA engine's step with
 each backend (BGMV, MBGMV) over `slots` device slots of rank `rank` on `targets` (the
-slots hold only those, as the engine's do). The LoRA engine's step with no adapter row
+slots hold only those, as the engine's do); and the base step with the decode-attention
+kernel in place of XLA's (`decode_attention="pallas"`). The LoRA engine's step with no adapter row
 is the base model's step itself: the engine runs its steps without LoRA for such a call
 (`LlamaEngine._steps_for`), so it adds nothing, by construction.
 
@@ -88,12 +89,26 @@ def op_counts(text: str) -> collections.Counter[str]:
 
 
 def lowered_decode(
-    preset: str, backend: str | None, *, rows: int, slots: int, rank: int, targets: tuple[str, ...]
+    preset: str,
+    backend: str | None,
+    *,
+    rows: int,
+    slots: int,
+    rank: int,
+    targets: tuple[str, ...],
+    decode_attention: str = "xla",
 ) -> str:
     """The StableHLO text of `preset`'s decode step lowered for CUDA (see the docstring)."""
     config = load_preset(preset).config
     lora = None if backend is None else BACKENDS[backend](interpret=False)
-    model = Llama(config, jnp.bfloat16, lora=lora, unroll_layers=True)
+    model = Llama(
+        config,
+        jnp.bfloat16,
+        lora=lora,
+        unroll_layers=True,
+        decode_attention=decode_attention,
+        interpret_kernels=False,
+    )
     blocks = CONTEXT // BLOCK
     cache = jax.eval_shape(
         lambda: KVCache.zeros(
@@ -151,6 +166,12 @@ def measure(preset: str, args: argparse.Namespace) -> dict[str, Any]:
         if uneven:
             raise AssertionError(f"{preset} {name}: ops added outside the layers: {uneven}")
         result["added_per_layer"][name] = {op: n // layers for op, n in sorted(added.items())}
+    kernel = op_counts(lowered_decode(preset, None, **options, decode_attention="pallas"))
+    result["attention_kernel_per_layer"] = {
+        op: (kernel[op] - base[op]) / layers
+        for op in sorted(kernel | base)
+        if kernel[op] != base[op]
+    }
     result["lowering_s"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -179,6 +200,17 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace, facts: dic
             lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
         totals = [str(sum(result["added_per_layer"][v].values())) for v in variants]
         lines += ["| **all** | " + " | ".join(totals) + " |", ""]
+        changed = result["attention_kernel_per_layer"]
+        lines += [
+            'The base step with the decode-attention kernel (`decode_attention="pallas"`) '
+            "against XLA's attention, ops per layer (negative: gone):",
+            "",
+            "| op | per layer |",
+            "|---|---:|",
+            *(f"| `{op}` | {n:+g} |" for op, n in changed.items()),
+            f"| **all** | {sum(changed.values()):+g} |",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ MERGE_MODES = ("never", "auto", "always")  # the first is the default
 CACHE_POLICIES = ("fastlibra", "lru", "none")  # the first is the default
 KV_ALLOCATIONS = ("lazy", "upfront")  # the first is the default
 LAYER_LOOPS = ("auto", "scan", "unrolled")  # the first is the default
+DECODE_ATTENTIONS = ("xla", "pallas")  # the first is the default
 # A prefill is split across two compiled calls on smaller buckets where that saves at
 # least this many padding tokens (the orchestrator's chunks, packed calls): about what a
 # call of its own costs (on a CPU a call's fixed cost is some 25-30 tokens' worth).
@@ -158,6 +159,12 @@ class EngineConfig:
       is compile time: each step holds every layer's code, and a 7B engine's full
       warm-up compiles for minutes on a first start (the persistent compilation cache
       serves later ones).
+    decode_attention: how a decode step attends over each row's cached blocks: "xla"
+      (gathers the blocks, then two products and a softmax: XLA's kernels; on one CPU
+      device in fp32, the host kernel) or "pallas" (pallas_kernels/decode_attention: one
+      Triton kernel walking each row's blocks, a KV head's keys read once for its group
+      of query heads; interpreted off a GPU, which is slow: for tests). "pallas" needs
+      the query heads per KV head, head_dim and block_size to be powers of two.
       On a CPU the scan reads each layer's weights in place through per-layer views
       (jlora/model/host/layer_views.py).
     sharding: the device mesh and placement rules (configs/sharding.py); None is one
@@ -195,6 +202,7 @@ class EngineConfig:
     cpu_lora: str = CPU_LORA[0]
     lora_layer_groups: int = 4
     layer_loop: str = LAYER_LOOPS[0]
+    decode_attention: str = DECODE_ATTENTIONS[0]
     sharding: ShardingConfig | None = None
 
     def __post_init__(self) -> None:
@@ -255,6 +263,7 @@ class EngineConfig:
             ("lora_backend", LORA_BACKENDS),
             ("lora_pool", LORA_POOLS),
             ("layer_loop", LAYER_LOOPS),
+            ("decode_attention", DECODE_ATTENTIONS),
             ("merge", MERGE_MODES),
             ("cache_policy", CACHE_POLICIES),
             ("kv_allocation", KV_ALLOCATIONS),

@@ -8,6 +8,8 @@
 #   tools/gpu_check.sh OUT_DIR part3     # probe prefill (up to 9 min: it compiles)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
 #
+# `attention` is in no part (about 4 min): base and BGMV decode with the Triton
+# decode-attention kernel (`--decode-attention pallas`), beside part2's XLA attention.
 # `profile` is in no part (about 4 min): where a LoRA decode step's time goes
 # (`bench.step_profile`: device busy and idle time, kernels and top ops per step, with the
 # layer loop scanned and unrolled; the compiled steps' HLO beside it).
@@ -41,8 +43,9 @@ case "${1:-}" in
 esac
 for s in "${stages[@]}"; do
   case $s in
-    probe | tests | engine | kernels | prefill | decode | coldstart | profile) ;;
-    *) echo "unknown stage $s (probe tests engine kernels prefill decode coldstart profile)" >&2
+    probe | tests | engine | kernels | prefill | decode | attention | coldstart | profile) ;;
+    *) echo "unknown stage $s (probe tests engine kernels prefill decode attention coldstart" \
+         "profile)" >&2
        exit 2 ;;
   esac
 done
@@ -89,7 +92,8 @@ for s in "${stages[@]}"; do
     tests)  # the compiled kernel classes against their references
       XLA_PYTHON_CLIENT_PREALLOCATE=false stage tests 90 "$PYTHON" -m pytest -q \
         -p no:cacheprovider -n 4 --timeout 80 -k "not Interpret" \
-        tests/test_bgmv_kernel.py tests/test_mbgmv_kernel.py tests/test_sgmv_kernel.py ;;
+        tests/test_bgmv_kernel.py tests/test_mbgmv_kernel.py tests/test_sgmv_kernel.py \
+        tests/test_decode_attention_kernel.py ;;
     engine)  # every backend and packed prefill through the engine, on cpu-tiny
       XLA_PYTHON_CLIENT_PREALLOCATE=false stage engine 150 "$PYTHON" -m pytest -q \
         -p no:cacheprovider -n 4 --timeout 140 tests/test_lora_backend.py \
@@ -102,6 +106,10 @@ for s in "${stages[@]}"; do
       stage decode 330 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 \
         --targets q_proj,k_proj,v_proj,o_proj --backends reference,bgmv,mbgmv \
         --json "$out/decode.json" ;;
+    attention)  # the same base and BGMV steps with the Triton decode-attention kernel
+      stage attention 240 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 \
+        --targets q_proj,k_proj,v_proj,o_proj --backends bgmv --decode-attention pallas \
+        --json "$out/decode-attention.json" ;;
     prefill)  # did not finish in 120 s (2026-11-27) nor 190 s (2026-11-28, warming up in
       # full with the layers unrolled); bench.prefill now compiles only the shapes it meets
       stage prefill 520 "$PYTHON" -m bench.prefill "${LLAMA[@]}" --lengths 128,512 \

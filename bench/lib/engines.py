@@ -32,6 +32,7 @@ class Plan:
     lora_pools: tuple[str, ...] = ("kv",)
     slot_targets: tuple[str, ...] = ("adapters",)
     repeats: int = 3
+    decode_attention: str = "xla"  # EngineConfig.decode_attention, every engine's
 
 
 SLOT_TARGETS = ("adapters", "all")  # the LoRA engines' slots: the adapters' targets, or all
@@ -97,6 +98,7 @@ def make_engine(
             # blocks of the runs before never fill the pool and delay the next admissions.
             cache_policy="none",
             layer_loop=layer_loop,
+            decode_attention=plan.decode_attention,
             **lora,
         ),
     )

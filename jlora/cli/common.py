@@ -171,12 +171,12 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def add_sharding_args(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --lora-sharding (read back with `sharding_config`), --layer-loop (the
-    EngineConfig field of its name)."""
-    from configs.engine import LAYER_LOOPS
+    """--sharding, --lora-sharding (read back with `sharding_config`), --layer-loop and
+    --decode-attention (the EngineConfig fields of their names)."""
+    from configs.engine import DECODE_ATTENTIONS, LAYER_LOOPS
     from configs.sharding import LORA_SHARDINGS
 
-    group = parser.add_argument_group("sharding and layer loop")
+    group = parser.add_argument_group("sharding, layer loop and attention")
     group.add_argument(
         "--sharding",
         metavar="NAME_OR_PATH",
@@ -199,6 +199,13 @@ def add_sharding_args(parser: argparse.ArgumentParser) -> None:
         "unrolled (each layer's code of its own: no copy of its weights out of the stack, "
         "longer compiles) or auto (default: unrolled on a GPU, scan elsewhere)",
     )
+    group.add_argument(
+        "--decode-attention",
+        choices=DECODE_ATTENTIONS,
+        default=DECODE_ATTENTIONS[0],
+        help="a decode step's attention: xla (default: XLA's gather and products) or "
+        "pallas (one Triton kernel over each row's blocks; interpreted off a GPU)",
+    )
 
 
 def sharding_config(args: argparse.Namespace):
@@ -212,7 +219,7 @@ def sharding_config(args: argparse.Namespace):
 
 def sharding_flags(args: argparse.Namespace) -> list[str]:
     """The flags that pass `add_sharding_args`' values on to a child `jlora serve`."""
-    flags = ["--layer-loop", args.layer_loop]
+    flags = ["--layer-loop", args.layer_loop, "--decode-attention", args.decode_attention]
     flags += ["--sharding", args.sharding] if args.sharding else []
     return flags + (["--lora-sharding", args.lora_sharding] if args.lora_sharding else [])
 

@@ -301,6 +301,7 @@ def _load(
             max_seq_len=max_seq_len - max_seq_len % 16,
             sharding=sharding,
             layer_loop=args.layer_loop,
+            decode_attention=args.decode_attention,
             **cache_config(args),
             **lora,
         )

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         lora_backend=args.lora_backend,
         sharding=sharding,
         layer_loop=args.layer_loop,
+        decode_attention=args.decode_attention,
     )
     engine = build_engine(
         model_config=loaded.config, params=loaded.params, tokenizer=None, engine_config=config

@@ -312,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         sharding=sharding,
         layer_loop=args.layer_loop,
+        decode_attention=args.decode_attention,
         **lora_engine_config(args),
         **cache_config(args),
     )

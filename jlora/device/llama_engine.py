@@ -76,6 +76,7 @@ from jlora.engine.device_api import (
     PrefillJob,
 )
 from jlora.engine.orchestrator import Orchestrator
+from jlora.model.attention import check_decode_kernel
 from jlora.model.host import attention as host_attention
 from jlora.model.kv_cache import KVCache
 from jlora.model.llama import Llama, Params
@@ -135,7 +136,10 @@ class LlamaEngine(DeviceEngine):
             backend,
             tp=self.tp,
             unroll_layers=unrolled_layer_loop(cfg.layer_loop, self.mesh),
+            decode_attention=cfg.decode_attention,
         )
+        if cfg.decode_attention == "pallas":  # its shapes checked now, not at the first step
+            check_decode_kernel(self.model.config, cfg.block_size)
         self.store: HostStore | None = None
         self.lora: DeviceSlots | None = None
         if backend is not None:

@@ -8,18 +8,24 @@ chunks that skip most masked keys (`_chunked_causal`), and a cached prefix's att
 loops over the key blocks it reaches (`_chunked_prefix`), each product one batched
 matmul over the KV heads. Decode, one query per sequence, is two einsums over the
 gathered blocks (the fused form's layout changes cost more than its products:
-`paged_decode_attention`). A packed prefill (several prompts in one call) passes its
-block-diagonal causal mask explicitly, so its scores cover every pair of the call's
-tokens, the other prompts'. On one CPU device in fp32 the engine runs decode and packed
-prefill attention as host kernels instead (jlora/model/host/attention.py)."""
+`paged_decode_attention`), or, with `decode_attention="pallas"`, one Triton kernel
+walking each row's blocks (`paged_decode_attention_kernel`). A packed prefill (several
+prompts in one call) passes its block-diagonal causal mask explicitly, so its scores
+cover every pair of the call's tokens, the other prompts'. On one CPU device in fp32
+the engine runs decode and packed prefill attention as host kernels instead
+(jlora/model/host/attention.py)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jlora.model.dots import einsum_f32
 from jlora.model.kv_cache import layer_rows
+from pallas_kernels.common import KernelArgumentError
+from pallas_kernels.decode_attention import check_decode_attention_args, decode_attention
 
 CAUSAL_CHUNKS = 8  # query chunks of a prompt's causal attention, at most
 MIN_CHUNK = 16  # query rows per chunk, at least
@@ -181,6 +187,34 @@ def paged_decode_attention(
     weights = jax.nn.softmax(scores, axis=2).astype(values.dtype)
     out = einsum_f32("sktg,stkd->skgd", weights, values)
     return out.reshape(slots, heads * head_dim).astype(q.dtype)
+
+
+def paged_decode_attention_kernel(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    positions: jax.Array,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`paged_decode_attention` by the Triton kernel of pallas_kernels/decode_attention,
+    the same arguments and result; `interpret` (None: off a GPU) runs it interpreted."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    out = decode_attention(q, k_pages, v_pages, block_tables, positions, interpret=interpret)
+    return out.reshape(q.shape[0], -1)
+
+
+def check_decode_kernel(config: Any, block_size: int) -> None:
+    """ValueError naming decode_attention where `config`'s shapes (one shard's: its query
+    and KV heads, head_dim) and `block_size` are not ones the kernel takes."""
+    q = jax.ShapeDtypeStruct((1, config.num_heads, config.head_dim), jnp.float32)
+    pages = jax.ShapeDtypeStruct((1, block_size, config.num_kv_heads, config.head_dim), jnp.float32)
+    tables, positions = (jax.ShapeDtypeStruct(s, jnp.int32) for s in ((1, 1), (1,)))
+    try:
+        check_decode_attention_args(q, pages, pages, tables, positions)
+    except KernelArgumentError as err:
+        raise ValueError(f"decode_attention='pallas' cannot serve this model: {err}") from None
 
 
 def paged_prefix_attention(

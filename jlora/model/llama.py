@@ -48,6 +48,7 @@ from jlora.model.attention import (
     causal_attention,
     packed_causal_attention,
     paged_decode_attention,
+    paged_decode_attention_kernel,
     paged_prefix_attention,
     write_kv,
 )
@@ -79,6 +80,8 @@ class Llama:
         cpu_lora: CpuLora | None = None,
         tp: TensorParallel | None = None,
         unroll_layers: bool = False,
+        decode_attention: str = "xla",
+        interpret_kernels: bool | None = None,
     ) -> None:
         self.vocab_size = config.vocab_size  # the real one: logits past it are padding
         self.config = config if tp is None else tp.local  # the shapes a shard computes
@@ -92,6 +95,8 @@ class Llama:
         # own arrays picked without a `lax.switch`. A segment whose first layer is traced
         # (`prefill_layers` with an array `layer_start`) is scanned all the same.
         self.unroll_layers = unroll_layers
+        self.decode_attention = decode_attention  # EngineConfig.decode_attention
+        self.interpret_kernels = interpret_kernels  # its kernel's; None: off a GPU
         self.layer = DecoderLayer(
             self.config,
             self.dtype,
@@ -577,7 +582,12 @@ class Llama:
                 k=write_kv(cache.k, index, blocks, offsets, k[:, 0]),
                 v=write_kv(cache.v, index, blocks, offsets, v[:, 0]),
             )
-            if host_attention:
+            if self.decode_attention == "pallas":
+                attn = paged_decode_attention_kernel(
+                    q[:, 0], cache.k[index], cache.v[index], block_tables, positions,
+                    self.interpret_kernels,
+                )  # fmt: skip
+            elif host_attention:
                 attn = paged_decode_attention_host(q[:, 0], cache, index, block_tables, positions)
             else:
                 attn = paged_decode_attention(
