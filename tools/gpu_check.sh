@@ -7,6 +7,7 @@
 #   tools/gpu_check.sh OUT_DIR part2     # probe decode coldstart (about 8.5 min)
 #   tools/gpu_check.sh OUT_DIR part3     # probe prefill (up to 9 min: it compiles)
 #   tools/gpu_check.sh OUT_DIR STAGE...  # any stages, in the order given
+#   REHEARSE=1 tools/gpu_check.sh OUT_DIR STAGE...  # on a CPU: cpu-tiny, quick, interpreted
 #
 # `attention` is in no part (about 4 min): base and BGMV decode with the Triton
 # decode-attention kernel (`--decode-attention pallas`), beside part2's XLA attention.
@@ -65,7 +66,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # One compilation cache for every stage: engines of the same shapes compile once.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jlora-jax-cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-LLAMA=(--model llama2-7b --dtype bfloat16)
+if [ -n "${REHEARSE:-}" ]; then  # the CPU rehearsal: every stage, tiny and quick
+  LLAMA=(--model cpu-tiny --dtype float32) BATCH=4 COUNTS=2 QUICK=(--quick) LENGTHS=32,64
+  KERNELS=(--quick) TESTS=Interpret REQUESTS=3 SCALE=4
+else
+  LLAMA=(--model llama2-7b --dtype bfloat16) BATCH=32 COUNTS=32 QUICK=() LENGTHS=128,512
+  KERNELS=(--batches 1,16,32,64 --ranks 16,64 --tune) TESTS="not Interpret" REQUESTS=12 SCALE=1
+fi
 PROBE='import importlib, jax
 for name in ("jax", "jaxlib", "flax", "numba", "numpy", "torch", "triton", "transformers"):
     try: print(name, importlib.import_module(name).__version__)
@@ -75,7 +82,7 @@ print("memory", jax.devices()[0].memory_stats())'
 
 
 stage() {  # NAME LIMIT_S COMMAND...: run it, log it, record its exit code and seconds
-  local name=$1 limit=$2 start rc
+  local name=$1 limit=$(($2 * SCALE)) start rc
   shift 2
   echo "== $name (limit ${limit}s)" | tee -a "$out/summary.txt"
   echo "\$ $*" >"$out/$name.log"
@@ -88,10 +95,10 @@ stage() {  # NAME LIMIT_S COMMAND...: run it, log it, record its exit code and s
 for s in "${stages[@]}"; do
   case $s in
     probe)  # the GPU, and the versions that ran (the image's JAX may not be the pinned one)
-      stage probe 60 bash -c "nvidia-smi; df -h /dev/shm; $PYTHON -c '$PROBE'" ;;
+      stage probe 60 bash -c "nvidia-smi || true; df -h /dev/shm; $PYTHON -c '$PROBE'" ;;
     tests)  # the compiled kernel classes against their references
       XLA_PYTHON_CLIENT_PREALLOCATE=false stage tests 90 "$PYTHON" -m pytest -q \
-        -p no:cacheprovider -n 4 --timeout 80 -k "not Interpret" \
+        -p no:cacheprovider -n 4 --timeout 80 -k "$TESTS" \
         tests/test_bgmv_kernel.py tests/test_mbgmv_kernel.py tests/test_sgmv_kernel.py \
         tests/test_decode_attention_kernel.py ;;
     engine)  # every backend and packed prefill through the engine, on cpu-tiny
@@ -99,25 +106,25 @@ for s in "${stages[@]}"; do
         -p no:cacheprovider -n 4 --timeout 140 tests/test_lora_backend.py \
         tests/test_packed_prefill.py ;;
     kernels)
-      stage kernels 180 "$PYTHON" -m bench.kernels --batches 1,16,32,64 --ranks 16,64 \
-        --tune --markdown "$out/kernels.md" --json "$out/kernels.json" ;;
+      stage kernels 180 "$PYTHON" -m bench.kernels "${KERNELS[@]}" \
+        --markdown "$out/kernels.md" --json "$out/kernels.json" ;;
     decode)  # base-only against 32 distinct rank-16 adapters on the attention, each backend
       # (its slots on those four targets)
-      stage decode 330 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 \
-        --targets q_proj,k_proj,v_proj,o_proj --backends reference,bgmv,mbgmv \
+      stage decode 330 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" "${QUICK[@]}" \
+        --batch "$BATCH" --counts "$COUNTS" --targets q_proj,k_proj,v_proj,o_proj --backends reference,bgmv,mbgmv \
         --json "$out/decode.json" ;;
     attention)  # the same base and BGMV steps with the Triton decode-attention kernel
-      stage attention 240 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" --batch 32 --counts 32 \
-        --targets q_proj,k_proj,v_proj,o_proj --backends bgmv --decode-attention pallas \
+      stage attention 240 "$PYTHON" -m bench.lora_decode "${LLAMA[@]}" "${QUICK[@]}" \
+        --batch "$BATCH" --counts "$COUNTS" --targets q_proj,k_proj,v_proj,o_proj --backends bgmv --decode-attention pallas \
         --json "$out/decode-attention.json" ;;
     prefill)  # did not finish in 120 s (2026-11-27) nor 190 s (2026-11-28, warming up in
       # full with the layers unrolled); bench.prefill now compiles only the shapes it meets
-      stage prefill 520 "$PYTHON" -m bench.prefill "${LLAMA[@]}" --lengths 128,512 \
+      stage prefill 520 "$PYTHON" -m bench.prefill "${LLAMA[@]}" --lengths "$LENGTHS" \
         --json "$out/prefill.json" ;;
     coldstart)  # rank-64 slots, the real link, then an emulated slow one (cached compiles)
       for link in 0:240 1:120; do
         stage "coldstart-${link%:*}" "${link#*:}" "$PYTHON" -m bench.cold_start "${LLAMA[@]}" \
-          --requests 12 --rate 3 --link-gbps "${link%:*}" --sections trace \
+          --requests "$REQUESTS" --rate 3 --link-gbps "${link%:*}" --sections trace \
           --markdown "$out/coldstart-${link%:*}.md" --json "$out/coldstart-${link%:*}.json"
       done ;;
     profile)  # where a decode step's time goes (bench.step_profile): no-lora, and BGMV with no
@@ -129,7 +136,8 @@ for s in "${stages[@]}"; do
       hlo=/tmp/jlora-decode-hlo
       rm -rf "$hlo"
       XLA_FLAGS="--xla_dump_to=$hlo --xla_dump_hlo_module_re=jit__decode --xla_dump_hlo_as_text" \
-        stage profile 300 "$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch 32 --adapters 0,32 \
+        stage profile 300 "$PYTHON" -m bench.step_profile "${LLAMA[@]}" --batch "$BATCH" \
+        --adapters "0,$COUNTS" \
         --backend bgmv --targets q_proj,k_proj,v_proj,o_proj --variants unrolled \
         --markdown "$out/profile.md" --json "$out/profile.json"
       (cd "$hlo" && tar -czf "$out/decode-hlo.tar.gz" ./*after_optimizations.txt) ;;

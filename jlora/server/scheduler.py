@@ -9,8 +9,10 @@ one thread owns it and runs, in a loop:
 2. one `engine.step()` if the engine has unfinished requests, and hands the step's
    tokens, stamped with the time the step returned, to `deliver` (which forwards them
    to the event loop);
-3. every `STATS_INTERVAL` seconds, an engine-stats snapshot into the metrics and the
-   throughput log (logs.py: a line every `LOG_INTERVAL` seconds while busy).
+3. every `STATS_INTERVAL` seconds, and after the step that leaves the engine idle
+   (before its tokens go out, so a client that sees its last token scrapes idle gauges),
+   an engine-stats snapshot into the metrics and the throughput log (logs.py: a line
+   every `LOG_INTERVAL` seconds while busy).
 
 When the engine has nothing to do the thread blocks on the command queue (waking every
 `STATS_INTERVAL` for the metrics), so an idle worker burns no CPU. A request that fails
@@ -109,14 +111,13 @@ class Scheduler:
                     events = self.engine.step()
                     now = time.monotonic()
                     self._metrics.step_seconds.observe(now - start)
+                    if not self.engine.has_unfinished:  # idle: the gauges say so before the
+                        next_stats = self._snapshot()  # last tokens reach their clients
                     if events:
                         self._metrics.batch_size.observe(len({e.request_id for e in events}))
                         self._deliver(events, now)
                 if time.monotonic() >= next_stats:
-                    stats = self.engine.stats()
-                    self._metrics.observe_engine(stats)
-                    self._throughput.observe(stats, time.monotonic())
-                    next_stats = time.monotonic() + STATS_INTERVAL
+                    next_stats = self._snapshot()
         except BaseException as err:
             log.exception("the engine failed; the worker stops serving")
             self.error = err
@@ -125,6 +126,14 @@ class Scheduler:
             with self._lock:
                 self._stopped = True
             self._fail_pending()
+
+    def _snapshot(self) -> float:
+        """The engine's stats into the metrics and the throughput line; returns when the
+        next snapshot is due."""
+        stats = self.engine.stats()
+        self._metrics.observe_engine(stats)
+        self._throughput.observe(stats, time.monotonic())
+        return time.monotonic() + STATS_INTERVAL
 
     def _run_commands(self, *, block: bool) -> bool:
         """Run every queued command (waiting up to STATS_INTERVAL for one if `block`);
