@@ -45,8 +45,8 @@ class Answer:
         `parsing`: the tool-call parser of each choice's text (None: text)."""
         self.request, self.messages, self.per_prompt = request, messages, per_prompt
         self.parsing = parsing
-        # each streamed choice's parser
-        self._parsers = [self._parser() for _ in messages] if parsing else []
+        # each streamed choice's parser (a whole answer parses each choice's text at once)
+        self._parsers = [self._parser() for _ in messages] if parsing and request.stream else []
         self.chat = isinstance(request, ChatRequest)
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
@@ -172,8 +172,8 @@ class Answer:
 
     def _finish_with(self, parser: tool_calls.Parser, finish: str | None) -> str | None:
         """A choice's finish reason once `parser` has read its text."""
-        called = parser.count and self.parsing is not None and self.parsing[0] != "named"
-        return "tool_calls" if called and finish == "stop" else finish
+        forced = self.parsing is not None and self.parsing[0] == "named"
+        return "tool_calls" if parser.count and not forced and finish == "stop" else finish
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

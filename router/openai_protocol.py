@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jlora.api import jlora_pb2 as pb
-from jlora.contract.tool_calls import NAME_RULE, forced_schema
+from jlora.contract.tool_calls import bad_name, forced_schema
 from router.http_body import HttpError
 
 INT32_MAX = 2**31 - 1
@@ -284,11 +284,9 @@ def tool_parsing(request: ChatRequest, model_format: str) -> tuple[str, str] | N
     tools, choice = request.tools or [], request.tool_choice
     names = [tool.function.name for tool in tools]
     for i, name in enumerate(names):
-        if not NAME_RULE.match(name):
+        if why := bad_name(name):
             param = f"tools[{i}].function.name"
-            raise HttpError(
-                400, f"{param}={name!r} must be 1 to 64 letters, digits, '_' or '-'", param=param
-            )
+            raise HttpError(400, f"{param}={why}", param=param)
         if name in names[:i]:
             param = f"tools[{i}].function.name"
             raise HttpError(400, f"{param}={name!r} names another tool too", param=param)

@@ -32,7 +32,12 @@ from typing import Any
 FORMATS = ("hermes", "llama3_json")
 # The marks by which `detect` knows a template's format.
 _MARKS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "ipython")}
-NAME_RULE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+
+def bad_name(name: str) -> str | None:
+    """Why `name` is not a function name OpenAI accepts (None: it is one)."""
+    return None if _NAME.match(name) else f"{name!r} must be 1 to 64 letters, digits, '_' or '-'"
 
 
 def detect(template: str | None) -> str:
@@ -178,7 +183,7 @@ class Hermes(Parser):
                 self._buffer = self._buffer[sent:]
                 return out
             before = self._buffer[:start]
-            out.content += before.rstrip() if self.count and not before.strip() else before
+            out.content += "" if self.count and not before.strip() else before
             self._buffer = self._buffer[start + len(self.OPEN) :]
             self._inside = True
 

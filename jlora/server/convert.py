@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from jlora.api import jlora_pb2 as pb
 from jlora.contract.errors import InvalidRequest
-from jlora.contract.tool_calls import NAME_RULE
+from jlora.contract.tool_calls import bad_name
 from jlora.engine.api import (
     DEVICE,
     HOST,
@@ -113,16 +113,18 @@ def _chat_ids(chat: pb.ChatMessages, tokenizer: TextCodec) -> list[int]:
     if not messages:
         raise InvalidRequest("prompt is empty: prompt.chat.messages has no message", field="prompt")
     tools = [_tool(tool, f"prompt.chat.tools[{i}]") for i, tool in enumerate(chat.tools)]
-    if tools and not tokenizer.renders_tools:
+    try:  # TokenizerError: no template, one that does not parse, or one that refused
+        shown = not tools or tokenizer.renders_tools
+        text = tokenizer.apply_chat_template(messages, tools or None) if shown else ""
+    except ValueError as err:
+        raise InvalidRequest(f"prompt.chat: {err}", field="prompt.chat") from None
+    if not shown:
         raise InvalidRequest(
             "prompt.chat.tools: this model's chat template shows no tools (serve it with "
             "--chat-template, a template that does)",
             field="prompt.chat.tools",
         )
-    try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, tools or None))
-    except ValueError as err:  # TokenizerError: no template, or the template refused
-        raise InvalidRequest(f"prompt.chat: {err}", field="prompt.chat") from None
+    return tokenizer.encode(text)
 
 
 def _chat_message(message: pb.ChatMessage, i: int) -> dict[str, Any]:
@@ -156,11 +158,8 @@ def _chat_message(message: pb.ChatMessage, i: int) -> dict[str, Any]:
 
 def _tool(tool: pb.Tool, where: str) -> dict[str, Any]:
     """A tool as chat templates read it: OpenAI's {"type": "function", "function": ...}."""
-    if not NAME_RULE.match(tool.name):
-        raise InvalidRequest(
-            f"{where}.name={tool.name!r} must be 1 to 64 letters, digits, '_' or '-'",
-            field=f"{where}.name",
-        )
+    if why := bad_name(tool.name):
+        raise InvalidRequest(f"{where}.name={why}", field=f"{where}.name")
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
